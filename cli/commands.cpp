@@ -1,0 +1,250 @@
+#include "commands.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <stdexcept>
+
+#include "args.h"
+#include "normuon/grad_gen.h"
+#include "normuon/layout.h"
+#include "normuon/manifest.h"
+#include "normuon/presets.h"
+#include "normuon/state_file.h"
+#include "reference_backend.h"
+#include "trace.h"
+
+namespace normuon::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Shared by the commands that take a model: --preset NAME or --manifest FILE (default: tiny).
+Manifest model_manifest(const Args& a) {
+  if (a.has("preset") && a.has("manifest")) throw std::invalid_argument("give --preset or --manifest, not both");
+  if (a.has("manifest")) return Manifest::read_csv_file(a.get("manifest", ""));
+  return preset_manifest(a.get("preset", "tiny"));
+}
+
+void apply_sets(const Args& a, Options& options) {
+  for (const auto& kv : a.all("set")) options.set(kv);
+}
+
+std::string default_golden_path() { return std::string(NORMUON_SOURCE_DIR) + "/golden/tiny.csv"; }
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int run_command(const Argv& argv) {
+  const Args a(argv, {"preset", "manifest", "steps", "seed", "missing-grad-period", "set", "load", "save",
+                      "progress-every"},
+               {"quiet"});
+  if (a.help()) {
+    std::puts(R"(usage: normuon run [--preset NAME | --manifest FILE] [--steps N] [--seed S]
+                   [--missing-grad-period K] [--set KEY=VALUE]... [--load FILE] [--save FILE]
+                   [--progress-every N] [--quiet]
+
+Runs N optimizer steps (default 20) of the reference backend on a model (default: the tiny preset),
+fed with deterministic synthetic gradients (seeded, counter-based: the same numbers on every machine,
+thread count and backend). Prints the routing table summary, progress with per-step time, and a timing
+summary. --load resumes from a state file (its hyper-parameters, then --set overrides); --save writes
+the final state atomically. Hyper-parameters: --set normuon.lr=0.01, --set weight_decay=0.1 (all
+groups), --set nonfinite=skip_step; `normuon run --set help=1` lists every key.)");
+    return 0;
+  }
+  const Manifest manifest = model_manifest(a);
+  const GradientGenerator generator{static_cast<uint64_t>(a.get_int("seed", 1234)),
+                                    static_cast<int>(a.get_int("missing-grad-period", 0))};
+  const int64_t steps = a.get_int("steps", 20);
+  if (steps < 0) throw std::invalid_argument("--steps must be >= 0");
+
+  Options options;
+  if (a.has("load")) options = read_state_header(a.get("load", ""), false).options;
+  for (const auto& kv : a.all("set")) {
+    if (kv.rfind("help=", 0) == 0) {
+      for (const auto& line : describe(options)) std::puts(line.c_str());
+      return 0;
+    }
+    options.set(kv);
+  }
+  const Layout layout = Layout::build(manifest, options);
+  FlatState state(layout);
+  int64_t first_step = 1;
+  if (a.has("load")) {
+    load_state(a.get("load", ""), state);
+    first_step = 1 + *std::max_element(state.group_steps.begin(), state.group_steps.end());
+    std::printf("resumed from %s at step %lld\n", a.get("load", "").c_str(), static_cast<long long>(first_step - 1));
+  } else {
+    generator.fill_params(state);
+  }
+  const bool quiet = a.flag("quiet");
+  if (!quiet) std::fputs(layout.describe().c_str(), stdout);
+
+  ReferenceBackend backend;
+  const int64_t every = a.get_int("progress-every", steps <= 50 ? 1 : std::max<int64_t>(1, steps / 20));
+  std::vector<double> step_ms;
+  const auto run_start = Clock::now();
+  int64_t skipped = 0;
+  for (int64_t i = 0; i < steps; ++i) {
+    const int64_t step = first_step + i;
+    generator.fill_gradients(state, step);
+    const auto t0 = Clock::now();
+    const StepResult result = backend.step(state, options);
+    step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    if (result.skipped) {
+      ++skipped;
+      std::printf("step %lld: %s\n", static_cast<long long>(step), result.reason.c_str());
+    }
+    if (!quiet && ((i + 1) % every == 0 || i + 1 == steps))
+      std::printf("step %lld/%lld  %.2f ms  (%s)\n", static_cast<long long>(step),
+                  static_cast<long long>(first_step + steps - 1), step_ms.back(), backend.name().c_str());
+  }
+  const double total_s = std::chrono::duration<double>(Clock::now() - run_start).count();
+  if (!step_ms.empty())
+    std::printf("%lld steps (%lld skipped) in %.2f s; optimizer step median %.2f ms, min %.2f ms, max %.2f ms\n",
+                static_cast<long long>(steps), static_cast<long long>(skipped), total_s, median(step_ms),
+                *std::min_element(step_ms.begin(), step_ms.end()), *std::max_element(step_ms.begin(), step_ms.end()));
+  if (a.has("save")) {
+    save_state(a.get("save", ""), state, options, backend.name());
+    std::printf("saved state to %s (layout %s)\n", a.get("save", "").c_str(), layout.fingerprint_hex().c_str());
+  }
+  return 0;
+}
+
+int golden_command(const Argv& argv) {
+  const Args a(argv, {"file", "steps", "set", "rtol", "atol"}, {"exact"});
+  const std::string action = a.positionals().empty() ? "" : a.positionals()[0];
+  if (a.help() || (action != "make" && action != "verify") || a.positionals().size() != 1) {
+    std::printf(R"(usage: normuon golden make|verify [--file PATH] [--steps N] [--set KEY=VALUE]...
+                             [--rtol R] [--atol A] [--exact]
+
+make    runs the golden configuration with the reference backend and writes the trace CSV
+        (default %s): the tiny preset, 20 steps, seed 1234, one parameter in 7 missing its
+        gradient each step, weight decay 0.1 in both groups, every other knob at its default.
+verify  runs the same configuration and compares it with the file, value by value:
+        |golden - actual| <= atol + rtol * max(|golden|, |actual|), default rtol 1e-6, atol 1e-12
+        (the reference is deterministic, so on the machine that made the file the match is exact;
+        the tolerance absorbs only last-bit differences of other compilers and libm; see docs/golden.md).
+        --exact also compares the parameter bit hashes. Exit status 1 when the check fails.
+--set changes a knob of the configuration, e.g. to see that a planted semantic change is caught.
+)",
+                default_golden_path().c_str());
+    return a.help() ? 0 : 2;
+  }
+  GoldenSpec spec = GoldenSpec::standard();
+  spec.steps = a.get_int("steps", spec.steps);
+  apply_sets(a, spec.options);
+  const std::string path = a.get("file", default_golden_path());
+  ReferenceBackend backend;
+  const auto t0 = Clock::now();
+  const std::vector<TraceRow> rows = make_trace(backend, spec);
+  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+
+  if (action == "make") {
+    const std::string tmp = path + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+      if (!out) throw std::runtime_error("cannot write " + tmp);
+      write_trace_csv(out, rows);
+      out.flush();
+      if (!out) throw std::runtime_error("write failed: " + tmp);
+    }
+    if (std::rename(tmp.c_str(), path.c_str()) != 0) throw std::runtime_error("cannot rename " + tmp + " to " + path);
+    std::printf("wrote %zu rows (%lld steps of preset %s) to %s in %.2f s\n", rows.size(),
+                static_cast<long long>(spec.steps), spec.preset.c_str(), path.c_str(), seconds);
+    return 0;
+  }
+  TraceTolerance tol;
+  tol.rtol = a.get_double("rtol", tol.rtol);
+  tol.atol = a.get_double("atol", tol.atol);
+  tol.exact = a.flag("exact");
+  const TraceComparison cmp = compare_traces(read_trace_csv(path), rows, tol);
+  if (cmp.ok()) {
+    std::printf("golden check PASSED: %lld rows of %s match (max rel. error %.3g; %s) in %.2f s\n",
+                static_cast<long long>(cmp.rows_compared), path.c_str(), cmp.max_rel_error,
+                tol.exact ? "exact" : ("rtol " + std::to_string(tol.rtol)).c_str(), seconds);
+    return 0;
+  }
+  std::printf("golden check FAILED: %lld mismatches in %lld rows of %s (max rel. error %.3g)\n  first: %s\n",
+              static_cast<long long>(cmp.mismatches), static_cast<long long>(cmp.rows_compared), path.c_str(),
+              cmp.max_rel_error, cmp.first_mismatch.c_str());
+  return 1;
+}
+
+int inspect_command(const Argv& argv) {
+  const Args a(argv, {}, {"no-verify"});
+  if (a.help() || a.positionals().size() != 1) {
+    std::puts(R"(usage: normuon inspect FILE [--no-verify]
+
+Prints a state file's header (format, version, backend, layout fingerprint, groups and steps,
+hyper-parameters) and its tensors with their CRC-32 checksums, verifying every checksum unless
+--no-verify. Exit status 1 (with the reason) for a corrupt, truncated or foreign file.)");
+    return a.help() ? 0 : 2;
+  }
+  const StateFileHeader h = read_state_header(a.positionals()[0], !a.flag("no-verify"));
+  std::printf("file:     %s (%llu bytes)\nformat:   %s version %d\nbackend:  %s\nlayout:   %s\ncreated:  %s\n",
+              a.positionals()[0].c_str(), static_cast<unsigned long long>(h.file_size), h.format.c_str(), h.version,
+              h.backend.c_str(), h.layout_fingerprint.c_str(), h.created_utc.c_str());
+  for (size_t g = 0; g < h.group_names.size(); ++g)
+    std::printf("group:    %s at step %lld\n", h.group_names[g].c_str(), static_cast<long long>(h.group_steps[g]));
+  for (const auto& line : describe(h.options)) std::printf("option:   %s\n", line.c_str());
+  std::printf("%zu tensors%s:\n", h.tensors.size(), a.flag("no-verify") ? "" : " (checksums verified)");
+  for (const auto& t : h.tensors)
+    std::printf("  %08x  %-4s [%s]  %s\n", t.crc32, t.dtype.c_str(), shape_to_string(t.shape).c_str(), t.name.c_str());
+  return 0;
+}
+
+int presets_command(const Argv& argv) {
+  const Args a(argv, {}, {});
+  if (a.help()) {
+    std::puts("usage: normuon presets\n\nLists the built-in model presets (use them with --preset NAME).");
+    return 0;
+  }
+  for (const auto& p : list_presets()) std::printf("%-12s %s\n", p.name.c_str(), p.description.c_str());
+  return 0;
+}
+
+int manifest_command(const Argv& argv) {
+  const Args a(argv, {"preset", "out"}, {});
+  if (a.help()) {
+    std::puts(R"(usage: normuon manifest [--preset NAME] [--out FILE]
+
+Writes a preset's parameter manifest (name,shape,dtype,role,group,algorithm) as CSV to FILE or
+standard output: a starting point for describing your own model (then use --manifest FILE).)");
+    return 0;
+  }
+  const Manifest m = preset_manifest(a.get("preset", "tiny"));
+  if (!a.has("out")) {
+    m.write_csv(std::cout);
+    return 0;
+  }
+  std::ofstream out(a.get("out", ""), std::ios::binary | std::ios::trunc);
+  if (!out) throw std::runtime_error("cannot write " + a.get("out", ""));
+  m.write_csv(out);
+  return 0;
+}
+
+int layout_command(const Argv& argv) {
+  const Args a(argv, {"preset", "manifest", "set"}, {});
+  if (a.help()) {
+    std::puts(R"(usage: normuon layout [--preset NAME | --manifest FILE] [--set KEY=VALUE]...
+
+Prints which parameter goes to NorMuon and which to AdamW, the shape buckets, and the layout
+fingerprint that state files must match.)");
+    return 0;
+  }
+  Options options;
+  apply_sets(a, options);
+  std::fputs(Layout::build(model_manifest(a), options).describe().c_str(), stdout);
+  return 0;
+}
+
+}  // namespace normuon::cli

@@ -1,0 +1,56 @@
+// normuon: the command-line tool. `normuon --help` lists the subcommands; `normuon CMD --help` explains one.
+#include <cstdio>
+#include <exception>
+#include <string>
+
+#include "commands.h"
+
+namespace {
+
+constexpr const char* kUsage = R"(normuon: the NorMuon + AdamW optimizer, its reference and its checks.
+
+usage: normuon COMMAND [options]      (normuon COMMAND --help for details)
+
+commands:
+  run        run optimizer steps on a model preset or manifest with deterministic gradients
+             (the main job: `normuon run` runs the tiny preset)
+  golden     make or verify golden traces (determinism and semantics checks)
+  inspect    print a state file's header, tensors and checksums, and verify it
+  presets    list the built-in model presets
+  manifest   write a preset's parameter manifest as CSV
+  layout     print the routing table and shape buckets of a preset or manifest
+)";
+
+struct Command {
+  const char* name;
+  int (*fn)(const normuon::cli::Argv&);
+};
+
+const Command kCommands[] = {
+    {"run", normuon::cli::run_command},           {"golden", normuon::cli::golden_command},
+    {"inspect", normuon::cli::inspect_command},   {"presets", normuon::cli::presets_command},
+    {"manifest", normuon::cli::manifest_command}, {"layout", normuon::cli::layout_command},
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h" ||
+      std::string(argv[1]) == "help") {
+    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string name = argv[1];
+  const normuon::cli::Argv args(argv + 2, argv + argc);
+  for (const auto& c : kCommands) {
+    if (name != c.name) continue;
+    try {
+      return c.fn(args);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "normuon %s: error: %s\n", c.name, e.what());
+      return 1;
+    }
+  }
+  std::fprintf(stderr, "normuon: unknown command '%s'\n\n%s", name.c_str(), kUsage);
+  return 2;
+}

@@ -1,0 +1,74 @@
+// Everything a backend reads and writes in a step, in the shared flat layout: parameters (fp32 master
+// copy), gradients, optimizer state, per-parameter "has a gradient this step" flags and per-group steps.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <vector>
+
+#include "normuon/layout.h"
+
+namespace normuon {
+
+// A fixed-size, 64-byte aligned, zero-initialised float buffer. Never reallocates.
+class AlignedBuffer {
+ public:
+  AlignedBuffer() = default;
+  explicit AlignedBuffer(int64_t size);
+  AlignedBuffer(const AlignedBuffer& other);
+  AlignedBuffer& operator=(const AlignedBuffer& other);
+  AlignedBuffer(AlignedBuffer&&) noexcept = default;
+  AlignedBuffer& operator=(AlignedBuffer&&) noexcept = default;
+
+  float* data() { return data_.get(); }
+  const float* data() const { return data_.get(); }
+  int64_t size() const { return size_; }
+  float& operator[](int64_t i) { return data_.get()[i]; }
+  float operator[](int64_t i) const { return data_.get()[i]; }
+
+ private:
+  struct Free { void operator()(float* p) const { std::free(p); } };
+  std::unique_ptr<float[], Free> data_;
+  int64_t size_ = 0;
+};
+
+// Names of the state tensors, as they appear in state files: "<param>.<suffix>".
+constexpr const char* kMomentumSuffix = "momentum";
+constexpr const char* kRowVarSuffix = "row_var";
+constexpr const char* kExpAvgSuffix = "exp_avg";
+constexpr const char* kExpAvgSqSuffix = "exp_avg_sq";
+
+struct FlatState {
+  explicit FlatState(const Layout& layout);
+
+  const Layout* layout;
+  AlignedBuffer params, grads;     // param_floats each
+  AlignedBuffer momentum;          // normuon_floats
+  AlignedBuffer row_var;           // stat_floats
+  AlignedBuffer exp_avg, exp_avg_sq;  // adam_floats
+  std::vector<uint8_t> has_grad;   // per layout entry; 1 by default
+  std::vector<int64_t> group_steps;  // per group: optimizer steps taken
+
+  float* param(int e) { return params.data() + layout->entries[e].offset; }
+  const float* param(int e) const { return params.data() + layout->entries[e].offset; }
+  float* grad(int e) { return grads.data() + layout->entries[e].offset; }
+  const float* grad(int e) const { return grads.data() + layout->entries[e].offset; }
+
+  // Optimizer state only (everything except params, grads and has_grad) is equal bit for bit.
+  bool same_optimizer_state(const FlatState& other) const;
+};
+
+// Name of a state tensor, shape and pointer, for every state tensor of a layout entry.
+struct StateTensorRef {
+  std::string name;  // "<param>.<suffix>"
+  std::vector<int64_t> shape;
+  float* data;
+  int64_t numel;
+};
+std::vector<StateTensorRef> state_tensors(FlatState& s, int entry);
+
+// First entry whose gradient (if it has one) holds NaN or Inf, or -1. Reports the element too.
+int find_nonfinite_gradient(const FlatState& s, int64_t* element = nullptr);
+
+}  // namespace normuon

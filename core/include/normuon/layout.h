@@ -1,0 +1,71 @@
+// The one parameter layout shared by every backend: a manifest plus options become flat fp32 buffers
+// with 64-byte aligned slots, NorMuon matrices grouped into shape buckets, and a fingerprint.
+//
+// Placement (docs/layout-and-state.md):
+//   param / grad buffers:  [ NorMuon bucket 0 | bucket 1 | ... | AdamW parameters in manifest order ]
+//   momentum buffer:       same offsets as the NorMuon part of the param buffer
+//   row_var buffer:        one slot per NorMuon matrix (its second moment, length rows or cols)
+//   exp_avg / exp_avg_sq:  same offsets as the AdamW part of the param buffer, minus its start
+// Buckets are numbered in order of first appearance in the manifest; inside a bucket, manifest order.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "normuon/manifest.h"
+#include "normuon/options.h"
+
+namespace normuon {
+
+constexpr int64_t kAlignFloats = 16;  // 64 bytes: one cache line, one AVX-512 vector
+
+inline int64_t align_up(int64_t n) { return (n + kAlignFloats - 1) / kAlignFloats * kAlignFloats; }
+
+struct LayoutEntry {
+  std::string name;
+  std::vector<int64_t> shape;
+  DType dtype = DType::f32;
+  Role role = Role::other;
+  Algorithm algorithm = Algorithm::adamw;
+  int group = 0;          // index into Options::groups
+  int64_t numel = 0;
+  int64_t offset = 0;     // in the param and grad buffers
+  // NorMuon only
+  int64_t rows = 0, cols = 0;
+  int bucket = -1;
+  bool stats_per_row = true;  // second moment per row (length rows) or per column (length cols)
+  int64_t stat_offset = 0, stat_len = 0;
+  // AdamW only: offset in exp_avg / exp_avg_sq
+  int64_t adam_offset = 0;
+};
+
+struct ShapeBucket {
+  int64_t rows = 0, cols = 0;
+  int64_t stride = 0;        // floats between consecutive matrices of the bucket (aligned rows*cols)
+  int64_t offset = 0;        // of its first matrix in the param buffer
+  std::vector<int> entries;  // layout entry indices, in manifest order
+};
+
+struct Layout {
+  std::vector<LayoutEntry> entries;  // manifest order
+  std::vector<ShapeBucket> buckets;
+  std::vector<std::string> group_names;  // Options::groups order
+  std::vector<int> adamw_entries;        // manifest order
+  int64_t param_floats = 0;    // size of the param and grad buffers
+  int64_t normuon_floats = 0;  // prefix of the param buffer that holds NorMuon matrices (= momentum size)
+  int64_t stat_floats = 0;     // size of the row_var buffer
+  int64_t adam_floats = 0;     // size of exp_avg and exp_avg_sq
+  uint64_t fingerprint = 0;    // FNV-1a over names, shapes, dtypes, algorithms, groups and all offsets
+
+  // Validates the manifest, routes every parameter, checks its group exists and matches its algorithm.
+  static Layout build(const Manifest& manifest, const Options& options);
+
+  int find(const std::string& name) const;  // -1 when absent
+  std::string fingerprint_hex() const;
+  std::string describe() const;             // human-readable routing table and buckets
+};
+
+uint64_t fnv1a64(const void* data, size_t size, uint64_t seed = 1469598103934665603ull);
+
+}  // namespace normuon

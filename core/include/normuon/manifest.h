@@ -1,0 +1,62 @@
+// The parameter manifest: what a model's optimizer sees (name, shape, dtype, role, group), and the
+// routing rule that picks NorMuon or AdamW for each parameter. Read from and written to CSV.
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "normuon/options.h"
+
+namespace normuon {
+
+// dtype of the model's parameter. The optimizer keeps fp32 master values and fp32 state for all of them.
+enum class DType { f32, bf16, f16 };
+
+// What a parameter is in the model; routing reads it.
+enum class Role { matrix, embedding, head, norm, bias, other };
+
+struct ParamSpec {
+  std::string name;
+  std::vector<int64_t> shape;               // empty = scalar
+  DType dtype = DType::f32;
+  Role role = Role::other;
+  std::string group;                        // empty = the default group of its algorithm
+  std::optional<Algorithm> algorithm;       // explicit override of the routing rule
+
+  int64_t numel() const;
+};
+
+struct Manifest {
+  std::vector<ParamSpec> params;
+
+  // Checks names (non-empty, unique), shapes (no negative extents) and overrides (NorMuon only on 2-D).
+  // Throws std::invalid_argument naming the offending parameter.
+  void validate() const;
+
+  // CSV with header: name,shape,dtype,role,group,algorithm
+  //   shape: extents joined by 'x' ("768x3072"), "" for a scalar; dtype: f32|bf16|f16;
+  //   role: matrix|embedding|head|norm|bias|other; group: free text or empty; algorithm: auto|normuon|adamw.
+  // Errors name the line and the column.
+  static Manifest read_csv(std::istream& in, const std::string& source_name = "<csv>");
+  static Manifest read_csv_file(const std::string& path);
+  void write_csv(std::ostream& out) const;
+  int64_t numel() const;
+};
+
+// The spec's routing rule: NorMuon for 2-D parameters that are neither embeddings nor the output head,
+// AdamW for everything else; an explicit override wins, but NorMuon on a non-2-D parameter is an error.
+Algorithm route(const ParamSpec& p);
+// Group of a parameter: its own, or "normuon"/"adamw" by algorithm.
+std::string resolved_group(const ParamSpec& p);
+
+const char* to_string(DType);
+const char* to_string(Role);
+DType parse_dtype(const std::string&);
+Role parse_role(const std::string&);
+std::string shape_to_string(const std::vector<int64_t>& shape);  // "768x3072", "" for scalar
+std::vector<int64_t> parse_shape(const std::string&);           // throws std::invalid_argument
+
+}  // namespace normuon

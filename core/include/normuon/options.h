@@ -1,0 +1,109 @@
+// Hyper-parameters and variant knobs of the NorMuon + AdamW hybrid (docs/spec.md is the normative text).
+// Framework-free: used by every backend, by the state file and by the command line.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace normuon {
+
+enum class Algorithm { normuon, adamw };
+
+// Axis whose length the NorMuon second moment has (the "neuron" axis).
+enum class ReduceAxis {
+  rows,        // official normuon.py: one statistic per row (mean over columns)
+  longer_dim,  // modded-nanogpt / nanochat / Emerging-Optimizers: per row if rows >= cols, else per column
+};
+enum class NsCoefficients { quintic, polar_express };
+enum class NsPrecision { fp32, bf16 };
+enum class LrScale {
+  official,      // max(1, rows/cols)^0.5   (Keller Muon, official NorMuon)
+  spectral,      // (rows/cols)^0.5         (dion "spectral_norm")
+  rms_matching,  // 0.2 * max(rows, cols)^0.5 (torch.optim.Muon "match_rms_adamw", Moonlight)
+};
+enum class WeightDecayMode {
+  decoupled,  // p *= 1 - lr*wd
+  cautious,   // p -= lr*wd * p * [update*p >= 0]
+  none,
+};
+// Where the 1e-10 of the NorMuon denominator goes.
+enum class EpsPlacement {
+  add,    // 1 / (sqrt(v) + eps)       official
+  clamp,  // 1 / sqrt(max(v, eps))     modded-nanogpt, nanochat
+};
+// What a step does when a gradient holds NaN or Inf.
+enum class NonFinitePolicy {
+  error,      // throw before anything is changed, naming the parameter
+  skip_step,  // leave every parameter, state tensor and step counter untouched, report it
+};
+
+struct NorMuonHyper {
+  double lr = 0.02;
+  double beta1 = 0.95;
+  double beta2 = 0.95;
+  double weight_decay = 0.0;
+  bool nesterov = true;
+  int ns_steps = 5;
+  NsCoefficients ns_coefficients = NsCoefficients::quintic;
+  NsPrecision ns_precision = NsPrecision::bf16;
+  ReduceAxis reduce_axis = ReduceAxis::rows;
+  LrScale lr_scale = LrScale::official;
+  WeightDecayMode weight_decay_mode = WeightDecayMode::decoupled;
+  EpsPlacement eps_placement = EpsPlacement::add;
+  double ns_eps = 1e-7;      // Newton-Schulz input normalisation: X / (||X||_F + ns_eps)
+  double denom_eps = 1e-10;  // second-moment denominator
+  double renorm_eps = 1e-10; // Frobenius re-norm: nu / (nu' + renorm_eps)
+};
+
+// torch.optim.AdamW semantics; default values of the official NorMuonWithAuxAdam's Adam groups.
+struct AdamWHyper {
+  double lr = 3e-4;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-10;
+  double weight_decay = 0.0;
+};
+
+// A hyper-parameter group: one algorithm, one set of values, one step counter (kept in the state).
+struct GroupOptions {
+  std::string name;
+  Algorithm algorithm = Algorithm::normuon;
+  NorMuonHyper normuon;
+  AdamWHyper adamw;
+};
+
+struct Options {
+  NonFinitePolicy nonfinite = NonFinitePolicy::error;
+  std::vector<GroupOptions> groups;  // default: "normuon" and "adamw"
+
+  Options();
+  const GroupOptions& group(const std::string& name) const;  // throws naming the group
+  GroupOptions& group(const std::string& name);
+  const GroupOptions* find_group(const std::string& name) const;
+
+  // "key=value" setters. Keys: "nonfinite", "GROUP.FIELD" (e.g. "normuon.lr", "adamw.beta2"), or
+  // "FIELD" alone, which applies to every group whose algorithm has that field. Unknown keys or bad
+  // values throw std::invalid_argument with the list of valid choices.
+  void set(const std::string& key, const std::string& value);
+  void set(const std::string& assignment);  // "key=value"
+
+  // Lossless text form (JSON object); doubles are written with 17 significant digits.
+  std::string to_json() const;
+  static Options from_json(const std::string& text);  // throws std::invalid_argument
+};
+
+const char* to_string(Algorithm);
+const char* to_string(ReduceAxis);
+const char* to_string(NsCoefficients);
+const char* to_string(NsPrecision);
+const char* to_string(LrScale);
+const char* to_string(WeightDecayMode);
+const char* to_string(EpsPlacement);
+const char* to_string(NonFinitePolicy);
+Algorithm parse_algorithm(const std::string&);
+
+// Every settable key with its current value, one "key=value" per entry (for --help and logs).
+std::vector<std::string> describe(const Options&);
+
+}  // namespace normuon

@@ -1,0 +1,146 @@
+#include "normuon/layout.h"
+
+#include <cstdio>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+
+namespace normuon {
+
+uint64_t fnv1a64(const void* data, size_t size, uint64_t seed) {
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  uint64_t h = seed;
+  for (size_t i = 0; i < size; ++i) {
+    h ^= bytes[i];
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+namespace {
+
+// The fingerprint hashes a canonical text of everything that decides where a value lives.
+uint64_t compute_fingerprint(const Layout& layout) {
+  std::ostringstream text;
+  text << "normuon-layout-v1\n";
+  for (const auto& e : layout.entries) {
+    text << e.name << '|' << shape_to_string(e.shape) << '|' << to_string(e.dtype) << '|' << to_string(e.algorithm)
+         << '|' << layout.group_names[e.group] << '|' << e.offset << '|' << e.bucket << '|' << e.stats_per_row << '|'
+         << e.stat_offset << '|' << e.stat_len << '|' << e.adam_offset << '\n';
+  }
+  const std::string s = text.str();
+  return fnv1a64(s.data(), s.size());
+}
+
+}  // namespace
+
+Layout Layout::build(const Manifest& manifest, const Options& options) {
+  manifest.validate();
+  Layout layout;
+  for (const auto& g : options.groups) layout.group_names.push_back(g.name);
+
+  // Route every parameter and resolve its group.
+  for (const auto& p : manifest.params) {
+    LayoutEntry e;
+    e.name = p.name;
+    e.shape = p.shape;
+    e.dtype = p.dtype;
+    e.role = p.role;
+    e.algorithm = route(p);
+    e.numel = p.numel();
+    const std::string group_name = resolved_group(p);
+    const GroupOptions* g = options.find_group(group_name);
+    if (!g) throw std::invalid_argument("parameter '" + p.name + "' names group '" + group_name +
+                                        "', which the options do not define");
+    if (g->algorithm != e.algorithm)
+      throw std::invalid_argument("parameter '" + p.name + "' is routed to " + to_string(e.algorithm) +
+                                  " but its group '" + group_name + "' is a " + to_string(g->algorithm) + " group");
+    e.group = static_cast<int>(g - options.groups.data());
+    if (e.algorithm == Algorithm::normuon) {
+      e.rows = p.shape[0];
+      e.cols = p.shape[1];
+      e.stats_per_row = g->normuon.reduce_axis == ReduceAxis::rows || e.rows >= e.cols;
+      e.stat_len = e.stats_per_row ? e.rows : e.cols;
+    }
+    layout.entries.push_back(e);
+  }
+
+  // NorMuon matrices: one bucket per shape, buckets in order of first appearance, contiguous in memory.
+  std::map<std::pair<int64_t, int64_t>, int> bucket_of_shape;
+  for (int i = 0; i < static_cast<int>(layout.entries.size()); ++i) {
+    LayoutEntry& e = layout.entries[i];
+    if (e.algorithm != Algorithm::normuon) continue;
+    auto [it, inserted] = bucket_of_shape.emplace(std::make_pair(e.rows, e.cols), static_cast<int>(layout.buckets.size()));
+    if (inserted) {
+      ShapeBucket b;
+      b.rows = e.rows;
+      b.cols = e.cols;
+      b.stride = align_up(e.rows * e.cols);
+      layout.buckets.push_back(b);
+    }
+    e.bucket = it->second;
+    layout.buckets[e.bucket].entries.push_back(i);
+  }
+  int64_t offset = 0;
+  for (auto& b : layout.buckets) {
+    b.offset = offset;
+    for (int i : b.entries) {
+      layout.entries[i].offset = offset;
+      offset += b.stride;
+    }
+  }
+  layout.normuon_floats = offset;
+
+  // Second-moment slots, in bucket order like the matrices.
+  int64_t stat_offset = 0;
+  for (const auto& b : layout.buckets)
+    for (int i : b.entries) {
+      layout.entries[i].stat_offset = stat_offset;
+      stat_offset += align_up(layout.entries[i].stat_len);
+    }
+  layout.stat_floats = stat_offset;
+
+  // AdamW parameters after the matrices, in manifest order.
+  for (int i = 0; i < static_cast<int>(layout.entries.size()); ++i) {
+    LayoutEntry& e = layout.entries[i];
+    if (e.algorithm != Algorithm::adamw) continue;
+    e.offset = offset;
+    e.adam_offset = offset - layout.normuon_floats;
+    offset += align_up(e.numel);
+    layout.adamw_entries.push_back(i);
+  }
+  layout.param_floats = offset;
+  layout.adam_floats = offset - layout.normuon_floats;
+  layout.fingerprint = compute_fingerprint(layout);
+  return layout;
+}
+
+int Layout::find(const std::string& name) const {
+  for (int i = 0; i < static_cast<int>(entries.size()); ++i)
+    if (entries[i].name == name) return i;
+  return -1;
+}
+
+std::string Layout::fingerprint_hex() const {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(fingerprint));
+  return buf;
+}
+
+std::string Layout::describe() const {
+  std::ostringstream out;
+  int64_t normuon_params = 0, adamw_params = 0;
+  for (const auto& e : entries) (e.algorithm == Algorithm::normuon ? normuon_params : adamw_params) += e.numel;
+  out << entries.size() << " parameters: " << normuon_params << " values on NorMuon in " << buckets.size()
+      << " shape buckets, " << adamw_params << " on AdamW; layout " << fingerprint_hex() << "\n";
+  for (size_t b = 0; b < buckets.size(); ++b)
+    out << "  bucket " << b << ": " << buckets[b].entries.size() << " x [" << buckets[b].rows << ", "
+        << buckets[b].cols << "]\n";
+  for (const auto& e : entries)
+    out << "  " << to_string(e.algorithm) << (e.algorithm == Algorithm::normuon ? "  " : "    ") << e.name << " ["
+        << shape_to_string(e.shape) << "] group=" << group_names[e.group]
+        << (e.algorithm == Algorithm::normuon ? (e.stats_per_row ? " stats=rows" : " stats=cols") : "") << "\n";
+  return out.str();
+}
+
+}  // namespace normuon

@@ -1,0 +1,319 @@
+#include "normuon/options.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <stdexcept>
+
+#include <nlohmann/json.hpp>
+
+namespace normuon {
+namespace {
+
+using Json = nlohmann::json;
+
+// One table of names per enum, so parsing, printing and error messages never disagree.
+template <typename E>
+struct EnumNames;
+#define NORMUON_ENUM_NAMES(E, ...)                                      \
+  template <>                                                           \
+  struct EnumNames<E> {                                                 \
+    static const std::vector<std::pair<E, const char*>>& get() {        \
+      static const std::vector<std::pair<E, const char*>> t{__VA_ARGS__}; \
+      return t;                                                         \
+    }                                                                   \
+  };
+NORMUON_ENUM_NAMES(Algorithm, {Algorithm::normuon, "normuon"}, {Algorithm::adamw, "adamw"})
+NORMUON_ENUM_NAMES(ReduceAxis, {ReduceAxis::rows, "rows"}, {ReduceAxis::longer_dim, "longer_dim"})
+NORMUON_ENUM_NAMES(NsCoefficients, {NsCoefficients::quintic, "quintic"},
+                   {NsCoefficients::polar_express, "polar_express"})
+NORMUON_ENUM_NAMES(NsPrecision, {NsPrecision::fp32, "fp32"}, {NsPrecision::bf16, "bf16"})
+NORMUON_ENUM_NAMES(LrScale, {LrScale::official, "official"}, {LrScale::spectral, "spectral"},
+                   {LrScale::rms_matching, "rms_matching"})
+NORMUON_ENUM_NAMES(WeightDecayMode, {WeightDecayMode::decoupled, "decoupled"},
+                   {WeightDecayMode::cautious, "cautious"}, {WeightDecayMode::none, "none"})
+NORMUON_ENUM_NAMES(EpsPlacement, {EpsPlacement::add, "add"}, {EpsPlacement::clamp, "clamp"})
+NORMUON_ENUM_NAMES(NonFinitePolicy, {NonFinitePolicy::error, "error"},
+                   {NonFinitePolicy::skip_step, "skip_step"})
+#undef NORMUON_ENUM_NAMES
+
+template <typename E>
+const char* enum_name(E e) {
+  for (const auto& [value, name] : EnumNames<E>::get())
+    if (value == e) return name;
+  return "?";
+}
+
+template <typename E>
+E parse_enum(const std::string& key, const std::string& text) {
+  std::string choices;
+  for (const auto& [value, name] : EnumNames<E>::get()) {
+    if (text == name) return value;
+    choices += choices.empty() ? name : std::string(" | ") + name;
+  }
+  throw std::invalid_argument("option '" + key + "': unknown value '" + text + "' (choose " + choices + ")");
+}
+
+double parse_double(const std::string& key, const std::string& text) {
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size() || !std::isfinite(value))
+    throw std::invalid_argument("option '" + key + "': '" + text + "' is not a finite number");
+  return value;
+}
+
+bool parse_bool(const std::string& key, const std::string& text) {
+  if (text == "true" || text == "1" || text == "on") return true;
+  if (text == "false" || text == "0" || text == "off") return false;
+  throw std::invalid_argument("option '" + key + "': '" + text + "' is not a boolean (true | false)");
+}
+
+// The shortest decimal text that reads back as the same double ("0.95", not "0.94999999999999996").
+std::string format_double(double v) {
+  char buf[32];
+  for (int digits = 6; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof buf, "%.*g", digits, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  return buf;
+}
+
+// A field of a hyper-parameter struct: how to set it from text and how to print it.
+template <typename H>
+struct Field {
+  const char* name;
+  std::function<void(H&, const std::string& key, const std::string&)> set;
+  std::function<std::string(const H&)> get;
+  std::function<void(const H&, Json&)> to_json;
+  std::function<void(H&, const Json&)> from_json;
+};
+
+template <typename H>
+Field<H> number_field(const char* name, double H::*member, double lo, double hi) {
+  return {name,
+          [member, lo, hi](H& h, const std::string& key, const std::string& text) {
+            double v = parse_double(key, text);
+            if (v < lo || v > hi)
+              throw std::invalid_argument("option '" + key + "': " + text + " is outside [" + format_double(lo) +
+                                          ", " + format_double(hi) + "]");
+            h.*member = v;
+          },
+          [member](const H& h) { return format_double(h.*member); },
+          [name, member](const H& h, Json& j) { j[name] = h.*member; },
+          [name, member](H& h, const Json& j) { h.*member = j.at(name).get<double>(); }};
+}
+
+template <typename H, typename E>
+Field<H> enum_field(const char* name, E H::*member) {
+  return {name,
+          [member](H& h, const std::string& key, const std::string& text) { h.*member = parse_enum<E>(key, text); },
+          [member](const H& h) { return std::string(enum_name(h.*member)); },
+          [name, member](const H& h, Json& j) { j[name] = enum_name(h.*member); },
+          [name, member](H& h, const Json& j) { h.*member = parse_enum<E>(name, j.at(name).get<std::string>()); }};
+}
+
+const std::vector<Field<NorMuonHyper>>& normuon_fields() {
+  using H = NorMuonHyper;
+  static const std::vector<Field<H>> fields{
+      number_field<H>("lr", &H::lr, 0, 1e6),
+      number_field<H>("beta1", &H::beta1, 0, 1),
+      number_field<H>("beta2", &H::beta2, 0, 1),
+      number_field<H>("weight_decay", &H::weight_decay, 0, 1e6),
+      {"nesterov",
+       [](H& h, const std::string& key, const std::string& text) { h.nesterov = parse_bool(key, text); },
+       [](const H& h) { return std::string(h.nesterov ? "true" : "false"); },
+       [](const H& h, Json& j) { j["nesterov"] = h.nesterov; },
+       [](H& h, const Json& j) { h.nesterov = j.at("nesterov").get<bool>(); }},
+      {"ns_steps",
+       [](H& h, const std::string& key, const std::string& text) {
+         double v = parse_double(key, text);
+         if (v != std::floor(v) || v < 1 || v > 100)
+           throw std::invalid_argument("option '" + key + "': " + text + " is not an integer in [1, 100]");
+         h.ns_steps = static_cast<int>(v);
+       },
+       [](const H& h) { return std::to_string(h.ns_steps); },
+       [](const H& h, Json& j) { j["ns_steps"] = h.ns_steps; },
+       [](H& h, const Json& j) { h.ns_steps = j.at("ns_steps").get<int>(); }},
+      enum_field<H>("ns_coefficients", &H::ns_coefficients),
+      enum_field<H>("ns_precision", &H::ns_precision),
+      enum_field<H>("reduce_axis", &H::reduce_axis),
+      enum_field<H>("lr_scale", &H::lr_scale),
+      enum_field<H>("weight_decay_mode", &H::weight_decay_mode),
+      enum_field<H>("eps_placement", &H::eps_placement),
+      number_field<H>("ns_eps", &H::ns_eps, 0, 1),
+      number_field<H>("denom_eps", &H::denom_eps, 0, 1),
+      number_field<H>("renorm_eps", &H::renorm_eps, 0, 1),
+  };
+  return fields;
+}
+
+const std::vector<Field<AdamWHyper>>& adamw_fields() {
+  using H = AdamWHyper;
+  static const std::vector<Field<H>> fields{
+      number_field<H>("lr", &H::lr, 0, 1e6),
+      number_field<H>("beta1", &H::beta1, 0, 1),
+      number_field<H>("beta2", &H::beta2, 0, 1),
+      number_field<H>("eps", &H::eps, 0, 1),
+      number_field<H>("weight_decay", &H::weight_decay, 0, 1e6),
+  };
+  return fields;
+}
+
+template <typename H>
+const Field<H>* find_field(const std::vector<Field<H>>& fields, const std::string& name) {
+  for (const auto& f : fields)
+    if (name == f.name) return &f;
+  return nullptr;
+}
+
+template <typename H>
+std::string field_names(const std::vector<Field<H>>& fields) {
+  std::string out;
+  for (const auto& f : fields) out += (out.empty() ? "" : ", ") + std::string(f.name);
+  return out;
+}
+
+// Sets `field` of group g; false when the group's algorithm has no such field.
+bool set_group_field(GroupOptions& g, const std::string& field, const std::string& key, const std::string& value) {
+  if (g.algorithm == Algorithm::normuon) {
+    const auto* f = find_field(normuon_fields(), field);
+    if (f) f->set(g.normuon, key, value);
+    return f != nullptr;
+  }
+  const auto* f = find_field(adamw_fields(), field);
+  if (f) f->set(g.adamw, key, value);
+  return f != nullptr;
+}
+
+std::string known_keys_hint() {
+  return "known keys: nonfinite, [GROUP.]FIELD with NorMuon fields {" + field_names(normuon_fields()) +
+         "} and AdamW fields {" + field_names(adamw_fields()) + "}";
+}
+
+}  // namespace
+
+Options::Options() {
+  GroupOptions normuon_group;
+  normuon_group.name = "normuon";
+  normuon_group.algorithm = Algorithm::normuon;
+  GroupOptions adamw_group;
+  adamw_group.name = "adamw";
+  adamw_group.algorithm = Algorithm::adamw;
+  groups = {normuon_group, adamw_group};
+}
+
+const GroupOptions* Options::find_group(const std::string& name) const {
+  for (const auto& g : groups)
+    if (g.name == name) return &g;
+  return nullptr;
+}
+
+const GroupOptions& Options::group(const std::string& name) const {
+  if (const auto* g = find_group(name)) return *g;
+  std::string names;
+  for (const auto& g : groups) names += (names.empty() ? "" : ", ") + g.name;
+  throw std::invalid_argument("unknown hyper-parameter group '" + name + "' (groups: " + names + ")");
+}
+
+GroupOptions& Options::group(const std::string& name) {
+  return const_cast<GroupOptions&>(static_cast<const Options*>(this)->group(name));
+}
+
+void Options::set(const std::string& key, const std::string& value) {
+  if (key == "nonfinite") {
+    nonfinite = parse_enum<NonFinitePolicy>(key, value);
+    return;
+  }
+  auto dot = key.find('.');
+  if (dot != std::string::npos) {
+    const std::string group_name = key.substr(0, dot);
+    const std::string field = key.substr(dot + 1);
+    GroupOptions& g = group(group_name);
+    if (!set_group_field(g, field, key, value))
+      throw std::invalid_argument("option '" + key + "': group '" + group_name + "' (" + to_string(g.algorithm) +
+                                  ") has no field '" + field + "'; " + known_keys_hint());
+    return;
+  }
+  bool any = false;
+  for (auto& g : groups) any = set_group_field(g, key, key, value) || any;
+  if (!any) throw std::invalid_argument("unknown option '" + key + "'; " + known_keys_hint());
+}
+
+void Options::set(const std::string& assignment) {
+  auto eq = assignment.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw std::invalid_argument("option '" + assignment + "' is not of the form KEY=VALUE");
+  set(assignment.substr(0, eq), assignment.substr(eq + 1));
+}
+
+std::string Options::to_json() const {
+  Json j;
+  j["nonfinite"] = enum_name(nonfinite);
+  Json gs = Json::array();
+  for (const auto& g : groups) {
+    Json jg;
+    jg["name"] = g.name;
+    jg["algorithm"] = enum_name(g.algorithm);
+    Json h;
+    if (g.algorithm == Algorithm::normuon)
+      for (const auto& f : normuon_fields()) f.to_json(g.normuon, h);
+    else
+      for (const auto& f : adamw_fields()) f.to_json(g.adamw, h);
+    jg["hyper"] = h;
+    gs.push_back(jg);
+  }
+  j["groups"] = gs;
+  return j.dump();  // nlohmann writes doubles with round-trip precision
+}
+
+Options Options::from_json(const std::string& text) {
+  try {
+    Json j = Json::parse(text);
+    Options o;
+    o.nonfinite = parse_enum<NonFinitePolicy>("nonfinite", j.at("nonfinite").get<std::string>());
+    o.groups.clear();
+    for (const auto& jg : j.at("groups")) {
+      GroupOptions g;
+      g.name = jg.at("name").get<std::string>();
+      g.algorithm = parse_algorithm(jg.at("algorithm").get<std::string>());
+      const Json& h = jg.at("hyper");
+      if (g.algorithm == Algorithm::normuon)
+        for (const auto& f : normuon_fields()) f.from_json(g.normuon, h);
+      else
+        for (const auto& f : adamw_fields()) f.from_json(g.adamw, h);
+      o.groups.push_back(g);
+    }
+    return o;
+  } catch (const nlohmann::json::exception& e) {
+    throw std::invalid_argument(std::string("options JSON: ") + e.what());
+  }
+}
+
+std::vector<std::string> describe(const Options& o) {
+  std::vector<std::string> out{"nonfinite=" + std::string(enum_name(o.nonfinite))};
+  for (const auto& g : o.groups) {
+    if (g.algorithm == Algorithm::normuon)
+      for (const auto& f : normuon_fields()) out.push_back(g.name + "." + f.name + "=" + f.get(g.normuon));
+    else
+      for (const auto& f : adamw_fields()) out.push_back(g.name + "." + f.name + "=" + f.get(g.adamw));
+  }
+  return out;
+}
+
+const char* to_string(Algorithm e) { return enum_name(e); }
+const char* to_string(ReduceAxis e) { return enum_name(e); }
+const char* to_string(NsCoefficients e) { return enum_name(e); }
+const char* to_string(NsPrecision e) { return enum_name(e); }
+const char* to_string(LrScale e) { return enum_name(e); }
+const char* to_string(WeightDecayMode e) { return enum_name(e); }
+const char* to_string(EpsPlacement e) { return enum_name(e); }
+const char* to_string(NonFinitePolicy e) { return enum_name(e); }
+Algorithm parse_algorithm(const std::string& text) { return parse_enum<Algorithm>("algorithm", text); }
+
+}  // namespace normuon

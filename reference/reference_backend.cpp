@@ -1,0 +1,170 @@
+#include "reference_backend.h"
+
+#include <cmath>
+#include <sstream>
+#include <stdexcept>
+
+namespace normuon {
+namespace {
+
+// Views of the shared flat buffers as ATen tensors: no copy, the reference works on the layout in place.
+at::Tensor view(float* data, std::vector<int64_t> shape) {
+  return at::from_blob(data, shape, at::TensorOptions().dtype(at::kFloat));
+}
+
+struct Coefficients {
+  double a, b, c;
+};
+
+const Coefficients kQuintic{3.4445, -4.7750, 2.0315};
+const Coefficients kPolarExpress[5] = {
+    {8.156554524902461, -22.48329292557795, 15.878769915207462},
+    {4.042929935166739, -2.808917465908714, 0.5000178451051316},
+    {3.8916678022926607, -2.772484153217685, 0.5060648178503393},
+    {3.285753657755655, -2.3681294933425376, 0.46449024233003106},
+    {2.3465413258596377, -1.7097828382687081, 0.42323551169305323},
+};
+constexpr double kPolarExpressSafety = 1.02;
+
+// Frobenius norm accumulated in double, rounded once to fp32 (a 0-d fp32 tensor).
+at::Tensor norm_in_double(const at::Tensor& x) { return x.to(at::kDouble).square().sum().sqrt().to(at::kFloat); }
+
+}  // namespace
+
+at::Tensor newton_schulz(const at::Tensor& update, const NorMuonHyper& h) {
+  if (h.ns_coefficients == NsCoefficients::polar_express && h.ns_steps > 5)
+    throw std::invalid_argument("ns_steps=" + std::to_string(h.ns_steps) +
+                                " but the Polar Express schedule has 5 coefficient triples");
+  // P rounds to the working precision. Values are held in fp32 tensors; in bf16 mode every elementwise
+  // result is computed in fp32 from bf16 values and rounded (torch's opmath), and GEMMs run in bf16 with
+  // fp32 accumulation. Coefficients therefore enter as fp32 values, as on CUDA.
+  const bool bf16 = h.ns_precision == NsPrecision::bf16;
+  auto P = [bf16](const at::Tensor& x) { return bf16 ? x.to(at::kBFloat16).to(at::kFloat) : x; };
+  auto gemm = [bf16](const at::Tensor& x, const at::Tensor& y) {
+    return bf16 ? at::mm(x.to(at::kBFloat16), y.to(at::kBFloat16)).to(at::kFloat) : at::mm(x, y);
+  };
+  at::Tensor X = P(update.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+  const bool tall = X.size(0) > X.size(1);
+  if (tall) X = X.t();  // iterate on the wide orientation: X X^T is the smaller Gram matrix
+  const at::Tensor norm = P(X.norm());
+  const at::Tensor denom = h.ns_coefficients == NsCoefficients::quintic
+                               ? P(norm + h.ns_eps)
+                               : P(P(norm * kPolarExpressSafety) + h.ns_eps);
+  X = P(X / denom);
+  for (int k = 0; k < h.ns_steps; ++k) {
+    const Coefficients& co = h.ns_coefficients == NsCoefficients::quintic ? kQuintic : kPolarExpress[k];
+    const at::Tensor A = gemm(X, X.t());
+    const at::Tensor B = P(P(co.b * A) + gemm(P(co.c * A), A));  // (c*A) @ A, as the official `c * A @ A`
+    X = P(P(co.a * X) + gemm(B, X));
+  }
+  if (tall) X = X.t();
+  return X;
+}
+
+double lr_scale_factor(LrScale rule, int64_t rows, int64_t cols) {
+  const double m = static_cast<double>(rows), n = static_cast<double>(cols);
+  switch (rule) {
+    case LrScale::official: return std::sqrt(std::max(1.0, m / n));
+    case LrScale::spectral: return std::sqrt(m / n);
+    case LrScale::rms_matching: return 0.2 * std::sqrt(std::max(m, n));
+  }
+  throw std::logic_error("unknown lr_scale");
+}
+
+void normuon_update(at::Tensor p, const at::Tensor& g, at::Tensor M, at::Tensor v, const NorMuonHyper& h,
+                    bool stats_per_row) {
+  const int64_t rows = p.size(0), cols = p.size(1);
+  // 1-2. momentum (EMA) and the Nesterov blend; never hand M itself to Newton-Schulz.
+  M.lerp_(g, 1 - h.beta1);
+  at::Tensor U = h.nesterov ? g.lerp(M, h.beta1) : M.clone();
+  // 3. orthogonalise, back to fp32.
+  at::Tensor O = newton_schulz(U, h).contiguous();
+  // 4. statistics along the neuron axis, accumulated in double.
+  const int64_t reduce_dim = stats_per_row ? 1 : 0;
+  at::Tensor nu = norm_in_double(O);
+  at::Tensor r = O.to(at::kDouble).square().mean(reduce_dim).to(at::kFloat);
+  // 5-6. second moment (no bias correction: it cancels in the re-norm) and its inverse square root.
+  v.lerp_(r, 1 - h.beta2);
+  at::Tensor s = h.eps_placement == EpsPlacement::add ? v.sqrt().add_(h.denom_eps).reciprocal()
+                                                      : v.clamp_min(h.denom_eps).sqrt().reciprocal();
+  // 7-9. normalise, restore the Frobenius norm, apply the shape factor.
+  at::Tensor update = O * (stats_per_row ? s.unsqueeze(1) : s.unsqueeze(0));
+  at::Tensor nu_normalised = norm_in_double(update);
+  update.mul_(nu / (nu_normalised + h.renorm_eps));
+  update.mul_(lr_scale_factor(h.lr_scale, rows, cols));
+  // 10. weight decay.
+  switch (h.weight_decay_mode) {
+    case WeightDecayMode::decoupled:
+      if (h.weight_decay != 0) p.mul_(1 - h.lr * h.weight_decay);
+      break;
+    case WeightDecayMode::cautious:
+      if (h.weight_decay != 0) {
+        at::Tensor mask = (update * p).ge(0).to(at::kFloat);
+        p.sub_(p * mask * (h.lr * h.weight_decay));
+      }
+      break;
+    case WeightDecayMode::none: break;
+  }
+  // 11. the step.
+  p.add_(update, -h.lr);
+}
+
+void adamw_update(at::Tensor p, const at::Tensor& g, at::Tensor m, at::Tensor v, const AdamWHyper& h, int64_t t) {
+  if (h.weight_decay != 0) p.mul_(1 - h.lr * h.weight_decay);
+  m.lerp_(g, 1 - h.beta1);
+  v.mul_(h.beta2).addcmul_(g, g, 1 - h.beta2);
+  const double bias_correction1 = 1 - std::pow(h.beta1, static_cast<double>(t));
+  const double bias_correction2 = 1 - std::pow(h.beta2, static_cast<double>(t));
+  const double step_size = h.lr / bias_correction1;
+  const double bias_correction2_sqrt = std::sqrt(bias_correction2);
+  at::Tensor denom = (v.sqrt() / bias_correction2_sqrt).add_(h.eps);
+  p.addcdiv_(m, denom, -step_size);
+}
+
+StepResult ReferenceBackend::step(FlatState& state, const Options& options) {
+  const Layout& layout = *state.layout;
+  const int n_entries = static_cast<int>(layout.entries.size());
+  if (options.groups.size() != layout.group_names.size())
+    throw std::invalid_argument("options define " + std::to_string(options.groups.size()) +
+                                " groups but the layout was built with " + std::to_string(layout.group_names.size()));
+
+  // NaN/Inf gradients are found before anything changes.
+  for (int i = 0; i < n_entries; ++i) {
+    const LayoutEntry& e = layout.entries[i];
+    if (!state.has_grad[i] || e.numel == 0) continue;
+    at::Tensor bad = at::isfinite(view(state.grad(i), {e.numel})).logical_not();
+    if (!bad.any().item<bool>()) continue;
+    const int64_t k = bad.nonzero()[0][0].item<int64_t>();
+    std::ostringstream msg;
+    msg << "step " << state.group_steps[e.group] + 1 << ": gradient of '" << e.name << "' holds "
+        << state.grad(i)[k] << " at element " << k;
+    if (options.nonfinite == NonFinitePolicy::error)
+      throw std::runtime_error(msg.str() + " (nothing was changed; set nonfinite=skip_step to skip such steps)");
+    return {true, msg.str() + "; step skipped"};
+  }
+
+  // A group's step advances when at least one of its parameters has a gradient.
+  std::vector<uint8_t> group_active(layout.group_names.size(), 0);
+  for (int i = 0; i < n_entries; ++i)
+    if (state.has_grad[i]) group_active[layout.entries[i].group] = 1;
+  for (size_t g = 0; g < group_active.size(); ++g)
+    if (group_active[g]) ++state.group_steps[g];
+
+  for (int i = 0; i < n_entries; ++i) {
+    const LayoutEntry& e = layout.entries[i];
+    if (!state.has_grad[i] || e.numel == 0) continue;  // untouched, state not advanced
+    const GroupOptions& group = options.groups[e.group];
+    at::Tensor p = view(state.param(i), e.shape);
+    at::Tensor g = view(state.grad(i), e.shape);
+    if (e.algorithm == Algorithm::normuon) {
+      normuon_update(p, g, view(state.momentum.data() + e.offset, e.shape),
+                     view(state.row_var.data() + e.stat_offset, {e.stat_len}), group.normuon, e.stats_per_row);
+    } else {
+      adamw_update(p, g, view(state.exp_avg.data() + e.adam_offset, e.shape),
+                   view(state.exp_avg_sq.data() + e.adam_offset, e.shape), group.adamw, state.group_steps[e.group]);
+    }
+  }
+  return {};
+}
+
+}  // namespace normuon

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs the Debian packages normuon needs, when missing (non-interactive), then configures and builds
+# into ./build. Used by both README commands; safe to run again (it only does what is missing).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(
+  cmake ninja-build g++
+  libtorch-dev python3-torch      # the reference backend (libtorch 1.13, CPU) and the Python tests
+  libopenblas0-pthread            # without it torch and Eigen use the netlib reference BLAS, ~65x slower
+  libeigen3-dev libboost-test-dev pybind11-dev libcsv-dev nlohmann-json3-dev zlib1g-dev
+  python3-pytest
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+build_dir=${NORMUON_BUILD_DIR:-build}
+if [ ! -f "$build_dir/build.ninja" ]; then
+  cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+fi
+cmake --build "$build_dir" -j "$(nproc)"

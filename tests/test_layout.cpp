@@ -1,0 +1,134 @@
+#define BOOST_TEST_MODULE layout
+#include <boost/test/unit_test.hpp>
+
+#include "normuon/flat_state.h"
+#include "normuon/layout.h"
+#include "normuon/presets.h"
+
+using namespace normuon;
+
+namespace {
+ParamSpec param(const std::string& name, std::vector<int64_t> shape, Role role) {
+  ParamSpec p;
+  p.name = name;
+  p.shape = std::move(shape);
+  p.role = role;
+  return p;
+}
+
+Manifest mixed_manifest() {
+  Manifest m;
+  m.params = {param("emb", {10, 4}, Role::embedding), param("a", {6, 3}, Role::matrix),
+              param("bias", {5}, Role::bias),          param("b", {3, 6}, Role::matrix),
+              param("c", {6, 3}, Role::matrix),        param("empty", {0, 3}, Role::matrix),
+              param("scale", {}, Role::other)};
+  return m;
+}
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(buckets_group_equal_shapes_in_first_appearance_order) {
+  const Layout l = Layout::build(mixed_manifest(), Options());
+  BOOST_TEST(l.buckets.size() == 3u);  // 6x3 (a, c), 3x6 (b), 0x3 (empty)
+  BOOST_TEST(l.buckets[0].rows == 6);
+  BOOST_TEST(l.buckets[0].cols == 3);
+  BOOST_TEST((l.buckets[0].entries == std::vector<int>{1, 4}));
+  BOOST_TEST((l.buckets[1].entries == std::vector<int>{3}));
+  // Matrices of a bucket are contiguous with one aligned stride, so a batched GEMM can walk them.
+  const auto& a = l.entries[1];
+  const auto& c = l.entries[4];
+  BOOST_TEST(c.offset - a.offset == l.buckets[0].stride);
+  BOOST_TEST(l.buckets[0].stride == align_up(18));
+  // AdamW parameters follow the matrices, in manifest order.
+  BOOST_TEST((l.adamw_entries == std::vector<int>{0, 2, 6}));
+  BOOST_TEST(l.entries[0].offset == l.normuon_floats);
+  BOOST_TEST(l.entries[0].adam_offset == 0);
+}
+
+BOOST_AUTO_TEST_CASE(every_slot_is_aligned_and_disjoint) {
+  for (const auto& preset : {"tiny", "gpt2-124m", "llama-1b"}) {
+    const Layout l = Layout::build(preset_manifest(preset), Options());
+    std::vector<std::pair<int64_t, int64_t>> spans;
+    for (const auto& e : l.entries) {
+      BOOST_TEST(e.offset % kAlignFloats == 0);
+      BOOST_TEST(e.stat_offset % kAlignFloats == 0);
+      spans.emplace_back(e.offset, e.offset + e.numel);
+    }
+    std::sort(spans.begin(), spans.end());
+    for (size_t i = 1; i < spans.size(); ++i) BOOST_TEST(spans[i].first >= spans[i - 1].second);
+    BOOST_TEST(spans.back().second <= l.param_floats);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(reduce_axis_decides_the_second_moment_length) {
+  Options rows, longer;
+  longer.set("normuon.reduce_axis=longer_dim");
+  const Layout lr = Layout::build(mixed_manifest(), rows);
+  const Layout ll = Layout::build(mixed_manifest(), longer);
+  BOOST_TEST(lr.entries[3].stats_per_row);  // b is 3x6
+  BOOST_TEST(lr.entries[3].stat_len == 3);
+  BOOST_TEST(!ll.entries[3].stats_per_row);
+  BOOST_TEST(ll.entries[3].stat_len == 6);
+  BOOST_TEST(ll.entries[1].stat_len == 6);  // a is 6x3: rows are the longer side
+  BOOST_TEST(lr.fingerprint != ll.fingerprint);
+}
+
+BOOST_AUTO_TEST_CASE(fingerprint_is_stable_and_sensitive) {
+  const Layout a = Layout::build(mixed_manifest(), Options());
+  const Layout b = Layout::build(mixed_manifest(), Options());
+  BOOST_TEST(a.fingerprint == b.fingerprint);
+  BOOST_TEST(a.fingerprint_hex().size() == 16u);
+  Manifest renamed = mixed_manifest();
+  renamed.params[2].name = "bias2";
+  BOOST_TEST(Layout::build(renamed, Options()).fingerprint != a.fingerprint);
+  Manifest reshaped = mixed_manifest();
+  reshaped.params[2].shape = {6};
+  BOOST_TEST(Layout::build(reshaped, Options()).fingerprint != a.fingerprint);
+  Manifest rerouted = mixed_manifest();
+  rerouted.params[1].algorithm = Algorithm::adamw;
+  BOOST_TEST(Layout::build(rerouted, Options()).fingerprint != a.fingerprint);
+}
+
+BOOST_AUTO_TEST_CASE(groups_must_exist_and_match_the_algorithm) {
+  Manifest m = mixed_manifest();
+  m.params[1].group = "missing";
+  BOOST_CHECK_THROW(Layout::build(m, Options()), std::invalid_argument);
+  m.params[1].group = "adamw";  // a NorMuon matrix in an AdamW group
+  BOOST_CHECK_THROW(Layout::build(m, Options()), std::invalid_argument);
+  Options o;
+  GroupOptions slow;
+  slow.name = "slow";
+  slow.algorithm = Algorithm::normuon;
+  slow.normuon.lr = 0.001;
+  o.groups.push_back(slow);
+  m.params[1].group = "slow";
+  const Layout l = Layout::build(m, o);
+  BOOST_TEST(l.group_names[l.entries[1].group] == "slow");
+}
+
+BOOST_AUTO_TEST_CASE(flat_state_is_zeroed_and_aligned) {
+  const Layout l = Layout::build(preset_manifest("tiny"), Options());
+  FlatState s(l);
+  BOOST_TEST(reinterpret_cast<uintptr_t>(s.params.data()) % 64 == 0u);
+  BOOST_TEST(reinterpret_cast<uintptr_t>(s.exp_avg_sq.data()) % 64 == 0u);
+  BOOST_TEST(s.params.size() == l.param_floats);
+  BOOST_TEST(s.momentum.size() == l.normuon_floats);
+  BOOST_TEST(s.exp_avg.size() == l.adam_floats);
+  for (int64_t i = 0; i < s.row_var.size(); ++i) BOOST_REQUIRE(s.row_var[i] == 0.0f);
+  BOOST_TEST(s.group_steps.size() == 2u);
+  FlatState copy = s;
+  BOOST_TEST(copy.same_optimizer_state(s));
+  copy.exp_avg[0] = 1.0f;
+  BOOST_TEST(!copy.same_optimizer_state(s));
+}
+
+BOOST_AUTO_TEST_CASE(nonfinite_gradients_are_found_only_where_a_gradient_is_present) {
+  const Layout l = Layout::build(mixed_manifest(), Options());
+  FlatState s(l);
+  BOOST_TEST(find_nonfinite_gradient(s) == -1);
+  s.grad(3)[4] = std::numeric_limits<float>::infinity();
+  int64_t element = -1;
+  BOOST_TEST(find_nonfinite_gradient(s, &element) == 3);
+  BOOST_TEST(element == 4);
+  s.has_grad[3] = 0;
+  BOOST_TEST(find_nonfinite_gradient(s) == -1);
+}

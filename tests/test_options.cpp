@@ -1,0 +1,101 @@
+#define BOOST_TEST_MODULE options
+#include <boost/test/unit_test.hpp>
+
+#include "normuon/options.h"
+
+using namespace normuon;
+
+namespace {
+bool message_contains(const std::exception& e, const std::string& what) {
+  return std::string(e.what()).find(what) != std::string::npos;
+}
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(defaults_follow_the_official_implementation) {
+  const Options o;
+  const auto& n = o.group("normuon").normuon;
+  BOOST_TEST(n.lr == 0.02);
+  BOOST_TEST(n.beta1 == 0.95);
+  BOOST_TEST(n.beta2 == 0.95);
+  BOOST_TEST(n.nesterov);
+  BOOST_TEST(n.ns_steps == 5);
+  BOOST_TEST(n.ns_eps == 1e-7);
+  BOOST_TEST(n.denom_eps == 1e-10);
+  BOOST_TEST((n.ns_precision == NsPrecision::bf16));
+  BOOST_TEST((n.reduce_axis == ReduceAxis::rows));
+  BOOST_TEST((n.lr_scale == LrScale::official));
+  BOOST_TEST((n.weight_decay_mode == WeightDecayMode::decoupled));
+  const auto& a = o.group("adamw").adamw;
+  BOOST_TEST(a.lr == 3e-4);
+  BOOST_TEST(a.beta2 == 0.95);
+  BOOST_TEST(a.eps == 1e-10);
+  BOOST_TEST((o.nonfinite == NonFinitePolicy::error));
+}
+
+BOOST_AUTO_TEST_CASE(set_by_group_and_for_all_groups) {
+  Options o;
+  o.set("normuon.lr=0.01");
+  o.set("weight_decay", "0.1");  // both groups have it
+  o.set("eps", "1e-8");          // only AdamW has it
+  o.set("normuon.reduce_axis", "longer_dim");
+  o.set("nonfinite=skip_step");
+  BOOST_TEST(o.group("normuon").normuon.lr == 0.01);
+  BOOST_TEST(o.group("adamw").adamw.lr == 3e-4);
+  BOOST_TEST(o.group("normuon").normuon.weight_decay == 0.1);
+  BOOST_TEST(o.group("adamw").adamw.weight_decay == 0.1);
+  BOOST_TEST(o.group("adamw").adamw.eps == 1e-8);
+  BOOST_TEST((o.group("normuon").normuon.reduce_axis == ReduceAxis::longer_dim));
+  BOOST_TEST((o.nonfinite == NonFinitePolicy::skip_step));
+}
+
+BOOST_AUTO_TEST_CASE(bad_keys_and_values_are_clear_errors) {
+  Options o;
+  BOOST_CHECK_EXCEPTION(o.set("normuon.lrr=1"), std::invalid_argument,
+                        [](const auto& e) { return message_contains(e, "no field 'lrr'"); });
+  BOOST_CHECK_EXCEPTION(o.set("bogus=1"), std::invalid_argument,
+                        [](const auto& e) { return message_contains(e, "unknown option 'bogus'"); });
+  BOOST_CHECK_EXCEPTION(o.set("nogroup.lr=1"), std::invalid_argument,
+                        [](const auto& e) { return message_contains(e, "unknown hyper-parameter group"); });
+  BOOST_CHECK_EXCEPTION(o.set("normuon.reduce_axis=cols"), std::invalid_argument,
+                        [](const auto& e) { return message_contains(e, "rows | longer_dim"); });
+  BOOST_CHECK_EXCEPTION(o.set("normuon.beta1=1.5"), std::invalid_argument,
+                        [](const auto& e) { return message_contains(e, "outside"); });
+  BOOST_CHECK_EXCEPTION(o.set("normuon.lr=abc"), std::invalid_argument,
+                        [](const auto& e) { return message_contains(e, "not a finite number"); });
+  BOOST_CHECK_EXCEPTION(o.set("normuon.lr=nan"), std::invalid_argument,
+                        [](const auto& e) { return message_contains(e, "not a finite number"); });
+  BOOST_CHECK_EXCEPTION(o.set("normuon.ns_steps=2.5"), std::invalid_argument,
+                        [](const auto& e) { return message_contains(e, "integer"); });
+  BOOST_CHECK_EXCEPTION(o.set("adamw.nesterov=true"), std::invalid_argument,
+                        [](const auto& e) { return message_contains(e, "no field 'nesterov'"); });
+  BOOST_CHECK_THROW(o.set("lr"), std::invalid_argument);
+  // A failed set leaves the value alone.
+  BOOST_TEST(o.group("normuon").normuon.lr == 0.02);
+}
+
+BOOST_AUTO_TEST_CASE(json_round_trip_is_lossless) {
+  Options o;
+  o.set("normuon.lr=0.0123456789012345");
+  o.set("normuon.ns_coefficients=polar_express");
+  o.set("normuon.nesterov=false");
+  o.set("normuon.eps_placement=clamp");
+  o.set("adamw.beta2=0.999");
+  GroupOptions extra;
+  extra.name = "no_decay";
+  extra.algorithm = Algorithm::adamw;
+  extra.adamw.weight_decay = 0;
+  o.groups.push_back(extra);
+  const Options back = Options::from_json(o.to_json());
+  BOOST_TEST(back.to_json() == o.to_json());
+  BOOST_TEST(back.groups.size() == 3u);
+  BOOST_TEST(back.group("normuon").normuon.lr == 0.0123456789012345);
+  BOOST_TEST(!back.group("normuon").normuon.nesterov);
+  BOOST_CHECK_THROW(Options::from_json("{not json"), std::invalid_argument);
+  BOOST_CHECK_THROW(Options::from_json("{\"nonfinite\":\"error\"}"), std::invalid_argument);
+}
+
+BOOST_AUTO_TEST_CASE(describe_lists_every_key) {
+  const auto lines = describe(Options());
+  BOOST_TEST(lines.size() == 1u + 15u + 5u);
+  BOOST_TEST(lines[0] == "nonfinite=error");
+}
