@@ -6,5 +6,6 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 build_dir=${NORMUON_BUILD_DIR:-build}
 "$build_dir/normuon" run --preset tiny --steps 20 --save "$build_dir/tiny-state.safetensors" "$@"
-"$build_dir/normuon" inspect "$build_dir/tiny-state.safetensors" | head -8
+inspected=$("$build_dir/normuon" inspect "$build_dir/tiny-state.safetensors")  # verifies every checksum
+head -8 <<<"$inspected"
 "$build_dir/normuon" golden verify
