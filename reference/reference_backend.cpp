@@ -1,5 +1,6 @@
 #include "reference_backend.h"
 
+#include <chrono>
 #include <cmath>
 #include <sstream>
 #include <stdexcept>
@@ -25,6 +26,24 @@ const Coefficients kPolarExpress[5] = {
     {2.3465413258596377, -1.7097828382687081, 0.42323551169305323},
 };
 constexpr double kPolarExpressSafety = 1.02;
+
+// Adds the time since the last lap to a phase, when timing (times != nullptr).
+class PhaseClock {
+ public:
+  explicit PhaseClock(PhaseTimes* times) : times_(times) {
+    if (times_) last_ = std::chrono::steady_clock::now();
+  }
+  void lap(double PhaseTimes::*phase) {
+    if (!times_) return;
+    const auto now = std::chrono::steady_clock::now();
+    times_->*phase += std::chrono::duration<double, std::milli>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  PhaseTimes* times_;
+  std::chrono::steady_clock::time_point last_;
+};
 
 // Frobenius norm accumulated in double, rounded once to fp32 (a 0-d fp32 tensor).
 at::Tensor norm_in_double(const at::Tensor& x) { return x.to(at::kDouble).square().sum().sqrt().to(at::kFloat); }
@@ -61,24 +80,17 @@ at::Tensor newton_schulz(const at::Tensor& update, const NorMuonHyper& h) {
   return X;
 }
 
-double lr_scale_factor(LrScale rule, int64_t rows, int64_t cols) {
-  const double m = static_cast<double>(rows), n = static_cast<double>(cols);
-  switch (rule) {
-    case LrScale::official: return std::sqrt(std::max(1.0, m / n));
-    case LrScale::spectral: return std::sqrt(m / n);
-    case LrScale::rms_matching: return 0.2 * std::sqrt(std::max(m, n));
-  }
-  throw std::logic_error("unknown lr_scale");
-}
-
 void normuon_update(at::Tensor p, const at::Tensor& g, at::Tensor M, at::Tensor v, const NorMuonHyper& h,
-                    bool stats_per_row) {
+                    bool stats_per_row, PhaseTimes* times) {
+  PhaseClock clock(times);
   const int64_t rows = p.size(0), cols = p.size(1);
   // 1-2. momentum (EMA) and the Nesterov blend; never hand M itself to Newton-Schulz.
   M.lerp_(g, 1 - h.beta1);
   at::Tensor U = h.nesterov ? g.lerp(M, h.beta1) : M.clone();
+  clock.lap(&PhaseTimes::momentum);
   // 3. orthogonalise, back to fp32.
   at::Tensor O = newton_schulz(U, h).contiguous();
+  clock.lap(&PhaseTimes::newton_schulz);
   // 4. statistics along the neuron axis, accumulated in double.
   const int64_t reduce_dim = stats_per_row ? 1 : 0;
   at::Tensor nu = norm_in_double(O);
@@ -92,6 +104,7 @@ void normuon_update(at::Tensor p, const at::Tensor& g, at::Tensor M, at::Tensor 
   at::Tensor nu_normalised = norm_in_double(update);
   update.mul_(nu / (nu_normalised + h.renorm_eps));
   update.mul_(lr_scale_factor(h.lr_scale, rows, cols));
+  clock.lap(&PhaseTimes::normalisation);
   // 10. weight decay.
   switch (h.weight_decay_mode) {
     case WeightDecayMode::decoupled:
@@ -107,9 +120,12 @@ void normuon_update(at::Tensor p, const at::Tensor& g, at::Tensor M, at::Tensor 
   }
   // 11. the step.
   p.add_(update, -h.lr);
+  clock.lap(&PhaseTimes::update);
 }
 
-void adamw_update(at::Tensor p, const at::Tensor& g, at::Tensor m, at::Tensor v, const AdamWHyper& h, int64_t t) {
+void adamw_update(at::Tensor p, const at::Tensor& g, at::Tensor m, at::Tensor v, const AdamWHyper& h, int64_t t,
+                  PhaseTimes* times) {
+  PhaseClock clock(times);
   if (h.weight_decay != 0) p.mul_(1 - h.lr * h.weight_decay);
   m.lerp_(g, 1 - h.beta1);
   v.mul_(h.beta2).addcmul_(g, g, 1 - h.beta2);
@@ -119,9 +135,13 @@ void adamw_update(at::Tensor p, const at::Tensor& g, at::Tensor m, at::Tensor v,
   const double bias_correction2_sqrt = std::sqrt(bias_correction2);
   at::Tensor denom = (v.sqrt() / bias_correction2_sqrt).add_(h.eps);
   p.addcdiv_(m, denom, -step_size);
+  clock.lap(&PhaseTimes::adamw);
 }
 
 StepResult ReferenceBackend::step(FlatState& state, const Options& options) {
+  const auto start = std::chrono::steady_clock::now();
+  times_ = PhaseTimes{};
+  PhaseTimes* times = timing_ ? &times_ : nullptr;
   const Layout& layout = *state.layout;
   const int n_entries = static_cast<int>(layout.entries.size());
   if (options.groups.size() != layout.group_names.size())
@@ -158,12 +178,13 @@ StepResult ReferenceBackend::step(FlatState& state, const Options& options) {
     at::Tensor g = view(state.grad(i), e.shape);
     if (e.algorithm == Algorithm::normuon) {
       normuon_update(p, g, view(state.momentum.data() + e.offset, e.shape),
-                     view(state.row_var.data() + e.stat_offset, {e.stat_len}), group.normuon, e.stats_per_row);
+                     view(state.row_var.data() + e.stat_offset, {e.stat_len}), group.normuon, e.stats_per_row, times);
     } else {
       adamw_update(p, g, view(state.exp_avg.data() + e.adam_offset, e.shape),
-                   view(state.exp_avg_sq.data() + e.adam_offset, e.shape), group.adamw, state.group_steps[e.group]);
+                   view(state.exp_avg_sq.data() + e.adam_offset, e.shape), group.adamw, state.group_steps[e.group], times);
     }
   }
+  if (timing_) times_.total = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   return {};
 }
 

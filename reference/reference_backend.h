@@ -19,12 +19,12 @@ class ReferenceBackend : public Backend {
 // Newton-Schulz orthogonalisation of a 2-D fp32 tensor in the group's precision (fp32 result holding
 // values of that precision).
 at::Tensor newton_schulz(const at::Tensor& update, const NorMuonHyper& h);
-// Shape factor kappa of the lr_scale rule for an m x n matrix.
-double lr_scale_factor(LrScale rule, int64_t rows, int64_t cols);
 // One NorMuon step of one matrix, in place on p, M (momentum) and v (second moment).
+// `times` (optional) receives the time of each phase.
 void normuon_update(at::Tensor p, const at::Tensor& g, at::Tensor M, at::Tensor v, const NorMuonHyper& h,
-                    bool stats_per_row);
+                    bool stats_per_row, PhaseTimes* times = nullptr);
 // One AdamW step (torch.optim.AdamW, single-tensor path) of one tensor at group step t >= 1.
-void adamw_update(at::Tensor p, const at::Tensor& g, at::Tensor m, at::Tensor v, const AdamWHyper& h, int64_t t);
+void adamw_update(at::Tensor p, const at::Tensor& g, at::Tensor m, at::Tensor v, const AdamWHyper& h, int64_t t,
+                  PhaseTimes* times = nullptr);
 
 }  // namespace normuon

@@ -1,5 +1,6 @@
 #include "normuon/options.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -304,6 +305,16 @@ std::vector<std::string> describe(const Options& o) {
       for (const auto& f : adamw_fields()) out.push_back(g.name + "." + f.name + "=" + f.get(g.adamw));
   }
   return out;
+}
+
+double lr_scale_factor(LrScale rule, int64_t rows, int64_t cols) {
+  const double m = static_cast<double>(rows), n = static_cast<double>(cols);
+  switch (rule) {
+    case LrScale::official: return std::sqrt(std::max(1.0, m / n));
+    case LrScale::spectral: return std::sqrt(m / n);
+    case LrScale::rms_matching: return 0.2 * std::sqrt(std::max(m, n));
+  }
+  throw std::logic_error("unknown lr_scale");
 }
 
 const char* to_string(Algorithm e) { return enum_name(e); }

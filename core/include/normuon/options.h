@@ -93,6 +93,9 @@ struct Options {
   static Options from_json(const std::string& text);  // throws std::invalid_argument
 };
 
+// Shape factor kappa of an lr_scale rule for a rows x cols matrix (docs/spec.md section 3.1, step 9).
+double lr_scale_factor(LrScale rule, int64_t rows, int64_t cols);
+
 const char* to_string(Algorithm);
 const char* to_string(ReduceAxis);
 const char* to_string(NsCoefficients);

@@ -1,0 +1,237 @@
+#include "fast_cpu_backend.h"
+
+#include <omp.h>
+
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+
+#include "cpu_kernels.h"
+#include "newton_schulz.h"
+
+namespace normuon {
+namespace {
+
+constexpr int64_t kChunk = 1 << 15;  // floats per multi-tensor work item: 128 KiB, fits L2
+
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
+
+// Sets this thread's OpenMP team size (which oneDNN follows too) for one scope.
+class ThreadCount {
+ public:
+  explicit ThreadCount(int n) : saved_(omp_get_max_threads()) { omp_set_num_threads(n); }
+  ~ThreadCount() { omp_set_num_threads(saved_); }
+  ThreadCount(const ThreadCount&) = delete;
+  ThreadCount& operator=(const ThreadCount&) = delete;
+
+ private:
+  int saved_;
+};
+
+}  // namespace
+
+std::string FastCpuBackend::unsupported_reason(const Layout& layout, const Options& options) {
+  if (options.groups.size() != layout.group_names.size())
+    return "the options define " + std::to_string(options.groups.size()) + " groups, the layout " +
+           std::to_string(layout.group_names.size());
+  for (const auto& g : options.groups)
+    if (g.algorithm == Algorithm::normuon && g.normuon.ns_coefficients == NsCoefficients::polar_express &&
+        g.normuon.ns_steps > 5)
+      return "group '" + g.name + "': Polar Express has 5 coefficient triples, ns_steps is " +
+             std::to_string(g.normuon.ns_steps);
+  return "";
+}
+
+FastCpuBackend::FastCpuBackend(const Layout& layout, const Options& options, int threads)
+    : layout_(layout), threads_(threads > 0 ? threads : omp_get_num_procs()) {
+  const std::string reason = unsupported_reason(layout, options);
+  if (!reason.empty()) throw std::invalid_argument("fast-cpu backend: " + reason);
+  // Newton-Schulz batches: the matrices of one shape bucket that share a group (and so the NS knobs).
+  std::vector<fast::NsBatchShape> shapes;
+  size_t max_batch = 0;
+  for (const auto& bucket : layout.buckets) {
+    std::map<int, size_t> batch_of_group;
+    for (int e : bucket.entries) {
+      const int group = layout.entries[e].group;
+      auto [it, inserted] = batch_of_group.emplace(group, batches_.size());
+      if (inserted) batches_.push_back({group, bucket.rows, bucket.cols, {}});
+      batches_[it->second].entries.push_back(e);
+    }
+  }
+  for (const auto& b : batches_) {
+    shapes.push_back({b.rows, b.cols, static_cast<int64_t>(b.entries.size())});
+    max_batch = std::max(max_batch, b.entries.size());
+  }
+  {
+    const ThreadCount thread_count(threads_);  // oneDNN plans its blocking for the threads it will get
+    ns_ = std::make_unique<fast::BatchedNewtonSchulz>(shapes);
+  }
+  // Chunk tables for the multi-tensor passes, built once.
+  for (int i = 0; i < static_cast<int>(layout.entries.size()); ++i) {
+    const LayoutEntry& e = layout.entries[i];
+    auto& chunks = e.algorithm == Algorithm::normuon ? normuon_chunks_ : adamw_chunks_;
+    for (int64_t begin = 0; begin < e.numel; begin += kChunk) chunks.push_back({i, begin, std::min(kChunk, e.numel - begin)});
+    if (e.algorithm == Algorithm::normuon) {
+      max_cols_ = std::max(max_cols_, e.cols);
+      max_stat_ = std::max(max_stat_, e.stat_len);
+    }
+  }
+  update_.assign(static_cast<size_t>(layout.normuon_floats), 0.0f);
+  col_sums_.assign(static_cast<size_t>(threads_ * std::max<int64_t>(max_cols_, 1)), 0.0);
+  inv_scale_.assign(static_cast<size_t>(threads_ * std::max<int64_t>(max_stat_, 1)), 0.0f);
+  ns_in_.resize(max_batch);
+  ns_out_.resize(max_batch);
+  group_active_.resize(layout.group_names.size());
+}
+
+FastCpuBackend::~FastCpuBackend() = default;
+
+std::string FastCpuBackend::describe() const {
+  std::ostringstream out;
+  out << "fast-cpu: " << batches_.size() << " Newton-Schulz batches, " << normuon_chunks_.size() << " + "
+      << adamw_chunks_.size() << " chunks of <= " << kChunk << " floats, " << threads_ << " threads\n";
+  for (size_t b = 0; b < batches_.size(); ++b)
+    out << "  batch " << b << ": " << batches_[b].entries.size() << " x [" << batches_[b].rows << ", "
+        << batches_[b].cols << "] group " << layout_.group_names[batches_[b].group] << ", GEMM "
+        << ns_->gemm_implementation(static_cast<int>(b), NsPrecision::bf16) << " (bf16), "
+        << ns_->gemm_implementation(static_cast<int>(b), NsPrecision::fp32) << " (fp32)\n";
+  return out.str();
+}
+
+StepResult FastCpuBackend::step(FlatState& state, const Options& options) {
+  if (state.layout != &layout_) throw std::invalid_argument("fast-cpu backend: the state has another layout");
+  if (options.groups.size() != layout_.group_names.size())
+    throw std::invalid_argument("fast-cpu backend: the options define " + std::to_string(options.groups.size()) +
+                                " groups, the layout " + std::to_string(layout_.group_names.size()));
+  const ThreadCount thread_count(threads_);
+  const auto t_start = Clock::now();
+  times_ = PhaseTimes{};
+  counters_ = FastStepCounters{};
+  const int64_t gemm_calls_before = ns_->gemm_calls();
+
+  // NaN/Inf anywhere in a present gradient stops the step before anything changes.
+  int64_t element = -1;
+  const int bad = find_nonfinite_gradient(state, &element);
+  ++counters_.elementwise_passes;
+  if (bad >= 0) {
+    const LayoutEntry& e = layout_.entries[bad];
+    std::ostringstream msg;
+    msg << "step " << state.group_steps[e.group] + 1 << ": gradient of '" << e.name << "' holds "
+        << state.grad(bad)[element] << " at element " << element;
+    if (options.nonfinite == NonFinitePolicy::error)
+      throw std::runtime_error(msg.str() + " (nothing was changed; set nonfinite=skip_step to skip such steps)");
+    return {true, msg.str() + "; step skipped"};
+  }
+  std::fill(group_active_.begin(), group_active_.end(), 0);
+  for (size_t i = 0; i < layout_.entries.size(); ++i)
+    if (state.has_grad[i]) group_active_[layout_.entries[i].group] = 1;
+  for (size_t g = 0; g < group_active_.size(); ++g)
+    if (group_active_[g]) ++state.group_steps[g];
+
+  // Phase 1: momentum + Nesterov over every NorMuon matrix, one pass.
+  auto t0 = Clock::now();
+  const int64_t n_normuon_chunks = static_cast<int64_t>(normuon_chunks_.size());
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < n_normuon_chunks; ++c) {
+    const Chunk& chunk = normuon_chunks_[c];
+    if (!state.has_grad[chunk.entry]) continue;
+    const LayoutEntry& e = layout_.entries[chunk.entry];
+    const NorMuonHyper& h = options.groups[e.group].normuon;
+    const int64_t at = e.offset + chunk.begin;
+    fast::momentum_nesterov(state.momentum.data() + at, state.grads.data() + at, update_.data() + at, chunk.size,
+                            static_cast<float>(1 - h.beta1), static_cast<float>(h.beta1), h.nesterov);
+  }
+  ++counters_.elementwise_passes;
+  if (timing_) times_.momentum = ms_since(t0);
+
+  // Phase 2: Newton-Schulz, one batch per shape and group, written back into update_ in place.
+  t0 = Clock::now();
+  for (size_t b = 0; b < batches_.size(); ++b) {
+    const NsBatch& batch = batches_[b];
+    bool any = false;
+    for (size_t k = 0; k < batch.entries.size(); ++k) {
+      const LayoutEntry& e = layout_.entries[batch.entries[k]];
+      ns_in_[k] = update_.data() + e.offset;
+      ns_out_[k] = update_.data() + e.offset;
+      any = any || state.has_grad[batch.entries[k]];
+    }
+    if (!any) continue;  // matrices without a gradient ride along in the batch; their output is unused
+    ns_->run(static_cast<int>(b), ns_in_.data(), ns_out_.data(), options.groups[batch.group].normuon);
+    counters_.elementwise_passes += 2 + 3 * options.groups[batch.group].normuon.ns_steps;
+  }
+  if (timing_) times_.newton_schulz = ms_since(t0);
+
+  // Phases 3-4: statistics, second moment, normalisation, re-norm, decay and step; one matrix per thread.
+  const int64_t n_entries = static_cast<int64_t>(layout_.entries.size());
+  double normalisation_ms = 0, update_ms = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(+ : normalisation_ms, update_ms)
+  for (int64_t i = 0; i < n_entries; ++i) {
+    const LayoutEntry& e = layout_.entries[i];
+    if (e.algorithm != Algorithm::normuon || !state.has_grad[i] || e.numel == 0) continue;
+    const NorMuonHyper& h = options.groups[e.group].normuon;
+    fast::NorMuonScalars s;
+    s.stats_per_row = e.stats_per_row;
+    s.w2 = static_cast<float>(1 - h.beta2);
+    s.eps_add = h.eps_placement == EpsPlacement::add;
+    s.denom_eps = static_cast<float>(h.denom_eps);
+    s.renorm_eps = static_cast<float>(h.renorm_eps);
+    s.kappa = static_cast<float>(lr_scale_factor(h.lr_scale, e.rows, e.cols));
+    s.wd_mode = h.weight_decay_mode == WeightDecayMode::decoupled ? 0 : h.weight_decay_mode == WeightDecayMode::cautious ? 1 : 2;
+    s.decay = h.weight_decay != 0 && s.wd_mode != 2;
+    s.decay_factor = static_cast<float>(1 - h.lr * h.weight_decay);
+    s.lr_wd = static_cast<float>(h.lr * h.weight_decay);
+    s.neg_lr = static_cast<float>(-h.lr);
+    const int t = omp_get_thread_num();
+    fast::NorMuonPassTimes pass_times;
+    fast::normuon_finalize(update_.data() + e.offset, state.param(static_cast<int>(i)),
+                           state.row_var.data() + e.stat_offset, e.rows, e.cols, s,
+                           col_sums_.data() + t * std::max<int64_t>(max_cols_, 1),
+                           inv_scale_.data() + t * std::max<int64_t>(max_stat_, 1), timing_ ? &pass_times : nullptr);
+    normalisation_ms += pass_times.normalisation_ms;
+    update_ms += pass_times.update_ms;
+  }
+  counters_.elementwise_passes += 3;
+  // Summed over threads: CPU time split between the two, scaled to this phase's wall time below.
+  if (timing_) {
+    const double wall = ms_since(t0) - times_.newton_schulz;
+    const double sum = normalisation_ms + update_ms;
+    times_.normalisation = sum > 0 ? wall * normalisation_ms / sum : 0;
+    times_.update = sum > 0 ? wall * update_ms / sum : 0;
+  }
+
+  // Phase 5: AdamW over every AdamW parameter, one pass.
+  t0 = Clock::now();
+  const int64_t n_adamw_chunks = static_cast<int64_t>(adamw_chunks_.size());
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < n_adamw_chunks; ++c) {
+    const Chunk& chunk = adamw_chunks_[c];
+    if (!state.has_grad[chunk.entry]) continue;
+    const LayoutEntry& e = layout_.entries[chunk.entry];
+    const AdamWHyper& h = options.groups[e.group].adamw;
+    const double t = static_cast<double>(state.group_steps[e.group]);
+    fast::AdamWScalars s;
+    s.decay = h.weight_decay != 0;
+    s.decay_factor = static_cast<float>(1 - h.lr * h.weight_decay);
+    s.w1 = static_cast<float>(1 - h.beta1);
+    s.beta2 = static_cast<float>(h.beta2);
+    s.one_minus_beta2 = static_cast<float>(1 - h.beta2);
+    s.bc2_sqrt = static_cast<float>(std::sqrt(1 - std::pow(h.beta2, t)));
+    s.eps = static_cast<float>(h.eps);
+    s.neg_step_size = static_cast<float>(-(h.lr / (1 - std::pow(h.beta1, t))));
+    const int64_t at = e.offset + chunk.begin, adam_at = e.adam_offset + chunk.begin;
+    fast::adamw(state.params.data() + at, state.grads.data() + at, state.exp_avg.data() + adam_at,
+                state.exp_avg_sq.data() + adam_at, chunk.size, s);
+  }
+  ++counters_.elementwise_passes;
+  if (timing_) {
+    times_.adamw = ms_since(t0);
+    times_.total = ms_since(t_start);
+  }
+  counters_.gemm_calls = ns_->gemm_calls() - gemm_calls_before;
+  return {};
+}
+
+}  // namespace normuon

@@ -1,0 +1,69 @@
+// The fused CPU backend over the shared flat layout: one multi-threaded pass per phase over all
+// parameters of a kind, batched Newton-Schulz per (shape, group), the NorMuon statistics and update in
+// three passes per matrix, AdamW in one pass (each element read once, written once). Everything it needs
+// is allocated in the constructor; a step allocates nothing of its own (oneDNN's execute() allocates a few
+// small blocks of its own per GEMM call: tests/test_fast_cpu.cpp measures both).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "normuon/backend.h"
+#include "normuon/layout.h"
+
+namespace normuon::fast {
+class BatchedNewtonSchulz;
+}
+
+namespace normuon {
+
+// Work counts of the last step, for the old-vs-new comparison.
+struct FastStepCounters {
+  int64_t elementwise_passes = 0;  // multi-tensor passes over flat buffers or bucket workspaces
+  int64_t gemm_calls = 0;          // batched GEMM launches
+};
+
+class FastCpuBackend : public Backend {
+ public:
+  // The layout must outlive the backend; options give the groups (as for Layout::build). `threads`:
+  // OpenMP threads of its passes and GEMMs, 0 = one per processor. It is set for the duration of each
+  // step only, so a host that lowers the process-wide count (libtorch sets 1 here) doesn't starve it.
+  FastCpuBackend(const Layout& layout, const Options& options, int threads = 0);
+  ~FastCpuBackend() override;
+
+  std::string name() const override { return "fast-cpu"; }
+  StepResult step(FlatState& state, const Options& options) override;
+
+  const FastStepCounters& counters() const { return counters_; }
+  std::string describe() const;  // batches and GEMM implementations
+  int threads() const { return threads_; }
+
+  // Empty when this backend can run `options` on `layout`; otherwise why not (the selector reports it).
+  static std::string unsupported_reason(const Layout& layout, const Options& options);
+
+ private:
+  struct NsBatch {
+    int group;
+    int64_t rows, cols;
+    std::vector<int> entries;
+  };
+  struct Chunk {  // a piece of one parameter for the multi-tensor passes
+    int entry;
+    int64_t begin, size;
+  };
+  const Layout& layout_;
+  std::vector<NsBatch> batches_;
+  std::vector<Chunk> normuon_chunks_, adamw_chunks_;
+  std::vector<float> update_;           // Nesterov blend, then Newton-Schulz output (normuon_floats)
+  std::vector<double> col_sums_;        // per thread: max cols
+  std::vector<float> inv_scale_;        // per thread: max stat length
+  std::vector<const float*> ns_in_;     // per batch member pointers (sized at setup)
+  std::vector<float*> ns_out_;
+  std::vector<uint8_t> group_active_;
+  int64_t max_cols_ = 0, max_stat_ = 0;
+  int threads_ = 1;
+  std::unique_ptr<fast::BatchedNewtonSchulz> ns_;
+  FastStepCounters counters_;
+};
+
+}  // namespace normuon
