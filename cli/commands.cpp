@@ -14,7 +14,7 @@
 #include "normuon/manifest.h"
 #include "normuon/presets.h"
 #include "normuon/state_file.h"
-#include "reference_backend.h"
+#include "selector.h"
 #include "trace.h"
 
 namespace normuon::cli {
@@ -45,14 +45,16 @@ double median(std::vector<double> v) {
 
 int run_command(const Argv& argv) {
   const Args a(argv, {"preset", "manifest", "steps", "seed", "missing-grad-period", "set", "load", "save",
-                      "progress-every"},
+                      "progress-every", "backend"},
                {"quiet"});
   if (a.help()) {
     std::puts(R"(usage: normuon run [--preset NAME | --manifest FILE] [--steps N] [--seed S]
                    [--missing-grad-period K] [--set KEY=VALUE]... [--load FILE] [--save FILE]
-                   [--progress-every N] [--quiet]
+                   [--backend auto|fast|reference] [--progress-every N] [--quiet]
 
-Runs N optimizer steps (default 20) of the reference backend on a model (default: the tiny preset),
+Runs N optimizer steps (default 20) on a model (default: the tiny preset) with the backend chosen by
+--backend, else the NORMUON_BACKEND environment variable, else auto (= the fast backend; a request it
+can't serve is an error, never a silent switch to the reference),
 fed with deterministic synthetic gradients (seeded, counter-based: the same numbers on every machine,
 thread count and backend). Prints the routing table summary, progress with per-step time, and a timing
 summary. --load resumes from a state file (its hyper-parameters, then --set overrides); --save writes
@@ -85,10 +87,11 @@ groups), --set nonfinite=skip_step; `normuon run --set help=1` lists every key.)
   } else {
     generator.fill_params(state);
   }
+  const std::unique_ptr<Backend> backend_ptr = make_backend(resolve_backend_choice(a.get("backend", "")), layout, options);
+  Backend& backend = *backend_ptr;
   const bool quiet = a.flag("quiet");
-  if (!quiet) std::fputs(layout.describe().c_str(), stdout);
+  if (!quiet) std::printf("%sbackend: %s\n", layout.describe().c_str(), backend.name().c_str());
 
-  ReferenceBackend backend;
   const int64_t every = a.get_int("progress-every", steps <= 50 ? 1 : std::max<int64_t>(1, steps / 20));
   std::vector<double> step_ms;
   const auto run_start = Clock::now();
@@ -120,11 +123,11 @@ groups), --set nonfinite=skip_step; `normuon run --set help=1` lists every key.)
 }
 
 int golden_command(const Argv& argv) {
-  const Args a(argv, {"file", "steps", "set", "rtol", "atol"}, {"exact"});
+  const Args a(argv, {"file", "steps", "set", "rtol", "atol", "backend"}, {"exact"});
   const std::string action = a.positionals().empty() ? "" : a.positionals()[0];
   if (a.help() || (action != "make" && action != "verify") || a.positionals().size() != 1) {
     std::printf(R"(usage: normuon golden make|verify [--file PATH] [--steps N] [--set KEY=VALUE]...
-                             [--rtol R] [--atol A] [--exact]
+                             [--rtol R] [--atol A] [--exact] [--backend reference|fast]
 
 make    runs the golden configuration with the reference backend and writes the trace CSV
         (default %s): the tiny preset, 20 steps, seed 1234, one parameter in 7 missing its
@@ -135,6 +138,7 @@ verify  runs the same configuration and compares it with the file, value by valu
         the tolerance absorbs only last-bit differences of other compilers and libm; see docs/golden.md).
         --exact also compares the parameter bit hashes. Exit status 1 when the check fails.
 --set changes a knob of the configuration, e.g. to see that a planted semantic change is caught.
+--backend picks the backend that verify runs (default reference); make always uses the reference.
 )",
                 default_golden_path().c_str());
     return a.help() ? 0 : 2;
@@ -143,9 +147,13 @@ verify  runs the same configuration and compares it with the file, value by valu
   spec.steps = a.get_int("steps", spec.steps);
   apply_sets(a, spec.options);
   const std::string path = a.get("file", default_golden_path());
-  ReferenceBackend backend;
+  const std::string backend_name = action == "make" ? "reference" : a.get("backend", "reference");
+  if (action == "make" && a.has("backend") && a.get("backend", "") != "reference")
+    throw std::invalid_argument("golden make always uses the reference backend (the oracle)");
+  const Layout layout = Layout::build(preset_manifest(spec.preset), spec.options);
+  const std::unique_ptr<Backend> backend = make_backend(parse_backend_choice(backend_name), layout, spec.options);
   const auto t0 = Clock::now();
-  const std::vector<TraceRow> rows = make_trace(backend, spec);
+  const std::vector<TraceRow> rows = make_trace(*backend, layout, spec);
   const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
 
   if (action == "make") {
@@ -168,14 +176,14 @@ verify  runs the same configuration and compares it with the file, value by valu
   tol.exact = a.flag("exact");
   const TraceComparison cmp = compare_traces(read_trace_csv(path), rows, tol);
   if (cmp.ok()) {
-    std::printf("golden check PASSED: %lld rows of %s match (max rel. error %.3g; %s) in %.2f s\n",
-                static_cast<long long>(cmp.rows_compared), path.c_str(), cmp.max_rel_error,
+    std::printf("golden check PASSED (%s): %lld rows of %s match (max rel. error %.3g; %s) in %.2f s\n",
+                backend->name().c_str(), static_cast<long long>(cmp.rows_compared), path.c_str(), cmp.max_rel_error,
                 tol.exact ? "exact" : ("rtol " + std::to_string(tol.rtol)).c_str(), seconds);
     return 0;
   }
-  std::printf("golden check FAILED: %lld mismatches in %lld rows of %s (max rel. error %.3g)\n  first: %s\n",
-              static_cast<long long>(cmp.mismatches), static_cast<long long>(cmp.rows_compared), path.c_str(),
-              cmp.max_rel_error, cmp.first_mismatch.c_str());
+  std::printf("golden check FAILED (%s): %lld mismatches in %lld rows of %s (max rel. error %.3g)\n  first: %s\n",
+              backend->name().c_str(), static_cast<long long>(cmp.mismatches),
+              static_cast<long long>(cmp.rows_compared), path.c_str(), cmp.max_rel_error, cmp.first_mismatch.c_str());
   return 1;
 }
 

@@ -9,6 +9,8 @@
 #include <stdexcept>
 
 #include "cpu_kernels.h"
+#include "normuon/ns_coefficients.h"
+#include "normuon/step_prologue.h"
 #include "newton_schulz.h"
 
 namespace normuon {
@@ -39,7 +41,7 @@ std::string FastCpuBackend::unsupported_reason(const Layout& layout, const Optio
            std::to_string(layout.group_names.size());
   for (const auto& g : options.groups)
     if (g.algorithm == Algorithm::normuon && g.normuon.ns_coefficients == NsCoefficients::polar_express &&
-        g.normuon.ns_steps > 5)
+        g.normuon.ns_steps > kPolarExpressSteps)
       return "group '" + g.name + "': Polar Express has 5 coefficient triples, ns_steps is " +
              std::to_string(g.normuon.ns_steps);
   return "";
@@ -84,7 +86,6 @@ FastCpuBackend::FastCpuBackend(const Layout& layout, const Options& options, int
   inv_scale_.assign(static_cast<size_t>(threads_ * std::max<int64_t>(max_stat_, 1)), 0.0f);
   ns_in_.resize(max_batch);
   ns_out_.resize(max_batch);
-  group_active_.resize(layout.group_names.size());
 }
 
 FastCpuBackend::~FastCpuBackend() = default;
@@ -103,33 +104,14 @@ std::string FastCpuBackend::describe() const {
 
 StepResult FastCpuBackend::step(FlatState& state, const Options& options) {
   if (state.layout != &layout_) throw std::invalid_argument("fast-cpu backend: the state has another layout");
-  if (options.groups.size() != layout_.group_names.size())
-    throw std::invalid_argument("fast-cpu backend: the options define " + std::to_string(options.groups.size()) +
-                                " groups, the layout " + std::to_string(layout_.group_names.size()));
   const ThreadCount thread_count(threads_);
   const auto t_start = Clock::now();
   times_ = PhaseTimes{};
   counters_ = FastStepCounters{};
   const int64_t gemm_calls_before = ns_->gemm_calls();
 
-  // NaN/Inf anywhere in a present gradient stops the step before anything changes.
-  int64_t element = -1;
-  const int bad = find_nonfinite_gradient(state, &element);
-  ++counters_.elementwise_passes;
-  if (bad >= 0) {
-    const LayoutEntry& e = layout_.entries[bad];
-    std::ostringstream msg;
-    msg << "step " << state.group_steps[e.group] + 1 << ": gradient of '" << e.name << "' holds "
-        << state.grad(bad)[element] << " at element " << element;
-    if (options.nonfinite == NonFinitePolicy::error)
-      throw std::runtime_error(msg.str() + " (nothing was changed; set nonfinite=skip_step to skip such steps)");
-    return {true, msg.str() + "; step skipped"};
-  }
-  std::fill(group_active_.begin(), group_active_.end(), 0);
-  for (size_t i = 0; i < layout_.entries.size(); ++i)
-    if (state.has_grad[i]) group_active_[layout_.entries[i].group] = 1;
-  for (size_t g = 0; g < group_active_.size(); ++g)
-    if (group_active_[g]) ++state.group_steps[g];
+  if (auto skipped = begin_step(state, options)) return *skipped;
+  ++counters_.elementwise_passes;  // the gradient scan
 
   // Phase 1: momentum + Nesterov over every NorMuon matrix, one pass.
   auto t0 = Clock::now();

@@ -59,7 +59,6 @@ class FastCpuBackend : public Backend {
   std::vector<float> inv_scale_;        // per thread: max stat length
   std::vector<const float*> ns_in_;     // per batch member pointers (sized at setup)
   std::vector<float*> ns_out_;
-  std::vector<uint8_t> group_active_;
   int64_t max_cols_ = 0, max_stat_ = 0;
   int threads_ = 1;
   std::unique_ptr<fast::BatchedNewtonSchulz> ns_;

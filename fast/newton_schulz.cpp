@@ -10,23 +10,10 @@
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include "cpu_kernels.h"
+#include "normuon/ns_coefficients.h"
 
 namespace normuon::fast {
 namespace {
-
-struct Coefficients {
-  float a, b, c;
-};
-// Coefficients enter as fp32 values (docs/spec.md section 3.2).
-constexpr Coefficients kQuintic{3.4445f, -4.7750f, 2.0315f};
-constexpr Coefficients kPolarExpress[5] = {
-    {8.156554524902461f, -22.48329292557795f, 15.878769915207462f},
-    {4.042929935166739f, -2.808917465908714f, 0.5000178451051316f},
-    {3.8916678022926607f, -2.772484153217685f, 0.5060648178503393f},
-    {3.285753657755655f, -2.3681294933425376f, 0.46449024233003106f},
-    {2.3465413258596377f, -1.7097828382687081f, 0.42323551169305323f},
-};
-constexpr float kPolarExpressSafety = 1.02f;
 
 // Storage of the working precision: fp32 as float, bf16 as its upper 16 bits. Storing rounds (= P).
 using Bf16 = uint16_t;
@@ -127,7 +114,7 @@ struct BatchedNewtonSchulz::Impl {
       double sq = 0;
       for (int64_t i = 0; i < mn; ++i) sq += static_cast<double>(load(xk[i])) * load(xk[i]);
       const float norm = P<T>(static_cast<float>(std::sqrt(sq)));
-      const float d = quintic ? P<T>(norm + ns_eps) : P<T>(P<T>(norm * kPolarExpressSafety) + ns_eps);
+      const float d = quintic ? P<T>(norm + ns_eps) : P<T>(P<T>(norm * static_cast<float>(kPolarExpressSafety)) + ns_eps);
       for (int64_t i = 0; i < mn; ++i) store(xk[i], load(xk[i]) / d);
     }
     auto exec = [&](BatchPlan::Gemm& gemm) {
@@ -136,16 +123,18 @@ struct BatchedNewtonSchulz::Impl {
       ++gemm_calls;
     };
     for (int it = 0; it < h.ns_steps; ++it) {
-      const Coefficients co = quintic ? kQuintic : kPolarExpress[it];
+      // Coefficients enter as fp32 values (docs/spec.md section 3.2).
+      const NsTriple& t = ns_triple(h.ns_coefficients, it);
+      const float coef_a = static_cast<float>(t.a), coef_b = static_cast<float>(t.b), coef_c = static_cast<float>(t.c);
       exec(plan.gram[prec]);  // A = P(X X^T)
 #pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < count * mm; ++i) store(CA[i], co.c * load(A[i]));  // CA = P(c A)
+      for (int64_t i = 0; i < count * mm; ++i) store(CA[i], coef_c * load(A[i]));  // CA = P(c A)
       exec(plan.square[prec]);  // G = P(CA A)
 #pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < count * mm; ++i) store(CA[i], P<T>(co.b * load(A[i])) + load(G[i]));  // B
+      for (int64_t i = 0; i < count * mm; ++i) store(CA[i], P<T>(coef_b * load(A[i])) + load(G[i]));  // B
       exec(plan.apply[prec]);  // G = P(B X)
 #pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < count * mn; ++i) store(X[i], P<T>(co.a * load(X[i])) + load(G[i]));
+      for (int64_t i = 0; i < count * mn; ++i) store(X[i], P<T>(coef_a * load(X[i])) + load(G[i]));
     }
     // O back to fp32, stored orientation.
 #pragma omp parallel for schedule(static)
@@ -203,7 +192,7 @@ BatchedNewtonSchulz::BatchedNewtonSchulz(const std::vector<NsBatchShape>& batche
 BatchedNewtonSchulz::~BatchedNewtonSchulz() = default;
 
 void BatchedNewtonSchulz::run(int b, const float* const* inputs, float* const* outputs, const NorMuonHyper& h) {
-  if (h.ns_coefficients == NsCoefficients::polar_express && h.ns_steps > 5)
+  if (h.ns_coefficients == NsCoefficients::polar_express && h.ns_steps > kPolarExpressSteps)
     throw std::invalid_argument("ns_steps=" + std::to_string(h.ns_steps) +
                                 " but the Polar Express schedule has 5 coefficient triples");
   BatchPlan& plan = impl_->plans.at(static_cast<size_t>(b));

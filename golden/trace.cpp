@@ -91,6 +91,10 @@ void append_trace_rows(std::vector<TraceRow>& rows, int64_t step, const float* p
 
 std::vector<TraceRow> make_trace(Backend& backend, const GoldenSpec& spec) {
   const Layout layout = Layout::build(preset_manifest(spec.preset), spec.options);
+  return make_trace(backend, layout, spec);
+}
+
+std::vector<TraceRow> make_trace(Backend& backend, const Layout& layout, const GoldenSpec& spec) {
   FlatState state(layout);
   spec.generator.fill_params(state);
   std::vector<TraceRow> rows;

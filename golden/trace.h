@@ -36,6 +36,9 @@ struct GoldenSpec {
 };
 
 // Runs spec.steps steps of `backend` from the generator's initial parameters; one row per step and param.
+// `layout` must be Layout::build(preset_manifest(spec.preset), spec.options), the one `backend` serves.
+std::vector<TraceRow> make_trace(Backend& backend, const Layout& layout, const GoldenSpec& spec);
+// The same, for a backend that is not tied to a layout (the reference).
 std::vector<TraceRow> make_trace(Backend& backend, const GoldenSpec& spec);
 
 // Rows for one step: `before` is the parameter buffer before the step, `after` the state after it.

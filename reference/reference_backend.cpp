@@ -1,5 +1,8 @@
 #include "reference_backend.h"
 
+#include "normuon/ns_coefficients.h"
+#include "normuon/step_prologue.h"
+
 #include <chrono>
 #include <cmath>
 #include <sstream>
@@ -12,20 +15,6 @@ namespace {
 at::Tensor view(float* data, std::vector<int64_t> shape) {
   return at::from_blob(data, shape, at::TensorOptions().dtype(at::kFloat));
 }
-
-struct Coefficients {
-  double a, b, c;
-};
-
-const Coefficients kQuintic{3.4445, -4.7750, 2.0315};
-const Coefficients kPolarExpress[5] = {
-    {8.156554524902461, -22.48329292557795, 15.878769915207462},
-    {4.042929935166739, -2.808917465908714, 0.5000178451051316},
-    {3.8916678022926607, -2.772484153217685, 0.5060648178503393},
-    {3.285753657755655, -2.3681294933425376, 0.46449024233003106},
-    {2.3465413258596377, -1.7097828382687081, 0.42323551169305323},
-};
-constexpr double kPolarExpressSafety = 1.02;
 
 // Adds the time since the last lap to a phase, when timing (times != nullptr).
 class PhaseClock {
@@ -51,7 +40,7 @@ at::Tensor norm_in_double(const at::Tensor& x) { return x.to(at::kDouble).square
 }  // namespace
 
 at::Tensor newton_schulz(const at::Tensor& update, const NorMuonHyper& h) {
-  if (h.ns_coefficients == NsCoefficients::polar_express && h.ns_steps > 5)
+  if (h.ns_coefficients == NsCoefficients::polar_express && h.ns_steps > kPolarExpressSteps)
     throw std::invalid_argument("ns_steps=" + std::to_string(h.ns_steps) +
                                 " but the Polar Express schedule has 5 coefficient triples");
   // P rounds to the working precision. Values are held in fp32 tensors; in bf16 mode every elementwise
@@ -71,7 +60,7 @@ at::Tensor newton_schulz(const at::Tensor& update, const NorMuonHyper& h) {
                                : P(P(norm * kPolarExpressSafety) + h.ns_eps);
   X = P(X / denom);
   for (int k = 0; k < h.ns_steps; ++k) {
-    const Coefficients& co = h.ns_coefficients == NsCoefficients::quintic ? kQuintic : kPolarExpress[k];
+    const NsTriple& co = ns_triple(h.ns_coefficients, k);
     const at::Tensor A = gemm(X, X.t());
     const at::Tensor B = P(P(co.b * A) + gemm(P(co.c * A), A));  // (c*A) @ A, as the official `c * A @ A`
     X = P(P(co.a * X) + gemm(B, X));
@@ -144,31 +133,7 @@ StepResult ReferenceBackend::step(FlatState& state, const Options& options) {
   PhaseTimes* times = timing_ ? &times_ : nullptr;
   const Layout& layout = *state.layout;
   const int n_entries = static_cast<int>(layout.entries.size());
-  if (options.groups.size() != layout.group_names.size())
-    throw std::invalid_argument("options define " + std::to_string(options.groups.size()) +
-                                " groups but the layout was built with " + std::to_string(layout.group_names.size()));
-
-  // NaN/Inf gradients are found before anything changes.
-  for (int i = 0; i < n_entries; ++i) {
-    const LayoutEntry& e = layout.entries[i];
-    if (!state.has_grad[i] || e.numel == 0) continue;
-    at::Tensor bad = at::isfinite(view(state.grad(i), {e.numel})).logical_not();
-    if (!bad.any().item<bool>()) continue;
-    const int64_t k = bad.nonzero()[0][0].item<int64_t>();
-    std::ostringstream msg;
-    msg << "step " << state.group_steps[e.group] + 1 << ": gradient of '" << e.name << "' holds "
-        << state.grad(i)[k] << " at element " << k;
-    if (options.nonfinite == NonFinitePolicy::error)
-      throw std::runtime_error(msg.str() + " (nothing was changed; set nonfinite=skip_step to skip such steps)");
-    return {true, msg.str() + "; step skipped"};
-  }
-
-  // A group's step advances when at least one of its parameters has a gradient.
-  std::vector<uint8_t> group_active(layout.group_names.size(), 0);
-  for (int i = 0; i < n_entries; ++i)
-    if (state.has_grad[i]) group_active[layout.entries[i].group] = 1;
-  for (size_t g = 0; g < group_active.size(); ++g)
-    if (group_active[g]) ++state.group_steps[g];
+  if (auto skipped = begin_step(state, options)) return *skipped;
 
   for (int i = 0; i < n_entries; ++i) {
     const LayoutEntry& e = layout.entries[i];

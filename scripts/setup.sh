@@ -8,6 +8,7 @@ packages=(
   cmake ninja-build g++
   libtorch-dev python3-torch      # the reference backend (libtorch 1.13, CPU) and the Python tests
   libopenblas0-pthread            # without it torch and Eigen use the netlib reference BLAS, ~65x slower
+  libdnnl-dev                     # oneDNN: the batched (bf16) GEMMs of the fast CPU backend
   libeigen3-dev libboost-test-dev pybind11-dev libcsv-dev nlohmann-json3-dev zlib1g-dev
   python3-pytest
 )

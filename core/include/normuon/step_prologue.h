@@ -1,0 +1,16 @@
+// What every backend does first in a step, so that all of them say and do the same: refuse or skip a
+// step with a NaN/Inf gradient before anything changes, then advance the step counter of every group
+// that has at least one gradient (docs/spec.md section 5). Allocates nothing.
+#pragma once
+
+#include <optional>
+
+#include "normuon/backend.h"
+
+namespace normuon {
+
+// Throws std::runtime_error (nonfinite=error) or returns a skipped StepResult (nonfinite=skip_step)
+// naming the parameter, element and step; otherwise advances the group steps and returns nullopt.
+std::optional<StepResult> begin_step(FlatState& state, const Options& options);
+
+}  // namespace normuon

@@ -1,0 +1,188 @@
+// The fused CPU backend on its own: exact agreement where the design promises it, determinism, the
+// edge cases of the spec, and no allocation of its own in a step.
+#define BOOST_TEST_MODULE fast_cpu
+#include <boost/test/unit_test.hpp>
+
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#include <omp.h>
+
+#include "fast_cpu_backend.h"
+#include "newton_schulz.h"
+#include "normuon/grad_gen.h"
+#include "normuon/presets.h"
+
+// Every malloc of the process is counted (operator new goes through malloc too).
+static std::atomic<long> g_mallocs{0};
+extern "C" {
+void* __libc_malloc(size_t);
+void* __libc_calloc(size_t, size_t);
+void* __libc_realloc(void*, size_t);
+void* __libc_memalign(size_t, size_t);
+void* malloc(size_t n) {
+  g_mallocs.fetch_add(1, std::memory_order_relaxed);
+  return __libc_malloc(n);
+}
+void* calloc(size_t n, size_t s) {
+  g_mallocs.fetch_add(1, std::memory_order_relaxed);
+  return __libc_calloc(n, s);
+}
+void* realloc(void* p, size_t n) {
+  g_mallocs.fetch_add(1, std::memory_order_relaxed);
+  return __libc_realloc(p, n);
+}
+void* aligned_alloc(size_t a, size_t n) {
+  g_mallocs.fetch_add(1, std::memory_order_relaxed);
+  return __libc_memalign(a, n);
+}
+int posix_memalign(void** out, size_t a, size_t n) {
+  g_mallocs.fetch_add(1, std::memory_order_relaxed);
+  *out = __libc_memalign(a, n);
+  return *out ? 0 : 12;
+}
+}
+
+using namespace normuon;
+
+namespace {
+
+bool same_bits(const float* a, const float* b, int64_t n) { return std::memcmp(a, b, sizeof(float) * n) == 0; }
+
+struct Run {
+  Layout layout;
+  FlatState state;
+  FastCpuBackend backend;
+  GradientGenerator gen;
+  Options options;
+  Run(const Manifest& m, const Options& o, int threads = 0, GradientGenerator g = {1234, 7})
+      : layout(Layout::build(m, o)), state(layout), backend(layout, o, threads), gen(g), options(o) {
+    gen.fill_params(state);
+  }
+  void steps(int64_t first, int64_t last) {
+    for (int64_t s = first; s <= last; ++s) {
+      gen.fill_gradients(state, s);
+      backend.step(state, options);
+    }
+  }
+};
+
+Options with(const std::string& assignment) {
+  Options o;
+  o.set("weight_decay=0.1");
+  if (!assignment.empty()) o.set(assignment);
+  return o;
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(two_runs_are_bitwise_identical) {
+  for (const std::string knob : {"", "normuon.ns_precision=fp32", "normuon.reduce_axis=longer_dim"}) {
+    Run a(preset_manifest("tiny"), with(knob)), b(preset_manifest("tiny"), with(knob));
+    a.steps(1, 4);
+    b.steps(1, 4);
+    BOOST_TEST(same_bits(a.state.params.data(), b.state.params.data(), a.layout.param_floats), knob);
+    BOOST_TEST(a.state.same_optimizer_state(b.state), knob);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(no_allocation_of_its_own_in_a_step) {
+  Run run(preset_manifest("tiny"), with(""));
+  run.steps(1, 2);  // the first steps may warm up OpenMP and oneDNN
+  // What one oneDNN execute() allocates inside the library, measured on a batch of our own.
+  fast::BatchedNewtonSchulz ns({{8, 16, 2}});
+  std::vector<float> buf(2 * 8 * 16, 0.5f);
+  const float* in[2] = {buf.data(), buf.data() + 128};
+  float* out[2] = {buf.data(), buf.data() + 128};
+  NorMuonHyper h;
+  ns.run(0, in, out, h);
+  const long before_probe = g_mallocs.load();
+  const int64_t probe_calls_before = ns.gemm_calls();
+  ns.run(0, in, out, h);
+  const long per_gemm = (g_mallocs.load() - before_probe) / (ns.gemm_calls() - probe_calls_before);
+  BOOST_TEST_MESSAGE("oneDNN allocates " << per_gemm << " blocks per execute()");
+
+  for (int64_t s = 3; s <= 5; ++s) {
+    run.gen.fill_gradients(run.state, s);
+    const long before = g_mallocs.load();
+    run.backend.step(run.state, run.options);
+    const long allocations = g_mallocs.load() - before;
+    const int64_t gemms = run.backend.counters().gemm_calls;
+    BOOST_TEST(gemms == 4 * 5 * 3);  // 4 batches x 5 iterations x 3 products
+    BOOST_TEST(allocations == gemms * per_gemm, "step " << s << ": " << allocations << " allocations, of which "
+                                                        << allocations - gemms * per_gemm << " outside oneDNN");
+  }
+}
+
+BOOST_AUTO_TEST_CASE(nonfinite_gradients_change_nothing) {
+  Run run(preset_manifest("tiny"), with(""));
+  run.steps(1, 1);
+  run.gen.fill_gradients(run.state, 2);
+  const int e = run.layout.find("transformer.h.1.attn.c_proj.weight");
+  run.state.grad(e)[5] = std::numeric_limits<float>::infinity();
+  const FlatState before = run.state;
+  BOOST_CHECK_EXCEPTION(run.backend.step(run.state, run.options), std::runtime_error, [](const std::runtime_error& x) {
+    return std::string(x.what()).find("transformer.h.1.attn.c_proj.weight") != std::string::npos;
+  });
+  BOOST_TEST(run.state.same_optimizer_state(before));
+  BOOST_TEST(same_bits(run.state.params.data(), before.params.data(), run.layout.param_floats));
+  Options skip = run.options;
+  skip.set("nonfinite=skip_step");
+  BOOST_TEST(run.backend.step(run.state, skip).skipped);
+  BOOST_TEST(run.state.same_optimizer_state(before));
+}
+
+BOOST_AUTO_TEST_CASE(odd_shapes_missing_gradients_and_groups) {
+  // 1 x n, n x 1, prime sizes, more rows than columns, a 0-element matrix, two groups sharing a shape
+  // with different Newton-Schulz precision, and a parameter that never has a gradient.
+  Manifest m;
+  auto add = [&m](const std::string& name, std::vector<int64_t> shape, const std::string& group = "") {
+    ParamSpec p;
+    p.name = name;
+    p.shape = std::move(shape);
+    p.role = p.shape.size() == 2 ? Role::matrix : Role::bias;
+    p.group = group;
+    m.params.push_back(p);
+  };
+  add("row", {1, 37});
+  add("col", {37, 1});
+  add("prime", {13, 29});
+  add("tall", {29, 13});
+  add("empty", {0, 8});
+  add("a", {16, 24});
+  add("b", {16, 24}, "fp32");
+  add("idle", {16, 24});
+  add("bias", {24});
+  Options o = with("");
+  GroupOptions fp32;
+  fp32.name = "fp32";
+  fp32.normuon.ns_precision = NsPrecision::fp32;
+  o.groups.push_back(fp32);
+  Run run(m, o, 0, GradientGenerator{1234, 0});  // every parameter has a gradient, except idle
+  const int idle = run.layout.find("idle");
+  const FlatState initial = run.state;
+  for (int64_t s = 1; s <= 3; ++s) {
+    run.gen.fill_gradients(run.state, s);
+    run.state.has_grad[idle] = 0;
+    run.backend.step(run.state, run.options);
+  }
+  for (int64_t k = 0; k < run.layout.param_floats; ++k) BOOST_REQUIRE(std::isfinite(run.state.params[k]));
+  BOOST_TEST(same_bits(run.state.param(idle), initial.param(idle), 16 * 24));
+  BOOST_TEST(!same_bits(run.state.param(run.layout.find("b")), initial.param(run.layout.find("b")), 16 * 24));
+  BOOST_TEST((run.state.group_steps == std::vector<int64_t>{3, 3, 3}));
+  BOOST_TEST(run.backend.describe().find("group fp32") != std::string::npos);
+}
+
+BOOST_AUTO_TEST_CASE(thread_count_is_the_backends_own) {
+  // A host (libtorch does) may lower the process-wide OpenMP count; the backend uses its own for the
+  // step and gives the host's back.
+  omp_set_num_threads(1);
+  Run two(preset_manifest("tiny"), with(""), 2);
+  BOOST_TEST(two.backend.threads() == 2);
+  two.steps(1, 1);
+  BOOST_TEST(omp_get_max_threads() == 1);
+  omp_set_num_threads(omp_get_num_procs());
+}
