@@ -48,8 +48,12 @@ at::Tensor newton_schulz(const at::Tensor& update, const NorMuonHyper& h) {
   // fp32 accumulation. Coefficients therefore enter as fp32 values, as on CUDA.
   const bool bf16 = h.ns_precision == NsPrecision::bf16;
   auto P = [bf16](const at::Tensor& x) { return bf16 ? x.to(at::kBFloat16).to(at::kFloat) : x; };
-  auto gemm = [bf16](const at::Tensor& x, const at::Tensor& y) {
-    return bf16 ? at::mm(x.to(at::kBFloat16), y.to(at::kBFloat16)).to(at::kFloat) : at::mm(x, y);
+  auto gemm = [bf16, &P](const at::Tensor& x, const at::Tensor& y) {
+    if (!bf16) return at::mm(x, y);
+    // torch 1.13's CPU bf16 mm accumulates in bf16 for products of at most 16^3 multiply-adds (a plain
+    // loop, not oneDNN); the spec says fp32 accumulation, which fp32 mm of the bf16 values gives exactly.
+    if (x.size(0) * x.size(1) * y.size(1) <= 16 * 16 * 16) return P(at::mm(x, y));
+    return at::mm(x.to(at::kBFloat16), y.to(at::kBFloat16)).to(at::kFloat);
   };
   at::Tensor X = P(update.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
   const bool tall = X.size(0) > X.size(1);

@@ -10,7 +10,7 @@ packages=(
   libopenblas0-pthread            # without it torch and Eigen use the netlib reference BLAS, ~65x slower
   libdnnl-dev                     # oneDNN: the batched (bf16) GEMMs of the fast CPU backend
   libeigen3-dev libboost-test-dev pybind11-dev libcsv-dev nlohmann-json3-dev zlib1g-dev
-  python3-pytest
+  python3-dev python3-numpy python3-pytest   # the Python extension module and its tests
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -229,3 +229,19 @@ BOOST_AUTO_TEST_CASE(missing_gradients_and_empty_parameters_are_left_alone) {
   BOOST_TEST(std::memcmp(s.param(w), before.param(w), sizeof(float) * 24) != 0);
   BOOST_TEST((s.group_steps == std::vector<int64_t>{1, 1}));
 }
+
+BOOST_AUTO_TEST_CASE(small_bf16_products_accumulate_in_fp32) {
+  // torch 1.13's CPU bf16 mm accumulates small products (<= 16^3 multiply-adds) in bf16; the spec says
+  // fp32. One Newton-Schulz iteration on a 16 x 16 matrix, written out with fp32 products of bf16 values,
+  // must equal the reference bit for bit.
+  auto P = [](const at::Tensor& x) { return x.to(at::kBFloat16).to(at::kFloat); };
+  NorMuonHyper h = hyper(NsPrecision::bf16);
+  h.ns_steps = 1;
+  const at::Tensor U = gaussian(16, 16, 11);
+  at::Tensor X = P(U);
+  X = P(X / P(P(X.norm()) + h.ns_eps));
+  const at::Tensor A = P(at::mm(X, X.t()));
+  const at::Tensor B = P(P(-4.7750 * A) + P(at::mm(P(2.0315 * A), A)));
+  X = P(P(3.4445 * X) + P(at::mm(B, X)));
+  BOOST_TEST(at::equal(newton_schulz(U, h), X));
+}

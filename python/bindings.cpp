@@ -1,0 +1,306 @@
+// normuon._C: the C++ core (options, manifest, routing, layout, flat state, state file) and the fast CPU
+// backend, for the pure-Python torch optimizer in normuon/optim.py. No libtorch here: the flat buffers are
+// handed out as numpy arrays that view the C++ memory, and Python wraps them with torch.from_numpy.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+#include "fast_cpu_backend.h"
+#include "normuon/flat_state.h"
+#include "normuon/grad_gen.h"
+#include "normuon/layout.h"
+#include "normuon/manifest.h"
+#include "normuon/options.h"
+#include "normuon/state_file.h"
+
+namespace py = pybind11;
+using namespace normuon;
+
+namespace {
+
+// A 1-D numpy array over `size` elements at `data`, owned by `owner` (kept alive as the array's base).
+template <typename T>
+py::array_t<T> view(T* data, int64_t size, py::handle owner) {
+  return py::array_t<T>({static_cast<py::ssize_t>(size)}, {static_cast<py::ssize_t>(sizeof(T))}, data, owner);
+}
+
+std::optional<Algorithm> parse_override(const std::optional<std::string>& text) {
+  if (!text || text->empty() || *text == "auto") return std::nullopt;
+  return parse_algorithm(*text);
+}
+
+// A group's hyper-parameters as a dict of Python values, keyed by the names of options.h.
+py::dict group_hyper(const GroupOptions& g) {
+  py::dict d;
+  if (g.algorithm == Algorithm::adamw) {
+    const AdamWHyper& h = g.adamw;
+    d["lr"] = h.lr;
+    d["beta1"] = h.beta1;
+    d["beta2"] = h.beta2;
+    d["eps"] = h.eps;
+    d["weight_decay"] = h.weight_decay;
+    return d;
+  }
+  const NorMuonHyper& h = g.normuon;
+  d["lr"] = h.lr;
+  d["beta1"] = h.beta1;
+  d["beta2"] = h.beta2;
+  d["weight_decay"] = h.weight_decay;
+  d["nesterov"] = h.nesterov;
+  d["ns_steps"] = h.ns_steps;
+  d["ns_coefficients"] = to_string(h.ns_coefficients);
+  d["ns_precision"] = to_string(h.ns_precision);
+  d["reduce_axis"] = to_string(h.reduce_axis);
+  d["lr_scale"] = to_string(h.lr_scale);
+  d["weight_decay_mode"] = to_string(h.weight_decay_mode);
+  d["eps_placement"] = to_string(h.eps_placement);
+  d["ns_eps"] = h.ns_eps;
+  d["denom_eps"] = h.denom_eps;
+  d["renorm_eps"] = h.renorm_eps;
+  return d;
+}
+
+// Group by name or index.
+const GroupOptions& find_group(const Options& o, const py::object& key) {
+  if (py::isinstance<py::int_>(key)) {
+    const auto i = key.cast<py::ssize_t>();
+    if (i < 0 || i >= static_cast<py::ssize_t>(o.groups.size()))
+      throw py::index_error("group index " + std::to_string(i) + " out of range");
+    return o.groups[static_cast<size_t>(i)];
+  }
+  return o.group(key.cast<std::string>());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "normuon native core: options, routing, flat layout and state, state files, the fast CPU backend";
+  // std::invalid_argument -> ValueError and std::runtime_error -> RuntimeError are pybind11's own mapping;
+  // the state file's errors get their own class so callers can tell a bad file from a bad step.
+  py::register_exception<StateFileError>(m, "StateFileError", PyExc_RuntimeError);
+
+  m.attr("STATE_FORMAT") = kStateFormat;
+  m.attr("STATE_FORMAT_VERSION") = kStateFormatVersion;
+  m.attr("ALIGN_FLOATS") = kAlignFloats;
+
+  py::class_<Options>(m, "Options", "Hyper-parameters and variant knobs (options.h); groups in order")
+      .def(py::init<>(), "The default groups: 'normuon' and 'adamw'")
+      .def(py::init([](const std::vector<std::pair<std::string, std::string>>& groups) {
+             Options o;
+             o.groups.clear();
+             for (const auto& [name, algorithm] : groups) {
+               if (name.empty() || name.find_first_of(".=") != std::string::npos)
+                 throw std::invalid_argument("group name '" + name + "' must be non-empty, without '.' or '='");
+               if (o.find_group(name)) throw std::invalid_argument("two groups are named '" + name + "'");
+               GroupOptions g;
+               g.name = name;
+               g.algorithm = parse_algorithm(algorithm);
+               o.groups.push_back(g);
+             }
+             return o;
+           }),
+           py::arg("groups"), "Groups given as [(name, 'normuon' | 'adamw'), ...], each with default values")
+      .def("set", py::overload_cast<const std::string&, const std::string&>(&Options::set), py::arg("key"),
+           py::arg("value"), "KEY is GROUP.FIELD, FIELD (every group that has it) or 'nonfinite'")
+      .def("set", py::overload_cast<const std::string&>(&Options::set), py::arg("assignment"))
+      .def("to_json", &Options::to_json)
+      .def_static("from_json", &Options::from_json, py::arg("text"))
+      .def("describe", [](const Options& o) { return describe(o); }, "every key=value")
+      .def_property_readonly("groups",
+                             [](const Options& o) {
+                               std::vector<std::pair<std::string, std::string>> out;
+                               for (const auto& g : o.groups) out.emplace_back(g.name, to_string(g.algorithm));
+                               return out;
+                             })
+      .def_property_readonly("nonfinite", [](const Options& o) { return std::string(to_string(o.nonfinite)); })
+      .def("hyper", [](const Options& o, const py::object& group) { return group_hyper(find_group(o, group)); },
+           py::arg("group"), "a group's values as a dict (group by name or index)")
+      .def("__repr__", [](const Options& o) { return "normuon._C.Options(" + o.to_json() + ")"; });
+
+  py::class_<ParamSpec>(m, "ParamSpec", "One manifest row: what the optimizer knows of a parameter")
+      .def(py::init([](std::string name, std::vector<int64_t> shape, const std::string& dtype, const std::string& role,
+                       std::string group, const std::optional<std::string>& algorithm) {
+             ParamSpec p;
+             p.name = std::move(name);
+             p.shape = std::move(shape);
+             p.dtype = parse_dtype(dtype);
+             p.role = parse_role(role);
+             p.group = std::move(group);
+             p.algorithm = parse_override(algorithm);
+             return p;
+           }),
+           py::arg("name"), py::arg("shape"), py::arg("dtype") = "f32", py::arg("role") = "other",
+           py::arg("group") = "", py::arg("algorithm") = py::none())
+      .def_readonly("name", &ParamSpec::name)
+      .def_readonly("shape", &ParamSpec::shape)
+      .def_property_readonly("dtype", [](const ParamSpec& p) { return std::string(to_string(p.dtype)); })
+      .def_property_readonly("role", [](const ParamSpec& p) { return std::string(to_string(p.role)); })
+      .def_readonly("group", &ParamSpec::group)
+      .def_property_readonly("algorithm",
+                             [](const ParamSpec& p) { return std::string(p.algorithm ? to_string(*p.algorithm) : "auto"); })
+      .def("__repr__", [](const ParamSpec& p) {
+        return "ParamSpec(" + p.name + ", [" + shape_to_string(p.shape) + "], " + to_string(p.dtype) + ", " +
+               to_string(p.role) + ")";
+      });
+
+  m.def("route", [](const ParamSpec& p) { return std::string(to_string(route(p))); }, py::arg("param"),
+        "The spec's routing rule: 'normuon' or 'adamw' (ValueError: NorMuon forced on a non-2-D parameter)");
+  m.def("resolved_group", &resolved_group, py::arg("param"));
+
+  py::class_<Manifest>(m, "Manifest")
+      .def(py::init([](std::vector<ParamSpec> params) {
+             Manifest mf;
+             mf.params = std::move(params);
+             return mf;
+           }),
+           py::arg("params"))
+      .def_readonly("params", &Manifest::params)
+      .def("validate", &Manifest::validate)
+      .def("numel", &Manifest::numel)
+      .def("to_csv",
+           [](const Manifest& mf) {
+             std::ostringstream out;
+             mf.write_csv(out);
+             return out.str();
+           })
+      .def("write_csv",
+           [](const Manifest& mf, const std::string& path) {
+             std::ofstream out(path, std::ios::binary | std::ios::trunc);
+             if (!out) throw std::runtime_error("cannot write manifest file '" + path + "'");
+             mf.write_csv(out);
+             if (!out.flush()) throw std::runtime_error("error writing manifest file '" + path + "'");
+           },
+           py::arg("path"))
+      .def_static("read_csv", &Manifest::read_csv_file, py::arg("path"))
+      .def_static("from_csv", [](const std::string& text) {
+        std::istringstream in(text);
+        return Manifest::read_csv(in);
+      });
+
+  py::class_<LayoutEntry>(m, "LayoutEntry")
+      .def_readonly("name", &LayoutEntry::name)
+      .def_readonly("shape", &LayoutEntry::shape)
+      .def_property_readonly("dtype", [](const LayoutEntry& e) { return std::string(to_string(e.dtype)); })
+      .def_property_readonly("role", [](const LayoutEntry& e) { return std::string(to_string(e.role)); })
+      .def_property_readonly("algorithm", [](const LayoutEntry& e) { return std::string(to_string(e.algorithm)); })
+      .def_readonly("group", &LayoutEntry::group)
+      .def_readonly("numel", &LayoutEntry::numel)
+      .def_readonly("offset", &LayoutEntry::offset)
+      .def_readonly("rows", &LayoutEntry::rows)
+      .def_readonly("cols", &LayoutEntry::cols)
+      .def_readonly("bucket", &LayoutEntry::bucket)
+      .def_readonly("stats_per_row", &LayoutEntry::stats_per_row)
+      .def_readonly("stat_offset", &LayoutEntry::stat_offset)
+      .def_readonly("stat_len", &LayoutEntry::stat_len)
+      .def_readonly("adam_offset", &LayoutEntry::adam_offset);
+
+  py::class_<Layout>(m, "Layout", "The flat placement of a manifest's parameters and state (layout.h)")
+      .def_static("build", &Layout::build, py::arg("manifest"), py::arg("options"))
+      .def_readonly("entries", &Layout::entries)
+      .def_readonly("group_names", &Layout::group_names)
+      .def_readonly("param_floats", &Layout::param_floats)
+      .def_readonly("normuon_floats", &Layout::normuon_floats)
+      .def_readonly("stat_floats", &Layout::stat_floats)
+      .def_readonly("adam_floats", &Layout::adam_floats)
+      .def_property_readonly("buckets",
+                             [](const Layout& l) {
+                               std::vector<std::pair<int64_t, int64_t>> out;
+                               for (const auto& b : l.buckets) out.emplace_back(b.rows, b.cols);
+                               return out;
+                             })
+      .def_property_readonly("fingerprint", &Layout::fingerprint_hex)
+      .def("find", &Layout::find, py::arg("name"))
+      .def("describe", &Layout::describe);
+
+  py::class_<FlatState>(m, "FlatState",
+                        "Flat fp32 buffers of a layout; the buffer properties are numpy views of the C++ memory")
+      .def(py::init<const Layout&>(), py::arg("layout"), py::keep_alive<1, 2>())
+      .def_property_readonly("params", [](py::object self) { auto& s = self.cast<FlatState&>(); return view(s.params.data(), s.params.size(), self); })
+      .def_property_readonly("grads", [](py::object self) { auto& s = self.cast<FlatState&>(); return view(s.grads.data(), s.grads.size(), self); })
+      .def_property_readonly("momentum", [](py::object self) { auto& s = self.cast<FlatState&>(); return view(s.momentum.data(), s.momentum.size(), self); })
+      .def_property_readonly("row_var", [](py::object self) { auto& s = self.cast<FlatState&>(); return view(s.row_var.data(), s.row_var.size(), self); })
+      .def_property_readonly("exp_avg", [](py::object self) { auto& s = self.cast<FlatState&>(); return view(s.exp_avg.data(), s.exp_avg.size(), self); })
+      .def_property_readonly("exp_avg_sq", [](py::object self) { auto& s = self.cast<FlatState&>(); return view(s.exp_avg_sq.data(), s.exp_avg_sq.size(), self); })
+      // has_grad never reallocates (one flag per entry); group_steps is replaced by load_state, so it is
+      // copied in and out rather than viewed.
+      .def_property_readonly("has_grad", [](py::object self) {
+        auto& s = self.cast<FlatState&>();
+        return view(s.has_grad.data(), static_cast<int64_t>(s.has_grad.size()), self);
+      })
+      .def_property(
+          "group_steps", [](const FlatState& s) { return s.group_steps; },
+          [](FlatState& s, const std::vector<int64_t>& steps) {
+            if (steps.size() != s.layout->group_names.size())
+              throw std::invalid_argument(std::to_string(steps.size()) + " group steps for " +
+                                          std::to_string(s.layout->group_names.size()) + " groups");
+            for (int64_t t : steps)
+              if (t < 0) throw std::invalid_argument("a group step is negative: " + std::to_string(t));
+            s.group_steps = steps;
+          })
+      .def("same_optimizer_state", &FlatState::same_optimizer_state, py::arg("other"));
+
+  py::class_<StepResult>(m, "StepResult")
+      .def_readonly("skipped", &StepResult::skipped)
+      .def_readonly("reason", &StepResult::reason);
+
+  py::class_<FastCpuBackend>(m, "FastCpuBackend", "The fused multi-threaded CPU backend (docs/fast-cpu.md)")
+      .def(py::init<const Layout&, const Options&, int>(), py::arg("layout"), py::arg("options"),
+           py::arg("threads") = 0, py::keep_alive<1, 2>())
+      .def_property_readonly("name", &FastCpuBackend::name)
+      .def_property_readonly("threads", &FastCpuBackend::threads)
+      .def("describe", &FastCpuBackend::describe)
+      // The step runs on its own OpenMP threads over memory Python doesn't touch meanwhile: let go of the GIL.
+      .def("step", &FastCpuBackend::step, py::arg("state"), py::arg("options"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_static("unsupported_reason", &FastCpuBackend::unsupported_reason, py::arg("layout"), py::arg("options"));
+
+  // The CLI's deterministic gradients and initial parameters, so Python can reproduce a `normuon run`.
+  py::class_<GradientGenerator>(m, "GradientGenerator")
+      .def(py::init([](uint64_t seed, int missing_grad_period) { return GradientGenerator{seed, missing_grad_period}; }),
+           py::arg("seed") = 1234, py::arg("missing_grad_period") = 0)
+      .def("fill_gradients", &GradientGenerator::fill_gradients, py::arg("state"), py::arg("step"))
+      .def("fill_params", &GradientGenerator::fill_params, py::arg("state"));
+
+  m.def("save_state", &save_state, py::arg("path"), py::arg("state"), py::arg("options"), py::arg("backend"),
+        py::call_guard<py::gil_scoped_release>(), "Atomic write of parameters, state, group steps and options");
+  m.def("load_state",
+        [](const std::string& path, FlatState& state) {
+          Options options;
+          {
+            py::gil_scoped_release release;
+            load_state(path, state, &options);
+          }
+          return options;
+        },
+        py::arg("path"), py::arg("state"), "All-or-nothing load; returns the saved options");
+  m.def("read_state_header",
+        [](const std::string& path, bool verify) {
+          const StateFileHeader h = read_state_header(path, verify);
+          py::dict d;
+          d["format"] = h.format;
+          d["version"] = h.version;
+          d["backend"] = h.backend;
+          d["layout_fingerprint"] = h.layout_fingerprint;
+          d["created_utc"] = h.created_utc;
+          d["options"] = h.options;
+          d["group_names"] = h.group_names;
+          d["group_steps"] = h.group_steps;
+          d["file_size"] = h.file_size;
+          py::list tensors;
+          for (const auto& t : h.tensors) {
+            py::dict td;
+            td["name"] = t.name;
+            td["dtype"] = t.dtype;
+            td["shape"] = t.shape;
+            td["crc32"] = t.crc32;
+            tensors.append(td);
+          }
+          d["tensors"] = tensors;
+          return d;
+        },
+        py::arg("path"), py::arg("verify_checksums") = true);
+}

@@ -1,0 +1,20 @@
+"""normuon: the NorMuon + AdamW hybrid optimizer for torch (docs/python.md).
+
+    import normuon
+    opt = normuon.NorMuonAdamW(model.named_parameters(), lr=0.02, adamw_lr=3e-4)
+    opt.print_routing()   # which parameter got NorMuon, which AdamW, and why
+"""
+from . import reference
+from .optim import (BACKEND_CHOICES, BACKEND_ENV, NorMuonAdamW, StateFileError, infer_role, native_error,
+                    route)
+
+__version__ = "0.1.0"
+
+
+def native_available():
+    """True when the native module normuon._C (fast backend, state files) is importable."""
+    return native_error() is None
+
+
+__all__ = ["NorMuonAdamW", "StateFileError", "infer_role", "route", "reference", "native_available",
+           "native_error", "BACKEND_CHOICES", "BACKEND_ENV", "__version__"]

@@ -1,0 +1,676 @@
+"""NorMuonAdamW: the NorMuon + AdamW hybrid (docs/spec.md) as a torch.optim.Optimizer.
+
+The optimizer keeps an fp32 master copy of every parameter, the gradients and all state in the flat
+layout of the C++ core (normuon._C.FlatState, viewed zero-copy as torch tensors). A step copies the
+gradients in, runs the backend over the whole layout, and copies the updated values back into the
+model's own tensors (rounded to their dtype).
+"""
+import math
+import os
+import warnings
+
+import torch
+
+from . import reference
+
+try:
+    from . import _C
+
+    _C_IMPORT_ERROR = None
+except ImportError as error:  # the backend selector reports this instead of silently downgrading
+    _C = None
+    _C_IMPORT_ERROR = f"{type(error).__name__}: {error}"
+
+BACKEND_ENV = "NORMUON_BACKEND"
+BACKEND_CHOICES = ("auto", "fast", "reference")
+
+NORMUON_FIELDS = tuple(reference.NORMUON_DEFAULTS)  # the names of options.h
+NORMUON_KNOBS = NORMUON_FIELDS[6:]                  # everything after lr .. ns_steps
+ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+ADAMW_PREFIXED = tuple("adamw_" + k for k in ADAMW_KEYS)  # AdamW values inside an "auto" group
+FIXED_FIELDS = ("reduce_axis",)  # it decides the shape of the NorMuon second moment (the layout)
+
+_ENUMS = {
+    "ns_coefficients": ("quintic", "polar_express"),
+    "ns_precision": ("bf16", "fp32"),
+    "reduce_axis": ("rows", "longer_dim"),
+    "lr_scale": ("official", "spectral", "rms_matching"),
+    "weight_decay_mode": ("decoupled", "cautious", "none"),
+    "eps_placement": ("add", "clamp"),
+}
+_RANGES = {"lr": 1e6, "weight_decay": 1e6, "beta1": 1.0, "beta2": 1.0, "eps": 1.0, "ns_eps": 1.0,
+           "denom_eps": 1.0, "renorm_eps": 1.0}
+
+_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+_EMBEDDING_MARKERS = ("embed", "wte", "wpe", "tok_embeddings")
+_HEAD_FIRST = ("output", "head")  # a top-level module of these names is the output head (Llama: output.weight)
+
+
+class StateFileError(RuntimeError):
+    """Stand-in when the native module is missing; normally normuon._C.StateFileError."""
+
+
+if _C is not None:
+    StateFileError = _C.StateFileError  # noqa: F811
+
+
+def native_error():
+    """Why normuon._C could not be imported, or None."""
+    return _C_IMPORT_ERROR
+
+
+def infer_role(name, shape):
+    """The manifest role of a parameter from its name and shape (routing reads it, docs/python.md)."""
+    lname = name.lower()
+    parts = lname.split(".")
+    if any(m in lname for m in _EMBEDDING_MARKERS):
+        return "embedding"
+    if "lm_head" in parts or parts[0] in _HEAD_FIRST:
+        return "head"
+    if len(shape) == 2:
+        return "matrix"
+    if len(shape) < 2:
+        if parts[-1] == "bias":
+            return "bias"
+        if "norm" in lname or any(p.startswith("ln") for p in parts):
+            return "norm"
+    return "other"
+
+
+def route(name, shape, role, override=None):
+    """(algorithm, why): the spec's rule, or an explicit override; NorMuon on a non-2-D tensor is an error."""
+    if override in ("normuon", "adamw"):
+        if override == "normuon" and len(shape) != 2:
+            raise ValueError(f"parameter '{name}' is routed to NorMuon but has shape {list(shape)} "
+                             "(NorMuon needs a 2-D matrix)")
+        return override, "override"
+    if override not in (None, "auto"):
+        raise ValueError(f"parameter '{name}': unknown algorithm {override!r} (choose auto | normuon | adamw)")
+    if len(shape) == 2 and role not in ("embedding", "head"):
+        return "normuon", "rule: 2-D matrix"
+    return "adamw", f"rule: {role}" if role in ("embedding", "head") else f"rule: {len(shape)}-D"
+
+
+def check_value(key, value):
+    """A hyper-parameter value in the form options.h takes, or ValueError saying what is wrong."""
+    if key in _ENUMS:
+        if value not in _ENUMS[key]:
+            raise ValueError(f"{key}={value!r}: choose {' | '.join(_ENUMS[key])}")
+        return value
+    if key == "nesterov":
+        if value not in (True, False, 0, 1):
+            raise ValueError(f"nesterov={value!r} is not a boolean")
+        return bool(value)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}={value!r} is not a number") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{key}={value!r} is not finite")
+    if key == "ns_steps":
+        if number != int(number) or not 1 <= number <= 100:
+            raise ValueError(f"ns_steps={value!r} is not an integer in [1, 100]")
+        return int(number)
+    if not 0 <= number <= _RANGES[key]:
+        raise ValueError(f"{key}={value!r} is outside [0, {_RANGES[key]:g}]")
+    return number
+
+
+def _option_text(value):
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+class _Entry:
+    """One parameter: the user's tensor and its fp32 slots (views of the flat buffers)."""
+
+    __slots__ = ("index", "name", "tensor", "shape", "dtype", "role", "algorithm", "why", "group", "override",
+                 "param", "grad", "state", "stats_per_row", "stat_len", "has_grad")
+
+    @property
+    def low_precision(self):
+        return self.dtype != torch.float32
+
+
+class NorMuonAdamW(torch.optim.Optimizer):
+    """NorMuon on 2-D hidden matrices, AdamW on everything else (docs/spec.md, docs/python.md).
+
+    params: model.named_parameters() (recommended: names drive the routing), plain tensors, or param
+        groups: dicts with "params" (tensors or (name, tensor) pairs), optional "names", "name",
+        "algorithm" ("auto" | "normuon" | "adamw") and hyper-parameters. An "auto" group (the default) is
+        split by the routing rule into a NorMuon and an AdamW group; it takes NorMuon keys plus
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay.
+    lr, beta1 (alias momentum), beta2, weight_decay, nesterov, ns_steps, **knobs: NorMuon defaults
+        (knobs: ns_coefficients, ns_precision, reduce_axis, lr_scale, weight_decay_mode, eps_placement,
+        ns_eps, denom_eps, renorm_eps).
+    adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW defaults.
+    overrides: {name: "normuon" | "adamw" | "auto"}, wins over the rule. roles: {name: role}.
+    backend: "auto" | "fast" | "reference"; None reads NORMUON_BACKEND, then "auto" (= fast). No fallback.
+    threads: the fast backend's threads (0 = one per processor). nonfinite: "error" | "skip_step".
+    """
+
+    def __init__(self, params, lr=0.02, beta1=0.95, beta2=0.95, weight_decay=0.0, nesterov=True, ns_steps=5, *,
+                 momentum=None, adamw_lr=3e-4, adamw_betas=(0.9, 0.95), adamw_eps=1e-10, adamw_weight_decay=0.0,
+                 overrides=None, roles=None, backend=None, threads=0, nonfinite="error", **knobs):
+        unknown = sorted(set(knobs) - set(NORMUON_KNOBS))
+        if unknown:
+            raise TypeError(f"NorMuonAdamW got unexpected keyword argument(s) {', '.join(unknown)} "
+                            f"(NorMuon knobs: {', '.join(NORMUON_KNOBS)})")
+        if momentum is not None:
+            if beta1 not in (0.95, momentum):
+                raise ValueError(f"momentum={momentum} and beta1={beta1} disagree (momentum is an alias of beta1)")
+            beta1 = momentum
+        if nonfinite not in ("error", "skip_step"):
+            raise ValueError(f"nonfinite={nonfinite!r}: choose error | skip_step")
+        self.nonfinite = nonfinite
+        normuon_defaults = dict(reference.NORMUON_DEFAULTS, lr=lr, beta1=beta1, beta2=beta2,
+                                weight_decay=weight_decay, nesterov=nesterov, ns_steps=ns_steps, **knobs)
+        adamw_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)
+        overrides = dict(overrides or {})
+        roles = dict(roles or {})
+
+        groups, entries = self._build_groups(params, normuon_defaults, adamw_defaults, overrides, roles)
+        self._entries = entries
+        self._choice = _resolve_choice(backend)
+        if _C is None and self._choice != "reference":
+            raise RuntimeError(f"backend '{self._choice}' needs the native module normuon._C, which could not be "
+                               f"imported ({_C_IMPORT_ERROR}); no fallback to the reference: build it "
+                               "(docs/python.md) or ask for backend='reference'")
+        super().__init__(groups, {})
+        self._built = True
+        self._hypers = [self._validated(i, g) for i, g in enumerate(self.param_groups)]  # checked values
+        self._fixed = [{k: h.get(k) for k in FIXED_FIELDS} for h in self._hypers]
+        self._allocate(threads)
+        for e in entries:  # live views, for inspection as with torch's optimizers
+            self.state[e.tensor] = self._state_views(e)
+        self.last_skip_reason = None
+
+    # ------------------------------------------------------------------------------------------- building
+
+    def _build_groups(self, params, normuon_defaults, adamw_defaults, overrides, roles):
+        """User input -> (param groups of one algorithm each, entries in manifest order)."""
+        params = list(params)
+        if not params:
+            raise ValueError("NorMuonAdamW got an empty parameter list")
+        if isinstance(params[0], dict):
+            user_groups, named = params, False
+        else:
+            user_groups, named = [{"params": params}], True
+            if any(isinstance(p, torch.Tensor) and p.dim() == 2 for p in params):
+                warnings.warn("NorMuonAdamW got matrices without names, so it cannot tell embeddings and the "
+                              "output head from hidden matrices: every 2-D tensor goes to NorMuon. Pass "
+                              "model.named_parameters() (or roles/overrides by the names param0, param1, ...)",
+                              stacklevel=3)
+        entries, groups, seen_names, seen_tensors = [], [], set(), set()
+        for gi, ug in enumerate(user_groups):
+            if not isinstance(ug, dict) or "params" not in ug:
+                raise ValueError(f"param group #{gi} is not a dict with 'params'")
+            algorithm = ug.get("algorithm", "auto")
+            if algorithm not in ("auto", "normuon", "adamw"):
+                raise ValueError(f"param group #{gi}: algorithm={algorithm!r} (choose auto | normuon | adamw)")
+            allowed = {"params", "names", "name", "algorithm"}
+            if algorithm == "adamw":
+                allowed |= set(ADAMW_KEYS)
+            else:
+                allowed |= set(NORMUON_FIELDS) | {"momentum"}
+            if algorithm == "auto":
+                allowed |= set(ADAMW_PREFIXED)
+            unknown = sorted(set(ug) - allowed)
+            if unknown:
+                raise ValueError(f"param group #{gi} ({algorithm}): unknown key(s) {', '.join(unknown)} "
+                                 f"(allowed: {', '.join(sorted(allowed))})")
+            pairs = _named_tensors(ug["params"], ug.get("names"), gi, "param" if named else f"group{gi}.")
+            # Hyper-parameters of this user group, per algorithm.
+            nm = dict(normuon_defaults)
+            aw = dict(adamw_defaults)
+            if algorithm == "adamw":
+                aw.update({k: ug[k] for k in ADAMW_KEYS if k in ug})
+            else:
+                nm.update({k: ug[k] for k in NORMUON_FIELDS if k in ug})
+                if "momentum" in ug:
+                    nm["beta1"] = ug["momentum"]
+                aw.update({k[len("adamw_"):]: ug[k] for k in ADAMW_PREFIXED if k in ug})
+            aw["betas"] = tuple(aw["betas"])
+            base = ug.get("name", None if named else f"group{gi}")
+            if named:  # the default groups of the C++ options: a CLI-made state file fits
+                names = {"normuon": "normuon", "adamw": "adamw"}
+            elif algorithm == "auto":
+                names = {"normuon": f"{base}_normuon", "adamw": f"{base}_adamw"}
+            else:
+                names = {algorithm: base}
+            sub = {alg: {"params": [], "names": [], "name": n, "algorithm": alg,
+                         **(nm if alg == "normuon" else aw)} for alg, n in names.items()}
+            for name, tensor in pairs:
+                if name in seen_names:
+                    raise ValueError(f"two parameters are named '{name}'")
+                if id(tensor) in seen_tensors:
+                    raise ValueError(f"parameter '{name}' appears twice (the same tensor under two names or groups)")
+                seen_names.add(name)
+                seen_tensors.add(id(tensor))
+                e = _make_entry(len(entries), name, tensor, roles.pop(name, None))
+                explicit = overrides.pop(name, None)
+                override = explicit
+                if algorithm != "auto":  # the group's algorithm is an override of all its parameters
+                    if explicit not in (None, "auto", algorithm):
+                        raise ValueError(f"parameter '{name}' is overridden to {explicit} but sits in the "
+                                         f"{algorithm} group '{base}'")
+                    override = algorithm
+                e.override = override if override in ("normuon", "adamw") else None
+                e.algorithm, e.why = route(name, e.shape, e.role, override)
+                if algorithm != "auto" and explicit not in ("normuon", "adamw"):
+                    e.why = f"group '{base}'"
+                sub[e.algorithm]["params"].append(tensor)
+                sub[e.algorithm]["names"].append(name)
+                entries.append(e)
+            for alg, g in sub.items():
+                if named or algorithm != "auto" or g["params"]:  # drop the empty half of a split group
+                    groups.append(g)
+        if overrides:
+            raise ValueError(f"overrides name unknown parameter(s): {', '.join(sorted(overrides))}")
+        if roles:
+            raise ValueError(f"roles name unknown parameter(s): {', '.join(sorted(roles))}")
+        group_names = [g["name"] for g in groups]
+        for n in group_names:
+            if not isinstance(n, str) or not n or "." in n or "=" in n or group_names.count(n) > 1:
+                raise ValueError(f"group name {n!r} must be a unique non-empty string without '.' or '='")
+        by_tensor = {id(e.tensor): e for e in entries}
+        for gi, g in enumerate(groups):
+            g["step"] = 0
+            for t in g["params"]:
+                by_tensor[id(t)].group = gi
+        return groups, entries
+
+    def _allocate(self, threads):
+        """The manifest, layout, flat state and backend; per-entry fp32 views."""
+        names = [g["name"] for g in self.param_groups]
+        default_group = {"normuon": "normuon", "adamw": "adamw"}
+        for e in self._entries:  # the second-moment axis, as Layout::build decides it
+            if e.algorithm == "normuon":
+                rows, cols = e.shape
+                e.stats_per_row = reference.stats_per_row(self._hypers[e.group]["reduce_axis"], rows, cols)
+                e.stat_len = rows if e.stats_per_row else cols
+        self._backend = None
+        if _C is None:  # reference only: standalone fp32 tensors, no state files
+            self._manifest = self._layout = self._flat = None
+            self._steps = [0] * len(names)
+            for e in self._entries:
+                e.param = e.tensor.detach().to(torch.float32, copy=True)
+                e.grad = torch.zeros(e.shape)
+                second = (e.stat_len,) if e.algorithm == "normuon" else e.shape
+                e.state = (torch.zeros(e.shape), torch.zeros(second))
+            self._reference = reference.ReferenceBackend()
+            return
+        self._options = _C.Options([(g["name"], g["algorithm"]) for g in self.param_groups])
+        self._options.set("nonfinite", self.nonfinite)
+        self._synced = [dict() for _ in names]
+        self._push_options()
+        specs = [_C.ParamSpec(e.name, list(e.shape), _DTYPES[e.dtype], e.role,
+                              "" if names[e.group] == default_group[e.algorithm] else names[e.group], e.override)
+                 for e in self._entries]
+        self._manifest = _C.Manifest(specs)
+        self._layout = _C.Layout.build(self._manifest, self._options)
+        self._flat = _C.FlatState(self._layout)
+        flat = {k: torch.from_numpy(getattr(self._flat, k))
+                for k in ("params", "grads", "momentum", "row_var", "exp_avg", "exp_avg_sq")}
+        self._has_grad = self._flat.has_grad  # numpy view: cheap per-element writes
+        for e, le in zip(self._entries, self._layout.entries):
+            assert le.name == e.name and le.algorithm == e.algorithm and le.group == e.group, le.name
+            assert le.stats_per_row == e.stats_per_row or e.algorithm == "adamw", le.name
+            span = slice(le.offset, le.offset + le.numel)
+            e.param = flat["params"][span].view(e.shape)
+            e.grad = flat["grads"][span].view(e.shape)
+            if e.algorithm == "normuon":
+                e.state = (flat["momentum"][span].view(e.shape),
+                           flat["row_var"][le.stat_offset:le.stat_offset + le.stat_len])
+            else:
+                adam = slice(le.adam_offset, le.adam_offset + le.numel)
+                e.state = (flat["exp_avg"][adam].view(e.shape), flat["exp_avg_sq"][adam].view(e.shape))
+            e.param.copy_(e.tensor.detach())
+        if self._choice == "reference":
+            self._reference = reference.ReferenceBackend()
+        else:
+            reason = _C.FastCpuBackend.unsupported_reason(self._layout, self._options)
+            if reason:
+                raise ValueError(f"backend '{self._choice}' cannot serve this request: {reason} (no fallback to "
+                                 "the reference; change the options or ask for backend='reference')")
+            self._backend = _C.FastCpuBackend(self._layout, self._options, threads)
+
+    @staticmethod
+    def _state_views(e):
+        if e.algorithm == "normuon":
+            return {"momentum_buffer": e.state[0], "moment2_buffer": e.state[1]}
+        return {"exp_avg": e.state[0], "exp_avg_sq": e.state[1]}
+
+    def add_param_group(self, param_group):
+        if getattr(self, "_built", False):
+            raise NotImplementedError("NorMuonAdamW fixes its layout when it is built: create a new optimizer "
+                                      "with all parameter groups")
+        super().add_param_group(param_group)
+
+    # ------------------------------------------------------------------------------ hyper-parameters
+
+    def _validated(self, i, group):
+        """The group's hyper-parameters in the spec's field names, checked; ValueError names the group."""
+        try:
+            if group["algorithm"] == "normuon":
+                raw = {k: group[k] for k in NORMUON_FIELDS}
+            else:
+                betas = tuple(group["betas"])
+                if len(betas) != 2:
+                    raise ValueError(f"betas={group['betas']!r} is not a pair")
+                raw = dict(lr=group["lr"], beta1=betas[0], beta2=betas[1], eps=group["eps"],
+                           weight_decay=group["weight_decay"])
+            values = {k: check_value(k, v) for k, v in raw.items()}
+            if values.get("ns_coefficients") == "polar_express" and values["ns_steps"] > 5:
+                raise ValueError(f"ns_steps={values['ns_steps']} but the Polar Express schedule has 5 "
+                                 "coefficient triples")
+        except KeyError as missing:
+            raise ValueError(f"param_groups[{i}] ('{group.get('name')}'): missing key {missing}") from None
+        except ValueError as error:
+            raise ValueError(f"param_groups[{i}] ('{group.get('name')}', {group['algorithm']}): {error}") from None
+        return values
+
+    def _sync_hyper(self):
+        """Reads every group's values (schedulers change them between steps) into the options."""
+        if self.nonfinite not in ("error", "skip_step"):
+            raise ValueError(f"nonfinite={self.nonfinite!r}: choose error | skip_step")
+        hypers = [self._validated(i, g) for i, g in enumerate(self.param_groups)]
+        for i, h in enumerate(hypers):
+            for k in FIXED_FIELDS:
+                if k in h and h[k] != self._fixed[i][k]:
+                    raise ValueError(f"param_groups[{i}] ('{self.param_groups[i]['name']}'): {k} was "
+                                     f"{self._fixed[i][k]!r} when the optimizer was built and decides its layout; "
+                                     f"it cannot become {h[k]!r}")
+        self._hypers = hypers
+        if _C is not None:
+            self._push_options()
+        return hypers
+
+    def _push_options(self):
+        """Checked values into the C++ options; only what changed since the last push."""
+        for i, h in enumerate(self._hypers):
+            name, synced = self.param_groups[i]["name"], self._synced[i]
+            for k, v in h.items():
+                if k not in synced or synced[k] != v:
+                    self._options.set(f"{name}.{k}", _option_text(v))
+                    synced[k] = v
+        self._options.set("nonfinite", self.nonfinite)
+
+    # -------------------------------------------------------------------------------------- the step
+
+    def _refresh_masters(self):
+        """fp32 master <- the model's tensors where they changed since the last step (for fp32 parameters
+        the tensor is the master; a low-precision one keeps the fp32 master while it still rounds to it)."""
+        for e in self._entries:
+            t = e.tensor
+            if t.shape != e.shape or t.dtype != e.dtype or t.device.type != "cpu":
+                raise RuntimeError(f"parameter '{e.name}' is now {t.dtype} {list(t.shape)} on {t.device}; it was "
+                                   f"{e.dtype} {list(e.shape)} on cpu when the optimizer was built")
+            if not e.low_precision:
+                e.param.copy_(t.detach())
+            elif not torch.equal(t.detach(), e.param.to(e.dtype)):
+                e.param.copy_(t.detach())
+
+    def _gather_grads(self):
+        for e in self._entries:
+            g = e.tensor.grad
+            e.has_grad = g is not None
+            if g is not None:
+                if g.is_sparse:
+                    raise RuntimeError(f"parameter '{e.name}' has a sparse gradient, which NorMuonAdamW "
+                                       "does not support")
+                e.grad.copy_(g.detach())
+            if self._flat is not None:
+                self._has_grad[e.index] = e.has_grad
+
+    def _group_steps(self):
+        return list(self._flat.group_steps) if self._flat is not None else list(self._steps)
+
+    def _set_group_steps(self, steps):
+        if self._flat is not None:
+            self._flat.group_steps = steps
+        else:
+            self._steps = list(steps)
+        for g, t in zip(self.param_groups, steps):
+            g["step"] = int(t)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step over every parameter with a gradient (parameters without one are left as
+        they are). Raises RuntimeError for a NaN/Inf gradient under nonfinite='error', before anything
+        changes; under 'skip_step' nothing changes and last_skip_reason says why."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        hypers = self._sync_hyper()
+        self._refresh_masters()
+        self._gather_grads()
+        if self._backend is not None:
+            result = self._backend.step(self._flat, self._options)
+            skipped = result.reason if result.skipped else None
+            steps = self._group_steps()
+        else:
+            steps = self._group_steps()
+            skipped = self._reference.step(self._entries, hypers, steps, self.nonfinite)
+        self._set_group_steps(steps)
+        self.last_skip_reason = skipped
+        if skipped is None:
+            for e in self._entries:
+                if e.has_grad:
+                    e.tensor.detach().copy_(e.param)  # rounds to the parameter's dtype
+        return loss
+
+    # ----------------------------------------------------------------------------------- inspection
+
+    @property
+    def backend(self):
+        """Which backend runs the steps: 'fast-cpu' or 'reference-python'."""
+        return self._backend.name if self._backend is not None else self._reference.name
+
+    @property
+    def layout(self):
+        """The C++ Layout (normuon._C.Layout): placement, buckets, fingerprint; None without the native module."""
+        return self._layout
+
+    def routing_table(self):
+        """One row per parameter (manifest order): which algorithm and group it got, and why."""
+        return [dict(index=e.index, name=e.name, shape=tuple(e.shape), dtype=_DTYPES[e.dtype], role=e.role,
+                     algorithm=e.algorithm, group=self.param_groups[e.group]["name"], why=e.why,
+                     stats=("" if e.algorithm == "adamw" else "rows" if e.stats_per_row else "cols"))
+                for e in self._entries]
+
+    def routing_text(self):
+        rows = self.routing_table()
+        n_nm = sum(math.prod(r["shape"]) for r in rows if r["algorithm"] == "normuon")
+        n_aw = sum(math.prod(r["shape"]) for r in rows if r["algorithm"] == "adamw")
+        layout = f"; layout {self._layout.fingerprint}" if self._layout is not None else ""
+        head = (f"NorMuonAdamW: {len(rows)} parameters, {n_nm} values on NorMuon, {n_aw} on AdamW; "
+                f"backend {self.backend}{layout}")
+        cols = ["name", "shape", "dtype", "role", "algorithm", "group", "stats", "why"]
+        cells = [[r[c] if c != "shape" else "x".join(map(str, r["shape"])) or "scalar" for c in cols] for r in rows]
+        widths = [max(len(str(x)) for x in [c] + [row[j] for row in cells]) for j, c in enumerate(cols)]
+        lines = [head, "  " + "  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
+        lines += ["  " + "  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in cells]
+        return "\n".join(lines)
+
+    def print_routing(self, file=None):
+        print(self.routing_text(), file=file)
+
+    def manifest_csv(self):
+        """The C++ manifest of this optimizer (name,shape,dtype,role,group,algorithm) as CSV text."""
+        self._need_native("manifest_csv")
+        return self._manifest.to_csv()
+
+    def write_manifest(self, path):
+        """Writes the manifest, for `normuon run --manifest PATH` / `normuon layout --manifest PATH`."""
+        self._need_native("write_manifest")
+        self._manifest.write_csv(os.fspath(path))
+
+    # ----------------------------------------------------------------------------------- state dicts
+
+    def state_dict(self):
+        """torch's structure: "state" by parameter index (param_groups order) with fp32 copies of
+        momentum_buffer + moment2_buffer (NorMuon; moment2 is the reduced second moment, length rows or
+        cols) or exp_avg + exp_avg_sq (AdamW), plus master_param for non-fp32 parameters; "param_groups"
+        with the hyper-parameters, names and the group's step."""
+        self._refresh_masters()
+        by_tensor = {id(e.tensor): e for e in self._entries}
+        groups, state, index = [], {}, 0
+        for g in self.param_groups:
+            packed = {k: (list(v) if isinstance(v, list) else v) for k, v in g.items() if k != "params"}
+            packed["params"] = list(range(index, index + len(g["params"])))
+            for t in g["params"]:
+                e = by_tensor[id(t)]
+                s = {k: v.clone() for k, v in self._state_views(e).items()}
+                if e.low_precision:
+                    s["master_param"] = e.param.clone()
+                state[index] = s
+                index += 1
+            groups.append(packed)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict):
+        """Checks everything first (group count, algorithms, parameter counts and names, state keys and
+        shapes, hyper-parameters), then writes into the flat state: nothing changes on an error."""
+        if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
+            raise ValueError("not a NorMuonAdamW state dict: expected the keys 'state' and 'param_groups'")
+        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"the state dict has {len(saved_groups)} param groups, this optimizer "
+                             f"{len(self.param_groups)} ({', '.join(g['name'] for g in self.param_groups)})")
+        by_tensor = {id(e.tensor): e for e in self._entries}
+        writes, new_groups, steps = [], [], []
+        for i, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
+            where = f"param_groups[{i}] ('{g['name']}')"
+            if sg.get("algorithm", g["algorithm"]) != g["algorithm"]:
+                raise ValueError(f"{where}: saved as a {sg.get('algorithm')} group, this one is {g['algorithm']}")
+            if len(sg["params"]) != len(g["params"]):
+                raise ValueError(f"{where}: {len(sg['params'])} parameters saved, {len(g['params'])} here")
+            if "names" in sg and list(sg["names"]) != list(g["names"]):
+                diff = next(f"'{a}' saved vs '{b}' here" for a, b in zip(sg["names"], g["names"]) if a != b)
+                raise ValueError(f"{where}: parameter names differ ({diff})")
+            step = sg.get("step", 0)
+            if not isinstance(step, int) or step < 0:
+                raise ValueError(f"{where}: step={step!r} is not a non-negative integer")
+            steps.append(step)
+            new = {k: v for k, v in sg.items() if k != "params"}
+            new["params"], new["name"], new["names"] = g["params"], g["name"], g["names"]
+            self._validated(i, new)
+            for k in FIXED_FIELDS:
+                if k in new and new[k] != g[k]:
+                    raise ValueError(f"{where}: {k} is {new[k]!r} in the state dict but {g[k]!r} here (it decides "
+                                     "the layout)")
+            new_groups.append(new)
+            for idx, t in zip(sg["params"], g["params"]):
+                e = by_tensor[id(t)]
+                s = saved_state.get(idx)
+                if s is None:
+                    s = {k: torch.zeros_like(v) for k, v in self._state_views(e).items()}  # never stepped
+                expected = dict(self._state_views(e))
+                if e.low_precision and "master_param" in s:
+                    expected["master_param"] = e.param
+                if set(s) != set(expected):
+                    raise ValueError(f"state of parameter '{e.name}' ({e.algorithm}) has keys {sorted(s)}, "
+                                     f"expected {sorted(expected)}")
+                for k, dst in expected.items():
+                    src = s[k]
+                    if not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(dst.shape):
+                        got = tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__
+                        raise ValueError(f"state '{k}' of parameter '{e.name}' has shape {got}, expected "
+                                         f"{tuple(dst.shape)}")
+                    if not src.is_floating_point():
+                        raise ValueError(f"state '{k}' of parameter '{e.name}' is {src.dtype}, not floating point")
+                    writes.append((dst, src))
+        for dst, src in writes:
+            dst.copy_(src)
+        for g, new in zip(self.param_groups, new_groups):
+            g.clear()
+            g.update(new)
+        self._set_group_steps(steps)
+        self._sync_hyper()
+
+    # ----------------------------------------------------------------------------------- state files
+
+    def _need_native(self, what):
+        if _C is None:
+            raise RuntimeError(f"{what} needs the native module normuon._C, which could not be imported "
+                               f"({_C_IMPORT_ERROR})")
+
+    def export_state(self, path):
+        """Writes the project's state file (docs/layout-and-state.md): fp32 master parameters, state,
+        group steps and hyper-parameters. `normuon inspect PATH` reads it, `normuon run --load` resumes it."""
+        self._need_native("export_state")
+        self._sync_hyper()
+        self._refresh_masters()
+        _C.save_state(os.fspath(path), self._flat, self._options, self.backend)
+
+    def import_state(self, path):
+        """Loads a state file of this layout (written by export_state or `normuon run --save`): all or nothing
+        (StateFileError). Sets the optimizer state, group steps and hyper-parameters (not nonfinite, not
+        reduce_axis), and the model's parameters from the file's fp32 values."""
+        self._need_native("import_state")
+        saved = _C.load_state(os.fspath(path), self._flat)
+        for i, g in enumerate(self.param_groups):
+            h = saved.hyper(i)
+            if g["algorithm"] == "adamw":
+                g.update(lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"], weight_decay=h["weight_decay"])
+            else:
+                g.update({k: v for k, v in h.items() if k not in FIXED_FIELDS})
+        self._set_group_steps(self._group_steps())
+        for e in self._entries:
+            e.tensor.detach().copy_(e.param)
+        self._sync_hyper()
+
+
+def _resolve_choice(backend):
+    """An explicit choice wins over NORMUON_BACKEND, which wins over auto (selector/selector.h)."""
+    if backend:
+        source, choice = "backend", backend
+    else:
+        source, choice = f"environment variable {BACKEND_ENV}", os.environ.get(BACKEND_ENV, "") or "auto"
+    if choice not in BACKEND_CHOICES:
+        raise ValueError(f"{source}: unknown backend {choice!r} (choose auto | fast | reference)")
+    return choice
+
+
+def _named_tensors(params, names, group_index, prefix):
+    """(name, tensor) pairs from tensors (named prefix + position), (name, tensor) pairs, or tensors with a
+    parallel names list."""
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    params = list(params)
+    if names is not None:
+        names = list(names)
+        if len(names) != len(params):
+            raise ValueError(f"param group #{group_index}: {len(names)} names for {len(params)} parameters")
+        params = list(zip(names, params))
+    pairs = []
+    for k, p in enumerate(params):
+        if isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str):
+            name, tensor = p
+        else:
+            name, tensor = f"{prefix}{k}", p
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"parameter '{name}' is a {type(tensor).__name__}, not a torch.Tensor")
+        pairs.append((name, tensor))
+    return pairs
+
+
+def _make_entry(index, name, tensor, role):
+    if tensor.dtype not in _DTYPES:
+        raise ValueError(f"parameter '{name}' is {tensor.dtype}; NorMuonAdamW takes float32, bfloat16 or float16")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"parameter '{name}' is on {tensor.device}; this version runs on CPU tensors only")
+    if tensor.is_sparse:
+        raise ValueError(f"parameter '{name}' is sparse")
+    e = _Entry()
+    e.index, e.name, e.tensor = index, name, tensor
+    e.shape, e.dtype = tuple(tensor.shape), tensor.dtype
+    e.role = role if role is not None else infer_role(name, e.shape)
+    if e.role not in ("matrix", "embedding", "head", "norm", "bias", "other"):
+        raise ValueError(f"parameter '{name}': unknown role {e.role!r} (matrix | embedding | head | norm | bias | other)")
+    e.has_grad = False
+    e.stats_per_row, e.stat_len = True, 0
+    return e

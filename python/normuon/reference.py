@@ -1,0 +1,199 @@
+"""The spec (docs/spec.md) as plain per-parameter torch code: the Python twin of
+reference/reference_backend.cpp, op for op, so that it rounds the way the C++ reference does.
+
+All tensors are fp32. In bf16 Newton-Schulz mode every elementwise result is computed in fp32 from bf16
+values and rounded to bf16 (torch's opmath on CUDA), and GEMMs run in bf16 with fp32 accumulation.
+Reductions of the NorMuon statistics are accumulated in float64.
+"""
+import math
+
+import torch
+
+QUINTIC = (3.4445, -4.7750, 2.0315)
+POLAR_EXPRESS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+POLAR_EXPRESS_SAFETY = 1.02
+# torch 1.13's CPU bf16 mm hands products of at most 16^3 multiply-adds (m*k*n) to a native kernel that
+# accumulates in bf16 when the right operand is not transposed; larger ones go to oneDNN (bf16 products,
+# fp32 accumulation: what the spec asks, and what the fast backend runs). Below the threshold the
+# reference multiplies the bf16 values in fp32 instead (exact products, fp32 sums), then rounds.
+_NATIVE_BF16_GEMM_MAX = 16 ** 3
+
+# NorMuon group defaults (docs/spec.md section 3), AdamW group defaults (section 4).
+NORMUON_DEFAULTS = dict(lr=0.02, beta1=0.95, beta2=0.95, weight_decay=0.0, nesterov=True, ns_steps=5,
+                        ns_coefficients="quintic", ns_precision="bf16", reduce_axis="rows", lr_scale="official",
+                        weight_decay_mode="decoupled", eps_placement="add", ns_eps=1e-7, denom_eps=1e-10,
+                        renorm_eps=1e-10)
+ADAMW_DEFAULTS = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-10, weight_decay=0.0)
+
+
+def ns_triple(h, k):
+    if h["ns_coefficients"] == "quintic":
+        return QUINTIC
+    if h["ns_coefficients"] == "polar_express":
+        return POLAR_EXPRESS[k]
+    raise ValueError(f"unknown ns_coefficients {h['ns_coefficients']!r} (choose quintic | polar_express)")
+
+
+def lr_scale_factor(rule, rows, cols):
+    m, n = float(rows), float(cols)
+    if rule == "official":
+        return math.sqrt(max(1.0, m / n))
+    if rule == "spectral":
+        return math.sqrt(m / n)
+    if rule == "rms_matching":
+        return 0.2 * math.sqrt(max(m, n))
+    raise ValueError(f"unknown lr_scale {rule!r} (choose official | spectral | rms_matching)")
+
+
+def stats_per_row(reduce_axis, rows, cols):
+    """Whether the second moment is per row (length rows) or per column (length cols)."""
+    if reduce_axis not in ("rows", "longer_dim"):
+        raise ValueError(f"unknown reduce_axis {reduce_axis!r} (choose rows | longer_dim)")
+    return reduce_axis == "rows" or rows >= cols
+
+
+def _norm_in_double(x):
+    """Frobenius norm accumulated in float64, rounded once to fp32 (a 0-d tensor)."""
+    return x.double().square().sum().sqrt().float()
+
+
+def newton_schulz(update, h):
+    """NS(U) of spec section 3.2 for a 2-D fp32 tensor; fp32 result holding values of the working precision."""
+    if h["ns_coefficients"] == "polar_express" and h["ns_steps"] > len(POLAR_EXPRESS):
+        raise ValueError(f"ns_steps={h['ns_steps']} but the Polar Express schedule has 5 coefficient triples")
+    if h["ns_precision"] not in ("bf16", "fp32"):
+        raise ValueError(f"unknown ns_precision {h['ns_precision']!r} (choose bf16 | fp32)")
+    bf16 = h["ns_precision"] == "bf16"
+
+    def P(x):
+        return x.to(torch.bfloat16).to(torch.float32) if bf16 else x
+
+    def gemm(x, y):  # x, y hold values of the working precision
+        if not bf16:
+            return torch.mm(x, y)
+        if x.size(0) * x.size(1) * y.size(1) <= _NATIVE_BF16_GEMM_MAX:
+            return P(torch.mm(x, y))
+        return torch.mm(x.to(torch.bfloat16), y.to(torch.bfloat16)).to(torch.float32)
+
+    X = P(update.to(torch.float32, copy=True))
+    tall = X.size(0) > X.size(1)
+    if tall:
+        X = X.t()  # iterate on the wide orientation: X X^T is the smaller Gram matrix
+    norm = P(X.norm())
+    if h["ns_coefficients"] == "quintic":
+        denom = P(norm + h["ns_eps"])
+    else:
+        denom = P(P(norm * POLAR_EXPRESS_SAFETY) + h["ns_eps"])
+    X = P(X / denom)
+    for k in range(h["ns_steps"]):
+        a, b, c = ns_triple(h, k)
+        A = gemm(X, X.t())
+        B = P(P(b * A) + gemm(P(c * A), A))  # (c*A) @ A, as the official `c * A @ A`
+        X = P(P(a * X) + gemm(B, X))
+    if tall:
+        X = X.t()
+    return X
+
+
+def normuon_update(p, g, M, v, h, per_row):
+    """One NorMuon step (spec section 3.1) of one matrix, in place on p, M (momentum) and v (second moment)."""
+    rows, cols = p.shape
+    # 1-2. momentum (EMA) and the Nesterov blend; never hand M itself to Newton-Schulz.
+    M.lerp_(g, 1 - h["beta1"])
+    U = g.lerp(M, h["beta1"]) if h["nesterov"] else M.clone()
+    # 3. orthogonalise, back to fp32.
+    O = newton_schulz(U, h).contiguous()
+    # 4. statistics along the neuron axis, accumulated in double.
+    nu = _norm_in_double(O)
+    r = O.double().square().mean(1 if per_row else 0).float()
+    # 5-6. second moment (no bias correction: it cancels in the re-norm) and its inverse square root.
+    v.lerp_(r, 1 - h["beta2"])
+    if h["eps_placement"] == "add":
+        s = v.sqrt().add_(h["denom_eps"]).reciprocal()
+    elif h["eps_placement"] == "clamp":
+        s = v.clamp_min(h["denom_eps"]).sqrt().reciprocal()
+    else:
+        raise ValueError(f"unknown eps_placement {h['eps_placement']!r} (choose add | clamp)")
+    # 7-9. normalise, restore the Frobenius norm, apply the shape factor.
+    update = O * (s.unsqueeze(1) if per_row else s.unsqueeze(0))
+    nu_normalised = _norm_in_double(update)
+    update.mul_(nu / (nu_normalised + h["renorm_eps"]))
+    update.mul_(lr_scale_factor(h["lr_scale"], rows, cols))
+    # 10. weight decay.
+    lr, wd, mode = h["lr"], h["weight_decay"], h["weight_decay_mode"]
+    if mode == "decoupled":
+        if wd != 0:
+            p.mul_(1 - lr * wd)
+    elif mode == "cautious":
+        if wd != 0:
+            mask = (update * p).ge(0).to(torch.float32)
+            p.sub_(p * mask * (lr * wd))
+    elif mode != "none":
+        raise ValueError(f"unknown weight_decay_mode {mode!r} (choose decoupled | cautious | none)")
+    # 11. the step.
+    p.add_(update, alpha=-lr)
+
+
+def adamw_update(p, g, m, v, h, t):
+    """One AdamW step (torch.optim.AdamW, single-tensor path; spec section 4) at group step t >= 1."""
+    lr, wd = h["lr"], h["weight_decay"]
+    if wd != 0:
+        p.mul_(1 - lr * wd)
+    m.lerp_(g, 1 - h["beta1"])
+    v.mul_(h["beta2"]).addcmul_(g, g, value=1 - h["beta2"])
+    bias_correction1 = 1 - math.pow(h["beta1"], t)
+    bias_correction2 = 1 - math.pow(h["beta2"], t)
+    step_size = lr / bias_correction1
+    denom = (v.sqrt() / math.sqrt(bias_correction2)).add_(h["eps"])
+    p.addcdiv_(m, denom, value=-step_size)
+
+
+def begin_step(entries, group_steps, nonfinite):
+    """The shared step prologue (core/src/step_prologue.cpp): refuse or skip a step with a NaN/Inf gradient
+    before anything changes, then advance the step of every group with at least one gradient.
+
+    entries: objects with .name, .group, .has_grad, .grad (fp32 tensor). Returns None, or the reason a
+    skip_step policy skipped the step. Raises RuntimeError under nonfinite='error'."""
+    for e in entries:
+        if not e.has_grad:
+            continue
+        bad = (~torch.isfinite(e.grad)).reshape(-1).nonzero()
+        if bad.numel():
+            k = int(bad[0])
+            value = float(e.grad.reshape(-1)[k])
+            msg = f"step {group_steps[e.group] + 1}: gradient of '{e.name}' holds {value} at element {k}"
+            if nonfinite == "error":
+                raise RuntimeError(msg + " (nothing was changed; set nonfinite=skip_step to skip such steps)")
+            return msg + "; step skipped"
+    for g in sorted({e.group for e in entries if e.has_grad}):
+        group_steps[g] += 1
+    return None
+
+
+class ReferenceBackend:
+    """Runs the per-parameter reference over the optimizer's entries, one parameter after another."""
+
+    name = "reference-python"
+
+    def step(self, entries, hypers, group_steps, nonfinite):
+        """entries: objects with .name, .algorithm, .group, .has_grad, .param, .grad, .state (two fp32
+        tensors), .stats_per_row; hypers: per group, a dict of the spec's field names. Returns the skip
+        reason or None."""
+        skipped = begin_step(entries, group_steps, nonfinite)
+        if skipped is not None:
+            return skipped
+        for e in entries:
+            if not e.has_grad or e.param.numel() == 0:
+                continue  # untouched, state not advanced
+            h = hypers[e.group]
+            if e.algorithm == "normuon":
+                normuon_update(e.param, e.grad, e.state[0], e.state[1], h, e.stats_per_row)
+            else:
+                adamw_update(e.param, e.grad, e.state[0], e.state[1], h, group_steps[e.group])
+        return None

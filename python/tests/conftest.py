@@ -1,0 +1,96 @@
+"""Shared pieces of the Python tests. Every test module starts with pytest.importorskip("torch"), so a
+machine without torch reports the skip and its reason instead of failing."""
+import os
+
+import pytest
+
+try:
+    import torch
+    from torch import nn
+except ImportError:  # the test modules skip themselves
+    torch = None
+
+
+def require_native():
+    """Skip (or, under CTest, fail) when normuon._C is not importable."""
+    import normuon
+
+    if normuon.native_available():
+        return
+    why = f"normuon._C is not importable ({normuon.native_error()}); build with cmake and set PYTHONPATH"
+    if os.environ.get("NORMUON_PY_REQUIRE_NATIVE"):
+        pytest.fail(why)
+    pytest.skip(why)
+
+
+@pytest.fixture
+def native():
+    require_native()
+
+
+def cli_path():
+    """The `normuon` tool from the build (CTest passes NORMUON_CLI), or skip."""
+    path = os.environ.get("NORMUON_CLI", "")
+    if not path or not os.access(path, os.X_OK):
+        pytest.skip("the normuon CLI is not available (set NORMUON_CLI=<build>/normuon)")
+    return path
+
+
+if torch is not None:
+
+    class Block(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.ln_1 = nn.LayerNorm(d)
+            self.attn = nn.Linear(d, 3 * d)
+            self.proj = nn.Linear(d, d, bias=False)
+            self.ln_2 = nn.LayerNorm(d)
+            self.mlp_fc = nn.Linear(d, 4 * d)
+            self.mlp_proj = nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            q, k, v = self.attn(self.ln_1(x)).chunk(3, dim=-1)
+            w = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+            x = x + self.proj(w @ v)
+            return x + self.mlp_proj(torch.relu(self.mlp_fc(self.ln_2(x))))
+
+    class TinyGPT(nn.Module):
+        """A GPT-like model: token and position embeddings, blocks, final norm, untied head."""
+
+        def __init__(self, vocab=64, d=32, n_layer=2, ctx=16):
+            super().__init__()
+            self.wte = nn.Embedding(vocab, d)
+            self.wpe = nn.Embedding(ctx, d)
+            self.blocks = nn.ModuleList(Block(d) for _ in range(n_layer))
+            self.ln_f = nn.LayerNorm(d)
+            self.lm_head = nn.Linear(d, vocab, bias=False)
+
+        def forward(self, idx):
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            for b in self.blocks:
+                x = b(x)
+            return self.lm_head(self.ln_f(x))
+
+
+def make_model(seed=0, dtype=None, **kw):
+    torch.manual_seed(seed)
+    model = TinyGPT(**kw)
+    return model.to(dtype) if dtype is not None else model
+
+
+def fill_grads(model, step, seed=7, skip=()):
+    """Deterministic gradients with per-row gains (so NorMuon's row normalisation matters); parameters
+    named in `skip` get none."""
+    g = torch.Generator().manual_seed(seed * 1000003 + step)
+    for name, p in model.named_parameters():
+        if name in skip:
+            p.grad = None
+            continue
+        grad = torch.randn(p.shape, generator=g)
+        if p.dim() == 2:
+            grad *= torch.logspace(-2, 2, p.shape[0], base=2.0).unsqueeze(1)
+        p.grad = grad.to(p.dtype)
+
+
+def params_of(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -1,0 +1,26 @@
+"""The example trains: the loss printed at the end is well below the first."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch", reason="PyTorch is not importable: the Python tests need it")
+
+from conftest import require_native  # noqa: E402
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "train_tiny.py")
+
+
+@pytest.mark.parametrize("args", [["--steps", "15"], ["--steps", "15", "--bf16", "--backend", "reference"]],
+                         ids=["fast-fp32", "reference-bf16"])
+def test_train_tiny_example(args, tmp_path):
+    if "reference" not in args:
+        require_native()
+    out = subprocess.run([sys.executable, EXAMPLE, *args, "--save", str(tmp_path / "s.safetensors")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
+    assert len(losses) == 15 and losses[-1] < 0.6 * losses[0], out.stdout
+    assert "blocks.0.mlp.0.weight" in out.stdout and (tmp_path / "s.safetensors").exists()

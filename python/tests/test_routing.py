@@ -1,0 +1,161 @@
+"""Routing (spec section 2), overrides, param groups, the routing table and the backend selector."""
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Python tests need it")
+
+import normuon  # noqa: E402
+from normuon import optim as optim_module  # noqa: E402
+from conftest import make_model  # noqa: E402
+
+
+def table(opt):
+    return {r["name"]: r for r in opt.routing_table()}
+
+
+def test_gpt_routing_table(native):
+    model = make_model()
+    opt = normuon.NorMuonAdamW(model.named_parameters())
+    rows = table(opt)
+    assert list(rows) == [n for n, _ in model.named_parameters()]  # manifest order = model order
+    normuon_names = {n for n, r in rows.items() if r["algorithm"] == "normuon"}
+    assert normuon_names == {f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn", "proj", "mlp_fc", "mlp_proj")}
+    assert rows["wte.weight"]["role"] == "embedding" and rows["wte.weight"]["algorithm"] == "adamw"
+    assert rows["wpe.weight"]["role"] == "embedding" and rows["wpe.weight"]["algorithm"] == "adamw"
+    assert rows["lm_head.weight"]["role"] == "head" and rows["lm_head.weight"]["algorithm"] == "adamw"
+    assert rows["blocks.0.ln_1.weight"]["role"] == "norm"
+    assert rows["blocks.0.attn.bias"]["role"] == "bias"
+    assert rows["blocks.0.attn.weight"]["why"] == "rule: 2-D matrix"
+    assert rows["blocks.0.attn.weight"]["group"] == "normuon" and rows["ln_f.bias"]["group"] == "adamw"
+    assert [g["name"] for g in opt.param_groups] == ["normuon", "adamw"]
+    assert opt.param_groups[0]["names"] == sorted(normuon_names, key=list(rows).index)
+    text = opt.routing_text()
+    assert "backend fast-cpu" in text and "blocks.1.mlp_proj.weight" in text
+    # The C++ layout agrees with the Python routing, and the manifest carries no needless overrides.
+    csv = opt.manifest_csv().splitlines()
+    assert csv[0] == "name,shape,dtype,role,group,algorithm"
+    assert "blocks.0.attn.weight,96x32,f32,matrix,,auto" in csv
+    assert "wte.weight,64x32,f32,embedding,,auto" in csv
+
+
+def test_print_routing(capsys, native):
+    opt = normuon.NorMuonAdamW(make_model().named_parameters())
+    opt.print_routing()
+    out = capsys.readouterr().out
+    assert out.startswith("NorMuonAdamW: 27 parameters, 24576 values on NorMuon, 5440 on AdamW")
+    assert "lm_head.weight" in out and "rule: head" in out
+
+
+def test_overrides_and_roles(native):
+    model = make_model()
+    opt = normuon.NorMuonAdamW(model.named_parameters(),
+                               overrides={"blocks.0.proj.weight": "adamw", "lm_head.weight": "normuon"},
+                               roles={"blocks.1.proj.weight": "embedding"})
+    rows = table(opt)
+    assert rows["blocks.0.proj.weight"]["algorithm"] == "adamw" and rows["blocks.0.proj.weight"]["why"] == "override"
+    assert rows["lm_head.weight"]["algorithm"] == "normuon"
+    assert rows["blocks.1.proj.weight"]["algorithm"] == "adamw"
+    assert rows["blocks.1.proj.weight"]["why"] == "rule: embedding"
+    csv = opt.manifest_csv()
+    assert "blocks.0.proj.weight,32x32,f32,matrix,,adamw" in csv
+    assert "lm_head.weight,64x32,f32,head,,normuon" in csv
+
+
+def test_non_matrix_forced_to_normuon_is_an_error():
+    model = make_model()
+    with pytest.raises(ValueError, match=r"'blocks.0.attn.bias' is routed to NorMuon but has shape \[96\]"):
+        normuon.NorMuonAdamW(model.named_parameters(), overrides={"blocks.0.attn.bias": "normuon"})
+    with pytest.raises(ValueError, match=r"'ln_f.weight' is routed to NorMuon .* needs a 2-D matrix"):
+        normuon.NorMuonAdamW([{"params": [("ln_f.weight", model.ln_f.weight)], "algorithm": "normuon"}])
+    with pytest.raises(ValueError, match="overrides name unknown parameter"):
+        normuon.NorMuonAdamW(model.named_parameters(), overrides={"no.such.weight": "adamw"})
+    with pytest.raises(ValueError, match="unknown algorithm 'muon'"):
+        normuon.NorMuonAdamW(model.named_parameters(), overrides={"lm_head.weight": "muon"})
+
+
+def test_param_groups(native):
+    model = make_model()
+    named = dict(model.named_parameters())
+    blocks = [(n, p) for n, p in model.named_parameters() if n.startswith("blocks.")]
+    rest = [(n, p) for n, p in model.named_parameters() if not n.startswith("blocks.")]
+    opt = normuon.NorMuonAdamW([
+        {"params": blocks, "name": "body", "lr": 0.01, "adamw_lr": 1e-3, "momentum": 0.9},
+        {"params": [p for _, p in rest], "names": [n for n, _ in rest], "algorithm": "adamw", "name": "edges",
+         "betas": (0.8, 0.99), "weight_decay": 0.1},
+    ], weight_decay=0.05)
+    groups = {g["name"]: g for g in opt.param_groups}
+    assert list(groups) == ["body_normuon", "body_adamw", "edges"]
+    assert groups["body_normuon"]["lr"] == 0.01 and groups["body_normuon"]["beta1"] == 0.9
+    assert groups["body_normuon"]["weight_decay"] == 0.05  # constructor default
+    assert groups["body_adamw"]["lr"] == 1e-3 and groups["body_adamw"]["betas"] == (0.9, 0.95)
+    assert groups["edges"]["betas"] == (0.8, 0.99) and groups["edges"]["weight_decay"] == 0.1
+    rows = table(opt)
+    assert rows["wte.weight"]["group"] == "edges" and rows["wte.weight"]["why"] == "group 'edges'"
+    assert rows["blocks.0.ln_1.weight"]["group"] == "body_adamw"
+    assert all(r["algorithm"] == "normuon" for n, r in rows.items() if n.endswith("proj.weight"))
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(named)
+    assert "blocks.0.attn.weight,96x32,f32,matrix,body_normuon,auto" in opt.manifest_csv()
+
+
+def test_param_group_errors():
+    model = make_model()
+    with pytest.raises(ValueError, match="unknown key"):
+        normuon.NorMuonAdamW([{"params": list(model.named_parameters()), "betas": (0.9, 0.9)}])
+    with pytest.raises(ValueError, match="appears twice"):
+        normuon.NorMuonAdamW([("a", model.lm_head.weight), ("b", model.lm_head.weight)])
+    with pytest.raises(ValueError, match="empty parameter list"):
+        normuon.NorMuonAdamW([])
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        normuon.NorMuonAdamW(model.named_parameters(), ns_stepz=3)
+    with pytest.raises(ValueError, match=r"param_groups\[0\] \('normuon', normuon\): lr=-1.0 is outside"):
+        normuon.NorMuonAdamW(model.named_parameters(), lr=-1.0)
+    with pytest.raises(ValueError, match="reduce_axis='cols': choose rows | longer_dim"):
+        normuon.NorMuonAdamW(model.named_parameters(), reduce_axis="cols")
+
+
+def test_add_param_group_after_build_is_refused(native):
+    model = make_model()
+    opt = normuon.NorMuonAdamW(list(model.named_parameters())[:4])
+    with pytest.raises(NotImplementedError, match="fixes its layout"):
+        opt.add_param_group({"params": [model.lm_head.weight]})
+
+
+def test_backend_selector(monkeypatch, native):
+    model = make_model()
+    monkeypatch.delenv("NORMUON_BACKEND", raising=False)
+    assert normuon.NorMuonAdamW(model.named_parameters()).backend == "fast-cpu"
+    assert normuon.NorMuonAdamW(model.named_parameters(), backend="fast").backend == "fast-cpu"
+    assert normuon.NorMuonAdamW(model.named_parameters(), backend="reference").backend == "reference-python"
+    monkeypatch.setenv("NORMUON_BACKEND", "reference")
+    assert normuon.NorMuonAdamW(model.named_parameters()).backend == "reference-python"
+    assert normuon.NorMuonAdamW(model.named_parameters(), backend="fast").backend == "fast-cpu"  # argument wins
+    monkeypatch.setenv("NORMUON_BACKEND", "fastest")
+    with pytest.raises(ValueError, match="environment variable NORMUON_BACKEND: unknown backend 'fastest'"):
+        normuon.NorMuonAdamW(model.named_parameters())
+    with pytest.raises(ValueError, match="backend: unknown backend 'gpu'"):
+        normuon.NorMuonAdamW(model.named_parameters(), backend="gpu")
+
+
+def test_no_silent_downgrade_without_native(monkeypatch):
+    """Without normuon._C, auto and fast refuse with the import error; the reference runs in pure torch."""
+    monkeypatch.setattr(optim_module, "_C", None)
+    monkeypatch.setattr(optim_module, "_C_IMPORT_ERROR", "ImportError: simulated")
+    monkeypatch.delenv("NORMUON_BACKEND", raising=False)
+    model = make_model()
+    for choice in (None, "auto", "fast"):
+        with pytest.raises(RuntimeError, match="needs the native module normuon._C.*simulated.*no fallback"):
+            normuon.NorMuonAdamW(model.named_parameters(), backend=choice)
+    opt = normuon.NorMuonAdamW(model.named_parameters(), backend="reference")
+    before = model.blocks[0].attn.weight.detach().clone()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert not torch.equal(before, model.blocks[0].attn.weight)
+    with pytest.raises(RuntimeError, match="export_state needs the native module"):
+        opt.export_state("/nonexistent/x.safetensors")
+
+
+def test_unnamed_matrices_warn(native):
+    model = make_model()
+    with pytest.warns(UserWarning, match="matrices without names"):
+        opt = normuon.NorMuonAdamW(model.parameters())
+    assert opt.routing_table()[0]["name"] == "param0" and opt.routing_table()[0]["algorithm"] == "normuon"

@@ -1,0 +1,182 @@
+"""state_dict / load_state_dict in torch's structure, the project's state files, resume equivalence and
+clear errors for mismatched state."""
+import copy
+import io
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Python tests need it")
+
+import normuon  # noqa: E402
+from conftest import fill_grads, make_model, params_of  # noqa: E402
+
+
+@pytest.fixture(params=["fast", "reference"])
+def backend(request):
+    from conftest import require_native
+
+    require_native()
+    return request.param
+
+
+def build(backend, dtype=None, seed=0, **kw):
+    model = make_model(seed=seed, dtype=dtype)
+    return model, normuon.NorMuonAdamW(model.named_parameters(), backend=backend, weight_decay=0.1,
+                                       adamw_weight_decay=0.05, **kw)
+
+
+def train(model, opt, steps, first=1):
+    names = [n for n, _ in model.named_parameters()]
+    for step in range(first, first + steps):
+        fill_grads(model, step, skip={names[step % len(names)]})
+        opt.step()
+
+
+def same(a, b):
+    return all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_state_dict_structure(backend):
+    model, opt = build(backend)
+    train(model, opt, 2)
+    sd = opt.state_dict()
+    assert set(sd) == {"state", "param_groups"}
+    g0, g1 = sd["param_groups"]
+    assert g0["name"] == "normuon" and g0["algorithm"] == "normuon" and g0["step"] == 2
+    assert g1["name"] == "adamw" and g1["betas"] == (0.9, 0.95) and g1["eps"] == 1e-10
+    assert g0["params"] == list(range(len(g0["names"])))
+    assert g1["params"] == list(range(len(g0["names"]), len(g0["names"]) + len(g1["names"])))
+    named = dict(model.named_parameters())
+    for i, name in enumerate(g0["names"] + g1["names"]):
+        s = sd["state"][i]
+        p = named[name]
+        if i < len(g0["names"]):
+            assert set(s) == {"momentum_buffer", "moment2_buffer"}
+            assert s["momentum_buffer"].shape == p.shape and s["moment2_buffer"].shape == (p.shape[0],)
+        else:
+            assert set(s) == {"exp_avg", "exp_avg_sq"} and s["exp_avg"].shape == p.shape
+        assert all(t.dtype == torch.float32 for t in s.values())
+    # Copies, not views: training on does not change a state dict taken before.
+    m = sd["state"][0]["momentum_buffer"].clone()
+    train(model, opt, 1, first=3)
+    assert torch.equal(sd["state"][0]["momentum_buffer"], m)
+    assert not torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], m)
+    assert torch.equal(opt.state[model.blocks[0].attn.weight]["momentum_buffer"],
+                       opt.state_dict()["state"][0]["momentum_buffer"])  # opt.state: live views
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_save_load_round_trip_mid_run_resumes_bit_for_bit(backend, dtype):
+    """4 steps, torch.save of model and optimizer, a fresh model and optimizer loaded from them, 3 more steps:
+    equal bit for bit to 7 uninterrupted steps (the bf16 run needs master_param to get there)."""
+    model, opt = build(backend, dtype)
+    train(model, opt, 4)
+    blob = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, blob)
+    train(model, opt, 3, first=5)
+
+    blob.seek(0)
+    saved = torch.load(blob)
+    model2, opt2 = build(backend, dtype, seed=1)  # different initial values: everything must come from the file
+    opt2.load_state_dict(saved["opt"])
+    model2.load_state_dict(saved["model"])
+    assert [g["step"] for g in opt2.param_groups] == [4, 4]
+    train(model2, opt2, 3, first=5)
+    assert same(params_of(model), params_of(model2))
+    a, b = opt.state_dict(), opt2.state_dict()
+    assert all(torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i])
+
+
+def test_load_state_dict_restores_hyper_parameters_and_scheduler_keys(backend):
+    model, opt = build(backend)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train(model, opt, 1)
+    sched.step()
+    sd = opt.state_dict()
+    assert sd["param_groups"][0]["initial_lr"] == 0.02 and sd["param_groups"][0]["lr"] == 0.01
+    model2, opt2 = build(backend)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["lr"] == 0.01 and opt2.param_groups[0]["initial_lr"] == 0.02
+    assert opt2.param_groups[0]["params"][0] is model2.blocks[0].attn.weight
+
+
+def test_load_state_dict_errors_change_nothing(backend):
+    model, opt = build(backend)
+    train(model, opt, 2)
+    good = opt.state_dict()
+    model2, opt2 = build(backend, seed=1)
+    train(model2, opt2, 1)
+    before = opt2.state_dict()
+
+    def broken(edit):
+        sd = copy.deepcopy(good)
+        edit(sd)
+        return sd
+
+    cases = [
+        (lambda sd: sd["state"][0].update(momentum_buffer=torch.zeros(3, 3)),
+         r"state 'momentum_buffer' of parameter 'blocks.0.attn.weight' has shape \(3, 3\), expected \(96, 32\)"),
+        (lambda sd: sd["state"][0].pop("moment2_buffer"),
+         r"state of parameter 'blocks.0.attn.weight' \(normuon\) has keys \['momentum_buffer'\]"),
+        (lambda sd: sd["state"][len(good["param_groups"][0]["names"])].update(step=torch.tensor(3.0)),
+         r"has keys \['exp_avg', 'exp_avg_sq', 'step'\], expected \['exp_avg', 'exp_avg_sq'\]"),
+        (lambda sd: sd["param_groups"].pop(),
+         r"the state dict has 1 param groups, this optimizer 2 \(normuon, adamw\)"),
+        (lambda sd: sd["param_groups"][0]["names"].__setitem__(0, "renamed.weight"),
+         r"parameter names differ \('renamed.weight' saved vs 'blocks.0.attn.weight' here\)"),
+        (lambda sd: sd["param_groups"][1].update(lr=float("nan")), r"lr=nan is not finite"),
+        (lambda sd: sd["param_groups"][0].update(reduce_axis="longer_dim"), r"reduce_axis is 'longer_dim' in the state"),
+        (lambda sd: sd.update(extra=1), "expected the keys 'state' and 'param_groups'"),
+    ]
+    for edit, message in cases:
+        with pytest.raises(ValueError, match=message):
+            opt2.load_state_dict(broken(edit))
+        after = opt2.state_dict()
+        assert [g["step"] for g in opt2.param_groups] == [1, 1]
+        assert all(torch.equal(before["state"][i][k], after["state"][i][k])
+                   for i in before["state"] for k in before["state"][i])
+    other = normuon.NorMuonAdamW(make_model(d=16).named_parameters(), backend=backend)
+    with pytest.raises(ValueError, match="has shape"):
+        other.load_state_dict(good)
+
+
+def test_export_import_state_file_resumes_bit_for_bit(backend, tmp_path, native):
+    model, opt = build(backend)
+    train(model, opt, 3)
+    path = tmp_path / "opt.safetensors"
+    opt.export_state(path)
+    header = normuon._C.read_state_header(str(path))
+    assert header["backend"] == opt.backend and header["group_steps"] == [3, 3]
+    assert header["group_names"] == ["normuon", "adamw"]
+    assert header["options"].hyper("normuon")["weight_decay"] == 0.1
+    train(model, opt, 2, first=4)
+
+    model2, opt2 = build(backend, seed=5, nonfinite="skip_step")
+    opt2.param_groups[0]["lr"] = 0.5  # the file's hyper-parameters win
+    opt2.import_state(path)
+    assert opt2.param_groups[0]["lr"] == 0.02 and [g["step"] for g in opt2.param_groups] == [3, 3]
+    assert opt2.nonfinite == "skip_step"  # a policy of this run, not taken from the file
+    train(model2, opt2, 2, first=4)
+    assert same(params_of(model), params_of(model2))
+
+
+def test_state_file_errors(backend, tmp_path, native):
+    model, opt = build(backend)
+    train(model, opt, 1)
+    path = tmp_path / "opt.safetensors"
+    opt.export_state(path)
+    # A different model: the layout fingerprint differs, and the error says how.
+    _, other = build(backend)
+    other_model = make_model(d=16)
+    other = normuon.NorMuonAdamW(other_model.named_parameters(), backend=backend)
+    before = params_of(other_model)
+    with pytest.raises(normuon.StateFileError, match="layout fingerprint mismatch.*shape mismatch"):
+        other.import_state(path)
+    assert same(before, params_of(other_model)) and other.param_groups[0]["step"] == 0
+    assert issubclass(normuon.StateFileError, RuntimeError)
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(normuon.StateFileError, match="truncated"):
+        opt.import_state(truncated)
+    with pytest.raises(normuon.StateFileError):
+        opt.import_state(tmp_path / "missing.safetensors")

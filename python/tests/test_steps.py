@@ -1,0 +1,180 @@
+"""Step semantics around the user's tensors: schedulers editing param_groups, zero_grad, parameters
+without gradients, NaN gradients, closures."""
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Python tests need it")
+
+import normuon  # noqa: E402
+from conftest import fill_grads, make_model, params_of  # noqa: E402
+
+
+@pytest.fixture(params=["fast", "reference"])
+def backend(request):
+    if request.param == "fast":
+        from conftest import require_native
+
+        require_native()
+    return request.param
+
+
+def test_lambda_lr_schedule_takes_effect(backend):
+    """LambdaLR changes lr in every group each step; the run equals one where lr and weight_decay are set
+    by hand to the same values, and differs from a constant-lr run."""
+    factors = [1.0, 0.5, 0.25, 0.0, 2.0]
+
+    def run(mode):
+        model = make_model()
+        opt = normuon.NorMuonAdamW(model.named_parameters(), backend=backend, weight_decay=0.1)
+        schedule = lambda i: factors[min(i, len(factors) - 1)]  # noqa: E731
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule) if mode == "scheduler" else None
+        for step in range(1, len(factors) + 1):
+            if mode == "by_hand":
+                for g, base in zip(opt.param_groups, (0.02, 3e-4)):
+                    g["lr"] = base * factors[step - 1]
+            fill_grads(model, step)
+            opt.step()
+            if sched:
+                sched.step()
+        return params_of(model), opt
+
+    scheduled, opt = run("scheduler")
+    by_hand, _ = run("by_hand")
+    constant, _ = run("constant")
+    assert all(torch.equal(scheduled[n], by_hand[n]) for n in scheduled)
+    assert not torch.equal(scheduled["blocks.0.attn.weight"], constant["blocks.0.attn.weight"])
+    assert not torch.equal(scheduled["wte.weight"], constant["wte.weight"])
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.02 * factors[-1])
+    assert opt.param_groups[1]["lr"] == pytest.approx(3e-4 * factors[-1])
+
+
+def test_zero_lr_and_weight_decay_edits(backend):
+    model = make_model()
+    opt = normuon.NorMuonAdamW(model.named_parameters(), backend=backend)
+    fill_grads(model, 1)
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    before = params_of(model)
+    opt.step()
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())  # lr 0, decay 0: no change
+    assert [g["step"] for g in opt.param_groups] == [1, 1]
+    # Fresh state and a zero gradient: the update is exactly 0 and only the edited decay acts (spec section 5).
+    model = make_model()
+    opt = normuon.NorMuonAdamW(model.named_parameters(), backend=backend)
+    for g in opt.param_groups:
+        g["lr"], g["weight_decay"] = 0.01, 0.5
+    matrix, norm = model.blocks[0].attn.weight, model.ln_f.weight
+    expected = [matrix.detach().mul(1 - 0.01 * 0.5), norm.detach().mul(1 - 0.01 * 0.5)]
+    matrix.grad, norm.grad = torch.zeros_like(matrix), torch.zeros_like(norm)
+    opt.step()
+    assert torch.equal(matrix.detach(), expected[0]) and torch.equal(norm.detach(), expected[1])
+
+
+def test_bad_hyper_parameter_edit_is_refused_before_anything_changes(backend):
+    model = make_model()
+    opt = normuon.NorMuonAdamW(model.named_parameters(), backend=backend)
+    fill_grads(model, 1)
+    before = params_of(model)
+    opt.param_groups[1]["betas"] = (0.9, 1.5)
+    with pytest.raises(ValueError, match=r"param_groups\[1\] \('adamw', adamw\): beta2=1.5 is outside \[0, 1\]"):
+        opt.step()
+    opt.param_groups[1]["betas"] = (0.9, 0.95)
+    opt.param_groups[0]["reduce_axis"] = "longer_dim"
+    with pytest.raises(ValueError, match="reduce_axis was 'rows' when the optimizer was built"):
+        opt.step()
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert [g["step"] for g in opt.param_groups] == [0, 0]
+
+
+def test_zero_grad_set_to_none_leaves_parameters_untouched(backend):
+    model = make_model()
+    opt = normuon.NorMuonAdamW(model.named_parameters(), backend=backend, weight_decay=0.1,
+                               adamw_weight_decay=0.1)
+    fill_grads(model, 1)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    before, state = params_of(model), opt.state_dict()
+    opt.step()  # no gradient anywhere: nothing moves, no decay, steps don't advance
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert [g["step"] for g in opt.param_groups] == [1, 1]
+    after = opt.state_dict()
+    assert all(torch.equal(state["state"][i][k], after["state"][i][k]) for i in state["state"] for k in state["state"][i])
+
+
+def test_parameters_without_gradients(backend):
+    model = make_model()
+    opt = normuon.NorMuonAdamW(model.named_parameters(), backend=backend, weight_decay=0.1)
+    frozen = {"blocks.1.attn.weight", "wpe.weight"}
+    for p in (model.blocks[1].attn.weight, model.wpe.weight):
+        p.requires_grad_(False)
+    before = params_of(model)
+    for step in (1, 2):
+        fill_grads(model, step, skip=frozen)
+        opt.step()
+    for n, p in model.named_parameters():
+        assert torch.equal(before[n], p) == (n in frozen), n
+    state = opt.state_dict()
+    index = {n: i for i, n in enumerate(opt.param_groups[0]["names"] + opt.param_groups[1]["names"])}
+    assert not state["state"][index["blocks.1.attn.weight"]]["momentum_buffer"].any()
+    assert not state["state"][index["wpe.weight"]]["exp_avg"].any()
+    assert state["state"][index["wte.weight"]]["exp_avg"].any()
+
+
+def test_nan_gradient_is_an_error_and_changes_nothing(backend):
+    model = make_model()
+    opt = normuon.NorMuonAdamW(model.named_parameters(), backend=backend)
+    fill_grads(model, 1)
+    opt.step()
+    fill_grads(model, 2)
+    model.blocks[0].mlp_fc.weight.grad[3, 5] = float("nan")
+    before, state = params_of(model), opt.state_dict()
+    with pytest.raises(RuntimeError, match=r"step 2: gradient of 'blocks.0.mlp_fc.weight' holds nan at element 101"):
+        opt.step()
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert [g["step"] for g in opt.param_groups] == [1, 1]
+    after = opt.state_dict()
+    assert all(torch.equal(state["state"][i][k], after["state"][i][k]) for i in state["state"] for k in state["state"][i])
+
+
+def test_nonfinite_skip_step(backend):
+    model = make_model()
+    opt = normuon.NorMuonAdamW(model.named_parameters(), backend=backend, nonfinite="skip_step")
+    fill_grads(model, 1)
+    model.ln_f.bias.grad[0] = float("inf")
+    before = params_of(model)
+    opt.step()
+    assert "gradient of 'ln_f.bias' holds inf at element 0; step skipped" in opt.last_skip_reason
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert [g["step"] for g in opt.param_groups] == [0, 0]
+    fill_grads(model, 1)
+    opt.step()
+    assert opt.last_skip_reason is None and [g["step"] for g in opt.param_groups] == [1, 1]
+
+
+def test_closure_and_training_reduces_the_loss(backend):
+    model = make_model()
+    opt = normuon.NorMuonAdamW(model.named_parameters(), backend=backend, lr=0.02, adamw_lr=3e-3)
+    torch.manual_seed(1)
+    idx = torch.randint(0, 64, (8, 16))
+
+    def closure():
+        opt.zero_grad(set_to_none=True)
+        logits = model(idx[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), idx[:, 1:].reshape(-1))
+        loss.backward()
+        return loss
+
+    losses = [opt.step(closure).item() for _ in range(15)]
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_user_modified_parameters_are_picked_up(backend):
+    """The fp32 master follows the model: an fp32 tensor edited between steps (even through .data), and a
+    bf16 tensor whose value no longer rounds from the master, are re-read."""
+    for dtype in (torch.float32, torch.bfloat16):
+        model = make_model(dtype=dtype)
+        opt = normuon.NorMuonAdamW(model.named_parameters(), backend=backend, lr=0.0, adamw_lr=0.0)
+        fill_grads(model, 1)
+        opt.step()
+        model.ln_f.weight.data.fill_(3.0)
+        opt.step()  # lr 0: the step writes the master back, which must hold the edit
+        assert torch.equal(model.ln_f.weight.detach(), torch.full_like(model.ln_f.weight, 3.0)), dtype
