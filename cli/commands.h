@@ -15,5 +15,7 @@ int inspect_command(const Argv& args);
 int presets_command(const Argv& args);
 int manifest_command(const Argv& args);
 int layout_command(const Argv& args);
+int compare_command(const Argv& args);  // cli/compare_command.cpp
+int bench_command(const Argv& args);    // cli/bench_command.cpp
 
 }  // namespace normuon::cli

@@ -14,6 +14,8 @@ usage: normuon COMMAND [options]      (normuon COMMAND --help for details)
 commands:
   run        run optimizer steps on a model preset or manifest with deterministic gradients
              (the main job: `normuon run` runs the tiny preset)
+  compare    cross-check the fast backend against the reference, step by step, every tensor
+  bench      old-vs-new performance: per-phase times of the reference and the fast backend
   golden     make or verify golden traces (determinism and semantics checks)
   inspect    print a state file's header, tensors and checksums, and verify it
   presets    list the built-in model presets
@@ -30,6 +32,7 @@ const Command kCommands[] = {
     {"run", normuon::cli::run_command},           {"golden", normuon::cli::golden_command},
     {"inspect", normuon::cli::inspect_command},   {"presets", normuon::cli::presets_command},
     {"manifest", normuon::cli::manifest_command}, {"layout", normuon::cli::layout_command},
+    {"compare", normuon::cli::compare_command},   {"bench", normuon::cli::bench_command},
 };
 
 }  // namespace

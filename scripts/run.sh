@@ -1,11 +1,24 @@
 #!/usr/bin/env bash
-# The main job: installs what is missing, builds, then runs the optimizer on the built-in tiny preset
-# (20 steps, saving the state) and verifies the committed golden trace. Extra arguments go to `normuon run`.
+# The main job: installs what is missing, builds, then on the built-in tiny preset
+#   1. runs 20 optimizer steps on the production (fast) backend, saves and verifies the state file,
+#   2. cross-checks the fast backend against the reference, every tensor after every step (50 steps),
+#   3. prints the old-vs-new performance table,
+#   4. verifies the committed golden trace.
+# Extra arguments go to `normuon run`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 build_dir=${NORMUON_BUILD_DIR:-build}
-"$build_dir/normuon" run --preset tiny --steps 20 --save "$build_dir/tiny-state.safetensors" "$@"
-inspected=$("$build_dir/normuon" inspect "$build_dir/tiny-state.safetensors")  # verifies every checksum
+tool="$build_dir/normuon"
+state="$build_dir/tiny-state.safetensors"
+
+echo "== 1. optimizer steps =="
+"$tool" run --preset tiny --steps 20 --quiet --save "$state" "$@"
+inspected=$("$tool" inspect "$state")  # verifies every checksum
 head -8 <<<"$inspected"
-"$build_dir/normuon" golden verify
+echo "== 2. cross-check: fast vs reference =="
+"$tool" compare --preset tiny --steps 50 --quiet
+echo "== 3. old vs new =="
+"$tool" bench --preset tiny
+echo "== 4. golden trace =="
+"$tool" golden verify
