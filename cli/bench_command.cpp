@@ -27,6 +27,7 @@
 
 #include "alloc_counter.h"
 #include "args.h"
+#include "model_args.h"
 #include "commands.h"
 #include "normuon/grad_gen.h"
 #include "normuon/layout.h"
@@ -49,12 +50,6 @@ using Clock = std::chrono::steady_clock;
 
 double ms_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
-}
-
-Manifest bench_manifest(const Args& a) {
-  if (a.has("preset") && a.has("manifest")) throw std::invalid_argument("give --preset or --manifest, not both");
-  if (a.has("manifest")) return Manifest::read_csv_file(a.get("manifest", ""));
-  return preset_manifest(a.get("preset", "tiny"));
 }
 
 struct Summary {
@@ -339,9 +334,9 @@ int bench_command(const Argv& argv) {
   const bool quiet = a.flag("quiet");
   const std::string model = a.has("manifest") ? a.get("manifest", "") : a.get("preset", "tiny");
 
-  const Manifest manifest = bench_manifest(a);
+  const Manifest manifest = model_manifest(a);
   Options options;
-  for (const auto& kv : a.all("set")) options.set(kv);
+  if (!apply_sets(a, options)) return 0;
   const Layout layout = Layout::build(manifest, options);
   const GradientGenerator generator{static_cast<uint64_t>(a.get_int("seed", 1234)), 0};
 

@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "args.h"
+#include "model_args.h"
 #include "normuon/grad_gen.h"
 #include "normuon/layout.h"
 #include "normuon/manifest.h"
@@ -21,17 +22,6 @@ namespace normuon::cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// Shared by the commands that take a model: --preset NAME or --manifest FILE (default: tiny).
-Manifest model_manifest(const Args& a) {
-  if (a.has("preset") && a.has("manifest")) throw std::invalid_argument("give --preset or --manifest, not both");
-  if (a.has("manifest")) return Manifest::read_csv_file(a.get("manifest", ""));
-  return preset_manifest(a.get("preset", "tiny"));
-}
-
-void apply_sets(const Args& a, Options& options) {
-  for (const auto& kv : a.all("set")) options.set(kv);
-}
 
 std::string default_golden_path() { return std::string(NORMUON_SOURCE_DIR) + "/golden/tiny.csv"; }
 
@@ -70,13 +60,7 @@ groups), --set nonfinite=skip_step; `normuon run --set help=1` lists every key.)
 
   Options options;
   if (a.has("load")) options = read_state_header(a.get("load", ""), false).options;
-  for (const auto& kv : a.all("set")) {
-    if (kv.rfind("help=", 0) == 0) {
-      for (const auto& line : describe(options)) std::puts(line.c_str());
-      return 0;
-    }
-    options.set(kv);
-  }
+  if (!apply_sets(a, options)) return 0;
   const Layout layout = Layout::build(manifest, options);
   FlatState state(layout);
   int64_t first_step = 1;
@@ -145,7 +129,7 @@ verify  runs the same configuration and compares it with the file, value by valu
   }
   GoldenSpec spec = GoldenSpec::standard();
   spec.steps = a.get_int("steps", spec.steps);
-  apply_sets(a, spec.options);
+  if (!apply_sets(a, spec.options)) return 0;
   const std::string path = a.get("file", default_golden_path());
   const std::string backend_name = action == "make" ? "reference" : a.get("backend", "reference");
   if (action == "make" && a.has("backend") && a.get("backend", "") != "reference")
@@ -250,7 +234,7 @@ fingerprint that state files must match.)");
     return 0;
   }
   Options options;
-  apply_sets(a, options);
+  if (!apply_sets(a, options)) return 0;
   std::fputs(Layout::build(model_manifest(a), options).describe().c_str(), stdout);
   return 0;
 }

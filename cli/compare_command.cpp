@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "args.h"
+#include "model_args.h"
 #include "comparator.h"
 #include "normuon/grad_gen.h"
 #include "normuon/layout.h"
@@ -49,22 +50,14 @@ Prints the first divergence beyond tolerance (step, parameter, tensor, element, 
 exit status 1 when the check fails.)");
     return 0;
   }
-  if (a.has("preset") && a.has("manifest")) throw std::invalid_argument("give --preset or --manifest, not both");
-  const Manifest manifest =
-      a.has("manifest") ? Manifest::read_csv_file(a.get("manifest", "")) : preset_manifest(a.get("preset", "tiny"));
+  const Manifest manifest = model_manifest(a);
   const GradientGenerator generator{static_cast<uint64_t>(a.get_int("seed", 1234)),
                                     static_cast<int>(a.get_int("missing-grad-period", 7))};
   const int64_t steps = a.get_int("steps", 50);
   if (steps < 0) throw std::invalid_argument("--steps must be >= 0");
   const CompareMode mode = parse_compare_mode(a.get("mode", "resync"));
   Options options;
-  for (const auto& kv : a.all("set")) {
-    if (kv.rfind("help=", 0) == 0) {
-      for (const auto& line : describe(options)) std::puts(line.c_str());
-      return 0;
-    }
-    options.set(kv);
-  }
+  if (!apply_sets(a, options)) return 0;
   const Layout layout = Layout::build(manifest, options);
   const bool quiet = a.flag("quiet");
 
