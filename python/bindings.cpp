@@ -33,35 +33,12 @@ std::optional<Algorithm> parse_override(const std::optional<std::string>& text) 
   return parse_algorithm(*text);
 }
 
-// A group's hyper-parameters as a dict of Python values, keyed by the names of options.h.
-py::dict group_hyper(const GroupOptions& g) {
-  py::dict d;
-  if (g.algorithm == Algorithm::adamw) {
-    const AdamWHyper& h = g.adamw;
-    d["lr"] = h.lr;
-    d["beta1"] = h.beta1;
-    d["beta2"] = h.beta2;
-    d["eps"] = h.eps;
-    d["weight_decay"] = h.weight_decay;
-    return d;
-  }
-  const NorMuonHyper& h = g.normuon;
-  d["lr"] = h.lr;
-  d["beta1"] = h.beta1;
-  d["beta2"] = h.beta2;
-  d["weight_decay"] = h.weight_decay;
-  d["nesterov"] = h.nesterov;
-  d["ns_steps"] = h.ns_steps;
-  d["ns_coefficients"] = to_string(h.ns_coefficients);
-  d["ns_precision"] = to_string(h.ns_precision);
-  d["reduce_axis"] = to_string(h.reduce_axis);
-  d["lr_scale"] = to_string(h.lr_scale);
-  d["weight_decay_mode"] = to_string(h.weight_decay_mode);
-  d["eps_placement"] = to_string(h.eps_placement);
-  d["ns_eps"] = h.ns_eps;
-  d["denom_eps"] = h.denom_eps;
-  d["renorm_eps"] = h.renorm_eps;
-  return d;
+// A group's hyper-parameters as a dict of Python values, keyed by the names of options.h: read off
+// Options::to_json, the one table of fields, so a field added there appears here too.
+py::dict group_hyper(const Options& o, const GroupOptions& g) {
+  const py::object parsed = py::module_::import("json").attr("loads")(o.to_json());
+  const auto index = static_cast<py::ssize_t>(&g - o.groups.data());
+  return parsed["groups"][py::int_(index)]["hyper"].cast<py::dict>();
 }
 
 // Group by name or index.
@@ -117,7 +94,7 @@ PYBIND11_MODULE(_C, m) {
                                return out;
                              })
       .def_property_readonly("nonfinite", [](const Options& o) { return std::string(to_string(o.nonfinite)); })
-      .def("hyper", [](const Options& o, const py::object& group) { return group_hyper(find_group(o, group)); },
+      .def("hyper", [](const Options& o, const py::object& group) { return group_hyper(o, find_group(o, group)); },
            py::arg("group"), "a group's values as a dict (group by name or index)")
       .def("__repr__", [](const Options& o) { return "normuon._C.Options(" + o.to_json() + ")"; });
 
