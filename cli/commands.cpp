@@ -35,16 +35,17 @@ double median(std::vector<double> v) {
 
 int run_command(const Argv& argv) {
   const Args a(argv, {"preset", "manifest", "steps", "seed", "missing-grad-period", "set", "load", "save",
-                      "progress-every", "backend"},
+                      "progress-every", "backend", "device"},
                {"quiet"});
   if (a.help()) {
     std::puts(R"(usage: normuon run [--preset NAME | --manifest FILE] [--steps N] [--seed S]
                    [--missing-grad-period K] [--set KEY=VALUE]... [--load FILE] [--save FILE]
-                   [--backend auto|fast|reference] [--progress-every N] [--quiet]
+                   [--backend auto|fast|reference] [--device cpu|cuda] [--progress-every N] [--quiet]
 
 Runs N optimizer steps (default 20) on a model (default: the tiny preset) with the backend chosen by
 --backend, else the NORMUON_BACKEND environment variable, else auto (= the fast backend; a request it
-can't serve is an error, never a silent switch to the reference),
+can't serve is an error, never a silent switch to the reference), on the device chosen by --device,
+else NORMUON_DEVICE, else cpu (cuda where there is no GPU is an error, not a switch to the CPU),
 fed with deterministic synthetic gradients (seeded, counter-based: the same numbers on every machine,
 thread count and backend). Prints the routing table summary, progress with per-step time, and a timing
 summary. --load resumes from a state file (its hyper-parameters, then --set overrides); --save writes
@@ -71,7 +72,8 @@ groups), --set nonfinite=skip_step; `normuon run --set help=1` lists every key.)
   } else {
     generator.fill_params(state);
   }
-  const std::unique_ptr<Backend> backend_ptr = make_backend(resolve_backend_choice(a.get("backend", "")), layout, options);
+  const std::unique_ptr<Backend> backend_ptr = make_backend(resolve_backend_choice(a.get("backend", "")), layout, options,
+                                                              resolve_device_choice(a.get("device", "")));
   Backend& backend = *backend_ptr;
   const bool quiet = a.flag("quiet");
   if (!quiet) std::printf("%sbackend: %s\n", layout.describe().c_str(), backend.name().c_str());
@@ -107,11 +109,12 @@ groups), --set nonfinite=skip_step; `normuon run --set help=1` lists every key.)
 }
 
 int golden_command(const Argv& argv) {
-  const Args a(argv, {"file", "steps", "set", "rtol", "atol", "backend"}, {"exact"});
+  const Args a(argv, {"file", "steps", "set", "rtol", "atol", "backend", "device"}, {"exact"});
   const std::string action = a.positionals().empty() ? "" : a.positionals()[0];
   if (a.help() || (action != "make" && action != "verify") || a.positionals().size() != 1) {
     std::printf(R"(usage: normuon golden make|verify [--file PATH] [--steps N] [--set KEY=VALUE]...
                              [--rtol R] [--atol A] [--exact] [--backend reference|fast]
+                             [--device cpu|cuda]
 
 make    runs the golden configuration with the reference backend and writes the trace CSV
         (default %s): the tiny preset, 20 steps, seed 1234, one parameter in 7 missing its
@@ -122,7 +125,9 @@ verify  runs the same configuration and compares it with the file, value by valu
         the tolerance absorbs only last-bit differences of other compilers and libm; see docs/golden.md).
         --exact also compares the parameter bit hashes. Exit status 1 when the check fails.
 --set changes a knob of the configuration, e.g. to see that a planted semantic change is caught.
---backend picks the backend that verify runs (default reference); make always uses the reference.
+--backend picks the backend that verify runs (default reference), --device where (default cpu; on
+cuda only the reference, within the tolerances, as GPU kernels round differently: see docs/golden.md);
+make always uses the reference on the CPU.
 )",
                 default_golden_path().c_str());
     return a.help() ? 0 : 2;
@@ -134,8 +139,11 @@ verify  runs the same configuration and compares it with the file, value by valu
   const std::string backend_name = action == "make" ? "reference" : a.get("backend", "reference");
   if (action == "make" && a.has("backend") && a.get("backend", "") != "reference")
     throw std::invalid_argument("golden make always uses the reference backend (the oracle)");
+  if (action == "make" && a.has("device") && a.get("device", "") != "cpu")
+    throw std::invalid_argument("golden make always runs on the CPU (the golden file is the CPU reference's)");
   const Layout layout = Layout::build(preset_manifest(spec.preset), spec.options);
-  const std::unique_ptr<Backend> backend = make_backend(parse_backend_choice(backend_name), layout, spec.options);
+  const std::unique_ptr<Backend> backend = make_backend(parse_backend_choice(backend_name), layout, spec.options,
+                                                        parse_device_choice(a.get("device", "cpu"), "--device"));
   const auto t0 = Clock::now();
   const std::vector<TraceRow> rows = make_trace(*backend, layout, spec);
   const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();

@@ -17,5 +17,6 @@ int manifest_command(const Argv& args);
 int layout_command(const Argv& args);
 int compare_command(const Argv& args);  // cli/compare_command.cpp
 int bench_command(const Argv& args);    // cli/bench_command.cpp
+int bench_cuda_command(const Argv& args);  // cli/bench_cuda_command.cpp
 
 }  // namespace normuon::cli

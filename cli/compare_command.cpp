@@ -23,13 +23,13 @@ namespace normuon::cli {
 int compare_command(const Argv& argv) {
   const Args a(argv,
                {"preset", "manifest", "steps", "seed", "missing-grad-period", "set", "mode", "csv", "progress-every",
-                "candidate", "tolerance-scale"},
+                "candidate", "tolerance-scale", "device"},
                {"quiet"});
   if (a.help()) {
     std::puts(R"(usage: normuon compare [--preset NAME | --manifest FILE] [--steps N] [--seed S]
                        [--missing-grad-period K] [--set KEY=VALUE]... [--mode resync|free]
                        [--csv FILE] [--progress-every N] [--quiet]
-                       [--candidate fast|reference] [--tolerance-scale F]
+                       [--candidate fast|reference] [--device cpu|cuda] [--tolerance-scale F]
 
 Cross-checks the fast backend against the reference: both start from the same parameters (default: the
 tiny preset), get the same deterministic gradients every step (default 50 steps, seed 1234, each
@@ -46,6 +46,7 @@ to the reference's update) and row_var (norm-wise) within bounds that depend on 
 bf16 0.1 and 0.05, fp32 0.01 and 0.01.
 --tolerance-scale multiplies the non-exact bounds. --csv writes per step and tensor errors.
 --candidate reference cross-checks the reference against itself (determinism).
+--device cuda runs the candidate on the GPU (fast-cuda or reference-cuda) against the CPU reference.
 Prints the first divergence beyond tolerance (step, parameter, tensor, element, both values);
 exit status 1 when the check fails.)");
     return 0;
@@ -64,7 +65,8 @@ exit status 1 when the check fails.)");
   // The candidate first: the fast backend sizes its threads before anything touches libtorch.
   const BackendChoice choice = parse_backend_choice(a.get("candidate", "fast"), "--candidate");
   if (choice == BackendChoice::automatic) throw std::invalid_argument("--candidate: name fast or reference");
-  std::unique_ptr<Backend> candidate = make_backend(choice, layout, options);
+  std::unique_ptr<Backend> candidate =
+      make_backend(choice, layout, options, parse_device_choice(a.get("device", "cpu"), "--device"));
   ReferenceBackend reference;
 
   FlatState ref_state(layout), cand_state(layout);

@@ -16,6 +16,7 @@ commands:
              (the main job: `normuon run` runs the tiny preset)
   compare    cross-check the fast backend against the reference, step by step, every tensor
   bench      old-vs-new performance: per-phase times of the reference and the fast backend
+  bench-cuda GPU benchmark of the CUDA backend: phases, launches, bandwidth, TFLOP/s, lower bound
   golden     make or verify golden traces (determinism and semantics checks)
   inspect    print a state file's header, tensors and checksums, and verify it
   presets    list the built-in model presets
@@ -33,6 +34,7 @@ const Command kCommands[] = {
     {"inspect", normuon::cli::inspect_command},   {"presets", normuon::cli::presets_command},
     {"manifest", normuon::cli::manifest_command}, {"layout", normuon::cli::layout_command},
     {"compare", normuon::cli::compare_command},   {"bench", normuon::cli::bench_command},
+    {"bench-cuda", normuon::cli::bench_cuda_command},
 };
 
 }  // namespace

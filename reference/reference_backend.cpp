@@ -5,25 +5,34 @@
 
 #include <chrono>
 #include <cmath>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
+#include <type_traits>
 
 namespace normuon {
 namespace {
 
-// Views of the shared flat buffers as ATen tensors: no copy, the reference works on the layout in place.
-at::Tensor view(float* data, std::vector<int64_t> shape) {
-  return at::from_blob(data, shape, at::TensorOptions().dtype(at::kFloat));
+// Waits for the work queued on the device's current stream (CUDA ops are asynchronous: a host clock
+// read means nothing without it). Through c10's device-guard interface, so no CUDA header is needed.
+void synchronize(const at::Device& device) {
+  if (device.is_cpu()) return;
+  const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(device.type());
+  impl->synchronizeStream(impl->getStream(device));
 }
 
-// Adds the time since the last lap to a phase, when timing (times != nullptr).
+// Adds the time since the last lap to a phase, when timing (times != nullptr). On a device, each
+// reading first waits for the device, so a phase gets the time its kernels took.
 class PhaseClock {
  public:
-  explicit PhaseClock(PhaseTimes* times) : times_(times) {
-    if (times_) last_ = std::chrono::steady_clock::now();
+  PhaseClock(PhaseTimes* times, const at::Device& device) : times_(times), device_(device) {
+    if (!times_) return;
+    synchronize(device_);
+    last_ = std::chrono::steady_clock::now();
   }
   void lap(double PhaseTimes::*phase) {
     if (!times_) return;
+    synchronize(device_);
     const auto now = std::chrono::steady_clock::now();
     times_->*phase += std::chrono::duration<double, std::milli>(now - last_).count();
     last_ = now;
@@ -31,11 +40,60 @@ class PhaseClock {
 
  private:
   PhaseTimes* times_;
+  at::Device device_;
   std::chrono::steady_clock::time_point last_;
 };
 
-// Frobenius norm accumulated in double, rounded once to fp32 (a 0-d fp32 tensor).
+// Frobenius norm accumulated in double, rounded once to fp32 (a 0-d fp32 tensor on x's device).
 at::Tensor norm_in_double(const at::Tensor& x) { return x.to(at::kDouble).square().sum().sqrt().to(at::kFloat); }
+
+// ---- cuBLAS settings for the spec's GEMMs -------------------------------------------------------------
+// The spec wants fp32 GEMMs in fp32 and bf16 GEMMs with fp32 accumulation. On CUDA, torch may instead use
+// TF32 for fp32 GEMMs (allow_tf32 / float32_matmul_precision) and, from torch 2.0 on, reduced-precision
+// reductions for bf16 GEMMs (allow_bf16_reduced_precision_reduction, on by default). Both are turned off
+// for the duration of a Newton-Schulz call. The bf16 knob's API differs between torch versions (absent in
+// 1.13, bool in 2.0-2.6, an enum after), so it is reached through overloads that compile against each.
+inline bool allows_reduced_precision(bool allowed) { return allowed; }
+template <typename E, typename = std::enable_if_t<std::is_enum<E>::value>>
+bool allows_reduced_precision(E option) {
+  return static_cast<int>(option) == 0;  // CuBLASReductionOption::AllowReducedPrecisionWithSplitK
+}
+template <typename Ctx>
+auto bf16_reduction_allowed(Ctx& ctx, int) -> decltype(allows_reduced_precision(ctx.allowBF16ReductionCuBLAS())) {
+  return allows_reduced_precision(ctx.allowBF16ReductionCuBLAS());
+}
+template <typename Ctx>
+bool bf16_reduction_allowed(Ctx&, long) {  // torch without the knob: bf16 GEMMs accumulate in fp32
+  return false;
+}
+template <typename Ctx>
+auto set_bf16_reduction(Ctx& ctx, bool allow, int) -> decltype(ctx.setAllowBF16ReductionCuBLAS(allow), void()) {
+  ctx.setAllowBF16ReductionCuBLAS(allow);
+}
+template <typename Ctx>
+void set_bf16_reduction(Ctx&, bool, long) {}
+
+class SpecGemmGuard {
+ public:
+  explicit SpecGemmGuard(bool on_cuda) {
+    if (!on_cuda) return;
+    no_tf32_.emplace();  // thread-local override, restored by its destructor
+    at::Context& ctx = at::globalContext();
+    if (bf16_reduction_allowed(ctx, 0)) {
+      set_bf16_reduction(ctx, false, 0);
+      restore_bf16_ = true;
+    }
+  }
+  ~SpecGemmGuard() {
+    if (restore_bf16_) set_bf16_reduction(at::globalContext(), true, 0);
+  }
+  SpecGemmGuard(const SpecGemmGuard&) = delete;
+  SpecGemmGuard& operator=(const SpecGemmGuard&) = delete;
+
+ private:
+  std::optional<at::NoTF32Guard> no_tf32_;
+  bool restore_bf16_ = false;
+};
 
 }  // namespace
 
@@ -43,6 +101,7 @@ at::Tensor newton_schulz(const at::Tensor& update, const NorMuonHyper& h) {
   if (h.ns_coefficients == NsCoefficients::polar_express && h.ns_steps > kPolarExpressSteps)
     throw std::invalid_argument("ns_steps=" + std::to_string(h.ns_steps) +
                                 " but the Polar Express schedule has 5 coefficient triples");
+  const SpecGemmGuard gemm_guard(update.is_cuda());
   // P rounds to the working precision. Values are held in fp32 tensors; in bf16 mode every elementwise
   // result is computed in fp32 from bf16 values and rounded (torch's opmath), and GEMMs run in bf16 with
   // fp32 accumulation. Coefficients therefore enter as fp32 values, as on CUDA.
@@ -52,6 +111,8 @@ at::Tensor newton_schulz(const at::Tensor& update, const NorMuonHyper& h) {
     if (!bf16) return at::mm(x, y);
     // torch 1.13's CPU bf16 mm accumulates in bf16 for products of at most 16^3 multiply-adds (a plain
     // loop, not oneDNN); the spec says fp32 accumulation, which fp32 mm of the bf16 values gives exactly.
+    // Kept on CUDA as well: there it is the same spec result (bf16 products are exact in fp32, TF32 is
+    // off), and one code path keeps the CPU and CUDA references structurally identical.
     if (x.size(0) * x.size(1) * y.size(1) <= 16 * 16 * 16) return P(at::mm(x, y));
     return at::mm(x.to(at::kBFloat16), y.to(at::kBFloat16)).to(at::kFloat);
   };
@@ -75,7 +136,7 @@ at::Tensor newton_schulz(const at::Tensor& update, const NorMuonHyper& h) {
 
 void normuon_update(at::Tensor p, const at::Tensor& g, at::Tensor M, at::Tensor v, const NorMuonHyper& h,
                     bool stats_per_row, PhaseTimes* times) {
-  PhaseClock clock(times);
+  PhaseClock clock(times, p.device());
   const int64_t rows = p.size(0), cols = p.size(1);
   // 1-2. momentum (EMA) and the Nesterov blend; never hand M itself to Newton-Schulz.
   M.lerp_(g, 1 - h.beta1);
@@ -118,7 +179,7 @@ void normuon_update(at::Tensor p, const at::Tensor& g, at::Tensor M, at::Tensor 
 
 void adamw_update(at::Tensor p, const at::Tensor& g, at::Tensor m, at::Tensor v, const AdamWHyper& h, int64_t t,
                   PhaseTimes* times) {
-  PhaseClock clock(times);
+  PhaseClock clock(times, p.device());
   if (h.weight_decay != 0) p.mul_(1 - h.lr * h.weight_decay);
   m.lerp_(g, 1 - h.beta1);
   v.mul_(h.beta2).addcmul_(g, g, 1 - h.beta2);
@@ -131,30 +192,210 @@ void adamw_update(at::Tensor p, const at::Tensor& g, at::Tensor m, at::Tensor v,
   clock.lap(&PhaseTimes::adamw);
 }
 
-StepResult ReferenceBackend::step(FlatState& state, const Options& options) {
-  const auto start = std::chrono::steady_clock::now();
-  times_ = PhaseTimes{};
-  PhaseTimes* times = timing_ ? &times_ : nullptr;
-  const Layout& layout = *state.layout;
-  const int n_entries = static_cast<int>(layout.entries.size());
-  if (auto skipped = begin_step(state, options)) return *skipped;
+// ---- devices and flat tensors ------------------------------------------------------------------------
 
-  for (int i = 0; i < n_entries; ++i) {
+const char* to_string(ReferenceDevice d) { return d == ReferenceDevice::cuda ? "cuda" : "cpu"; }
+
+namespace {
+
+at::DeviceType device_type(ReferenceDevice d) { return d == ReferenceDevice::cuda ? at::kCUDA : at::kCPU; }
+
+// A view of `numel` floats at `offset` of a flat tensor, shaped like the parameter (no copy).
+at::Tensor slot(const at::Tensor& flat, int64_t offset, const std::vector<int64_t>& shape, int64_t numel) {
+  return flat.narrow(0, offset, numel).view(shape);
+}
+
+// The per-parameter loop every entry point shares, after the prologue (group steps already advanced).
+void run_parameters(const Layout& layout, const FlatTensors& t, const std::vector<uint8_t>& has_grad,
+                    const std::vector<int64_t>& group_steps, const Options& options, PhaseTimes* times) {
+  for (size_t i = 0; i < layout.entries.size(); ++i) {
     const LayoutEntry& e = layout.entries[i];
-    if (!state.has_grad[i] || e.numel == 0) continue;  // untouched, state not advanced
+    if (!has_grad[i] || e.numel == 0) continue;  // untouched, state not advanced
     const GroupOptions& group = options.groups[e.group];
-    at::Tensor p = view(state.param(i), e.shape);
-    at::Tensor g = view(state.grad(i), e.shape);
+    at::Tensor p = slot(t.params, e.offset, e.shape, e.numel);
+    at::Tensor g = slot(t.grads, e.offset, e.shape, e.numel);
     if (e.algorithm == Algorithm::normuon) {
-      normuon_update(p, g, view(state.momentum.data() + e.offset, e.shape),
-                     view(state.row_var.data() + e.stat_offset, {e.stat_len}), group.normuon, e.stats_per_row, times);
+      normuon_update(p, g, slot(t.momentum, e.offset, e.shape, e.numel),
+                     slot(t.row_var, e.stat_offset, {e.stat_len}, e.stat_len), group.normuon, e.stats_per_row,
+                     times);
     } else {
-      adamw_update(p, g, view(state.exp_avg.data() + e.adam_offset, e.shape),
-                   view(state.exp_avg_sq.data() + e.adam_offset, e.shape), group.adamw, state.group_steps[e.group], times);
+      adamw_update(p, g, slot(t.exp_avg, e.adam_offset, e.shape, e.numel),
+                   slot(t.exp_avg_sq, e.adam_offset, e.shape, e.numel), group.adamw, group_steps[e.group], times);
     }
   }
-  if (timing_) times_.total = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
+
+// begin_step (core/src/step_prologue.cpp) for flat tensors on any device: the same checks, messages and
+// group-step advance. The whole gradient buffer is checked first (one device sync); only when something
+// in it is not finite (possibly padding between slots, which doesn't count) is each parameter checked,
+// in layout order, to find the first bad element the way find_nonfinite_gradient does.
+std::optional<StepResult> begin_flat_step(const Layout& layout, const at::Tensor& grads,
+                                          const std::vector<uint8_t>& has_grad, std::vector<int64_t>& group_steps,
+                                          const Options& options) {
+  if (options.groups.size() != layout.group_names.size())
+    throw std::invalid_argument("the options define " + std::to_string(options.groups.size()) +
+                                " groups but the layout was built with " + std::to_string(layout.group_names.size()));
+  if (!at::isfinite(grads).all().item<bool>()) {
+    for (size_t i = 0; i < layout.entries.size(); ++i) {
+      const LayoutEntry& e = layout.entries[i];
+      if (!has_grad[i] || e.numel == 0) continue;
+      const at::Tensor g = grads.narrow(0, e.offset, e.numel);
+      const at::Tensor bad = at::nonzero(at::logical_not(at::isfinite(g)));
+      if (bad.size(0) == 0) continue;
+      const int64_t element = bad[0][0].item<int64_t>();
+      std::ostringstream msg;
+      msg << "step " << group_steps[e.group] + 1 << ": gradient of '" << e.name << "' holds "
+          << g[element].item<float>() << " at element " << element;
+      if (options.nonfinite == NonFinitePolicy::error)
+        throw std::runtime_error(msg.str() + " (nothing was changed; set nonfinite=skip_step to skip such steps)");
+      return StepResult{true, msg.str() + "; step skipped"};
+    }
+  }
+  for (size_t g = 0; g < layout.group_names.size(); ++g)
+    for (size_t i = 0; i < layout.entries.size(); ++i)
+      if (has_grad[i] && layout.entries[i].group == static_cast<int>(g)) {
+        ++group_steps[g];
+        break;
+      }
+  return std::nullopt;
+}
+
+void check_flat(const char* what, const at::Tensor& t, int64_t size, at::DeviceType type) {
+  const std::string name = std::string("step_flat: tensor '") + what + "'";
+  if (!t.defined()) throw std::invalid_argument(name + " is undefined");
+  if (t.scalar_type() != at::kFloat || t.dim() != 1 || !t.is_contiguous())
+    throw std::invalid_argument(name + " must be a contiguous 1-D fp32 tensor");
+  if (t.numel() != size)
+    throw std::invalid_argument(name + " has " + std::to_string(t.numel()) + " elements, the layout needs " +
+                                std::to_string(size));
+  if (t.device().type() != type)
+    throw std::invalid_argument(name + " is on " + t.device().str() + ", the backend runs on " +
+                                c10::DeviceTypeName(type, /*lower_case=*/true));
+}
+
+}  // namespace
+
+FlatTensors wrap_flat(const Layout& layout, float* params, float* grads, float* momentum, float* row_var,
+                      float* exp_avg, float* exp_avg_sq, ReferenceDevice device) {
+  const std::string reason = ReferenceBackend::unavailable_reason(device);
+  if (!reason.empty())
+    throw std::invalid_argument(std::string("wrap_flat: device ") + to_string(device) + " is unavailable: " + reason);
+  const at::TensorOptions fp32 = at::TensorOptions().dtype(at::kFloat).device(device_type(device));
+  // Non-empty buffers are wrapped where they live (from_blob finds the CUDA device from the pointer);
+  // empty ones (a layout without NorMuon or AdamW parameters) get a 0-element tensor on that device.
+  struct Slot {
+    const char* what;
+    float* data;
+    int64_t size;
+    at::Tensor* out;
+  };
+  FlatTensors t;
+  const Slot slots[] = {{"params", params, layout.param_floats, &t.params},
+                        {"grads", grads, layout.param_floats, &t.grads},
+                        {"momentum", momentum, layout.normuon_floats, &t.momentum},
+                        {"row_var", row_var, layout.stat_floats, &t.row_var},
+                        {"exp_avg", exp_avg, layout.adam_floats, &t.exp_avg},
+                        {"exp_avg_sq", exp_avg_sq, layout.adam_floats, &t.exp_avg_sq}};
+  std::optional<at::Device> where;
+  for (const Slot& s : slots) {
+    if (s.size == 0) continue;
+    if (!s.data) throw std::invalid_argument(std::string("wrap_flat: '") + s.what + "' is null");
+    *s.out = at::from_blob(s.data, {s.size}, fp32);
+    if (!where) where = s.out->device();
+  }
+  for (const Slot& s : slots)
+    if (s.size == 0) *s.out = at::empty({0}, where ? fp32.device(*where) : fp32);
+  return t;
+}
+
+// ---- the backend -------------------------------------------------------------------------------------
+
+std::string ReferenceBackend::unavailable_reason(ReferenceDevice device) {
+  if (device == ReferenceDevice::cpu) return "";
+  // hasCUDART: the CUDA part of libtorch is loaded; hasCUDA: and it sees at least one device.
+  if (!at::globalContext().hasCUDART())
+    return "this libtorch was built without CUDA (or its CUDA library is not loaded)";
+  if (!at::hasCUDA()) return "no CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES)";
+  return "";
+}
+
+ReferenceBackend::ReferenceBackend(ReferenceDevice device) : device_(device) {
+  const std::string reason = unavailable_reason(device);
+  if (!reason.empty())
+    throw std::invalid_argument(std::string("backend reference-") + to_string(device) + " is unavailable: " + reason);
+}
+
+std::string ReferenceBackend::name() const { return std::string("reference-") + to_string(device_); }
+
+StepResult ReferenceBackend::step_flat(const Layout& layout, FlatTensors& t, const std::vector<uint8_t>& has_grad,
+                                       std::vector<int64_t>& group_steps, const Options& options) {
+  const auto start = std::chrono::steady_clock::now();
+  const at::DeviceType type = device_type(device_);
+  check_flat("params", t.params, layout.param_floats, type);
+  check_flat("grads", t.grads, layout.param_floats, type);
+  check_flat("momentum", t.momentum, layout.normuon_floats, type);
+  check_flat("row_var", t.row_var, layout.stat_floats, type);
+  check_flat("exp_avg", t.exp_avg, layout.adam_floats, type);
+  check_flat("exp_avg_sq", t.exp_avg_sq, layout.adam_floats, type);
+  // One device for everything that is used (0-element tensors are never touched).
+  for (const at::Tensor* x : {&t.grads, &t.momentum, &t.row_var, &t.exp_avg, &t.exp_avg_sq})
+    if (x->numel() > 0 && t.params.numel() > 0 && x->device() != t.params.device())
+      throw std::invalid_argument("step_flat: the flat tensors are on different devices (" + t.params.device().str() +
+                                  ", " + x->device().str() + ")");
+  if (has_grad.size() != layout.entries.size())
+    throw std::invalid_argument("step_flat: " + std::to_string(has_grad.size()) + " has_grad flags for " +
+                                std::to_string(layout.entries.size()) + " parameters");
+  if (group_steps.size() != layout.group_names.size())
+    throw std::invalid_argument("step_flat: " + std::to_string(group_steps.size()) + " group steps for " +
+                                std::to_string(layout.group_names.size()) + " groups");
+
+  times_ = PhaseTimes{};
+  if (auto skipped = begin_flat_step(layout, t.grads, has_grad, group_steps, options)) return *skipped;
+  run_parameters(layout, t, has_grad, group_steps, options, timing_ ? &times_ : nullptr);
+  if (timing_) {
+    synchronize(t.params.device());
+    times_.total = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  }
   return {};
+}
+
+StepResult ReferenceBackend::step(FlatState& state, const Options& options) {
+  const auto start = std::chrono::steady_clock::now();
+  const Layout& layout = *state.layout;
+  FlatTensors host = wrap_flat(layout, state.params.data(), state.grads.data(), state.momentum.data(),
+                               state.row_var.data(), state.exp_avg.data(), state.exp_avg_sq.data(),
+                               ReferenceDevice::cpu);
+  if (device_ == ReferenceDevice::cpu) {
+    // In place on views of the state's buffers: what it writes is exactly what a state file saves.
+    times_ = PhaseTimes{};
+    if (auto skipped = begin_step(state, options)) return *skipped;
+    run_parameters(layout, host, state.has_grad, state.group_steps, options, timing_ ? &times_ : nullptr);
+    if (timing_)
+      times_.total = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    return {};
+  }
+
+  // cuda: host -> device, the step there, device -> host. The device copies are kept between steps.
+  at::Tensor* dev[] = {&staged_.params, &staged_.grads, &staged_.momentum,
+                       &staged_.row_var, &staged_.exp_avg, &staged_.exp_avg_sq};
+  at::Tensor* src[] = {&host.params, &host.grads, &host.momentum, &host.row_var, &host.exp_avg, &host.exp_avg_sq};
+  bool fits = have_staged_ && staged_fingerprint_ == layout.fingerprint;
+  for (int k = 0; fits && k < 6; ++k) fits = dev[k]->numel() == src[k]->numel();
+  if (!fits) {
+    const at::TensorOptions fp32 = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA);
+    for (int k = 0; k < 6; ++k) *dev[k] = at::empty({src[k]->numel()}, fp32);
+    staged_fingerprint_ = layout.fingerprint;
+    have_staged_ = true;
+  }
+  for (int k = 0; k < 6; ++k) dev[k]->copy_(*src[k]);
+  const StepResult result = step_flat(layout, staged_, state.has_grad, state.group_steps, options);
+  if (!result.skipped) {  // grads are read only: everything else comes back (copy_ to host memory waits)
+    for (int k = 0; k < 6; ++k)
+      if (k != 1) src[k]->copy_(*dev[k]);
+  }
+  if (timing_)
+    times_.total = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  return result;
 }
 
 }  // namespace normuon

@@ -6,6 +6,11 @@
 #ifdef NORMUON_HAVE_FAST_CPU
 #include "fast_cpu_backend.h"
 #endif
+#ifdef NORMUON_HAVE_FAST_CUDA
+#include "cuda_device.h"
+#include "fast_cuda_backend.h"
+#include "step_plan.h"
+#endif
 #ifdef NORMUON_HAVE_REFERENCE
 #include "reference_backend.h"
 #endif
@@ -35,28 +40,75 @@ BackendChoice resolve_backend_choice(const std::string& explicit_request) {
   return BackendChoice::automatic;
 }
 
-std::unique_ptr<Backend> make_backend(BackendChoice choice, const Layout& layout, const Options& options) {
-  if (choice == BackendChoice::reference) {
-#ifdef NORMUON_HAVE_REFERENCE
-    return std::make_unique<ReferenceBackend>();
-#else
-    throw std::invalid_argument("backend 'reference' was requested but this build has no reference backend "
-                                "(configured with -DNORMUON_BUILD_REFERENCE=OFF)");
-#endif
-  }
-  const std::string asked = choice == BackendChoice::automatic ? "auto (= fast)" : "fast";
-#ifdef NORMUON_HAVE_FAST_CPU
-  const std::string reason = FastCpuBackend::unsupported_reason(layout, options);
-  if (!reason.empty())
-    throw std::invalid_argument("backend " + asked + " cannot serve this request: " + reason +
-                                " (no fallback to the reference; change the options or ask for backend=reference)");
-  return std::make_unique<FastCpuBackend>(layout, options);
-#else
+DeviceChoice parse_device_choice(const std::string& text, const std::string& source) {
+  if (text == "cpu") return DeviceChoice::cpu;
+  if (text == "cuda") return DeviceChoice::cuda;
+  throw std::invalid_argument(source + ": unknown device '" + text + "' (choose cpu | cuda)");
+}
+
+const char* to_string(DeviceChoice d) { return d == DeviceChoice::cpu ? "cpu" : "cuda"; }
+
+DeviceChoice resolve_device_choice(const std::string& explicit_request) {
+  if (!explicit_request.empty()) return parse_device_choice(explicit_request);
+  if (const char* env = std::getenv(kDeviceEnvVar); env && *env)
+    return parse_device_choice(env, std::string("environment variable ") + kDeviceEnvVar);
+  return DeviceChoice::cpu;
+}
+
+namespace {
+
+[[maybe_unused]] [[noreturn]] void not_built(const std::string& what, const std::string& option) {
+  throw std::invalid_argument("backend " + what + " was requested but this build does not have it (configured with -D" +
+                              option + "=OFF); no fallback to another backend");
+}
+
+std::unique_ptr<Backend> make_reference(const Layout& layout, const Options& options, DeviceChoice device) {
   (void)layout;
   (void)options;
-  throw std::invalid_argument("backend " + asked + " was requested but this build has no fast backend "
-                              "(configured with -DNORMUON_BUILD_FAST_CPU=OFF); no fallback to the reference");
+#ifdef NORMUON_HAVE_REFERENCE
+  const ReferenceDevice where = device == DeviceChoice::cpu ? ReferenceDevice::cpu : ReferenceDevice::cuda;
+  const std::string reason = ReferenceBackend::unavailable_reason(where);
+  if (!reason.empty())
+    throw std::invalid_argument(std::string("backend reference on ") + to_string(device) + " cannot run here: " + reason);
+  return std::make_unique<ReferenceBackend>(where);
+#else
+  not_built(std::string("reference on ") + to_string(device), "NORMUON_BUILD_REFERENCE");
 #endif
+}
+
+std::unique_ptr<Backend> make_fast(const std::string& asked, const Layout& layout, const Options& options,
+                                   DeviceChoice device) {
+  (void)layout;
+  (void)options;
+  const std::string advice = " (no fallback to the reference; change the options or ask for backend=reference)";
+  if (device == DeviceChoice::cuda) {
+#ifdef NORMUON_HAVE_FAST_CUDA
+    const std::string reason = cuda::plan_unsupported_reason(layout, options);
+    if (!reason.empty()) throw std::invalid_argument("backend " + asked + " on cuda cannot serve this request: " + reason + advice);
+    const std::string no_gpu = cuda::unavailable_reason();
+    if (!no_gpu.empty())
+      throw std::invalid_argument("backend " + asked + " on cuda cannot run here: " + no_gpu +
+                                  " (no fallback to the CPU; ask for device=cpu explicitly)");
+    return std::make_unique<FastCudaBackend>(layout, options);
+#else
+    not_built(asked + " on cuda", "NORMUON_BUILD_CUDA");
+#endif
+  }
+#ifdef NORMUON_HAVE_FAST_CPU
+  const std::string reason = FastCpuBackend::unsupported_reason(layout, options);
+  if (!reason.empty()) throw std::invalid_argument("backend " + asked + " on cpu cannot serve this request: " + reason + advice);
+  return std::make_unique<FastCpuBackend>(layout, options);
+#else
+  not_built(asked + " on cpu", "NORMUON_BUILD_FAST_CPU");
+#endif
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> make_backend(BackendChoice choice, const Layout& layout, const Options& options,
+                                      DeviceChoice device) {
+  if (choice == BackendChoice::reference) return make_reference(layout, options, device);
+  return make_fast(choice == BackendChoice::automatic ? "auto (= fast)" : "fast", layout, options, device);
 }
 
 }  // namespace normuon

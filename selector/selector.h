@@ -12,8 +12,11 @@
 namespace normuon {
 
 enum class BackendChoice { automatic, fast, reference };
+// Where the backend runs. Never guessed: a request for cuda where there is no GPU is an error.
+enum class DeviceChoice { cpu, cuda };
 
 constexpr const char* kBackendEnvVar = "NORMUON_BACKEND";
+constexpr const char* kDeviceEnvVar = "NORMUON_DEVICE";
 
 // "auto" | "fast" | "reference"; anything else throws std::invalid_argument listing the choices.
 BackendChoice parse_backend_choice(const std::string& text, const std::string& source = "backend");
@@ -23,8 +26,15 @@ const char* to_string(BackendChoice);
 // NORMUON_BACKEND environment variable, which wins over the default, auto.
 BackendChoice resolve_backend_choice(const std::string& explicit_request);
 
-// Builds the chosen backend for a layout (which must outlive it). Throws std::invalid_argument saying
-// why when the choice cannot be served.
-std::unique_ptr<Backend> make_backend(BackendChoice choice, const Layout& layout, const Options& options);
+// "cpu" | "cuda"; the same precedence as the backend: explicit request, NORMUON_DEVICE, default cpu.
+DeviceChoice parse_device_choice(const std::string& text, const std::string& source = "device");
+const char* to_string(DeviceChoice);
+DeviceChoice resolve_device_choice(const std::string& explicit_request);
+
+// Builds the chosen backend for a layout (which must outlive it) on the chosen device: fast-cpu,
+// fast-cuda, reference-cpu or reference-cuda. Throws std::invalid_argument saying why when the choice
+// cannot be served (not built, no GPU, an option the backend lacks): never another backend instead.
+std::unique_ptr<Backend> make_backend(BackendChoice choice, const Layout& layout, const Options& options,
+                                      DeviceChoice device = DeviceChoice::cpu);
 
 }  // namespace normuon

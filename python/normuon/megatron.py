@@ -1,16 +1,18 @@
-"""normuon.megatron: NorMuon for Megatron-LM through its emerging-optimizer registry (docs/python.md,
-"Megatron-LM").
+"""normuon.megatron: NorMuon (and the AdamW half) for Megatron-LM (docs/megatron.md).
 
     import normuon.megatron
     normuon.megatron.register()          # once, before get_megatron_optimizer() / pretrain()
-    config = OptimizerConfig(optimizer="normuon", muon_coefficient_type="simple", muon_split_qkv=False, ...)
+    config = OptimizerConfig(optimizer="normuon", muon_coefficient_type="simple", ...)
 
 `MegatronNorMuon` is a torch optimizer whose constructor takes the keyword names of Megatron's own
 `TensorParallelAdaptiveMuon`, so Megatron's existing `muon_*` / `adaptive_muon_*` config fields reach it
-without new flags. It runs this project's NorMuon (docs/spec.md section 3) on the fast backend over a flat
-layout that it builds lazily and rebuilds whenever Megatron's wrappers change `param_groups` (fp32 copies
-swapped in, groups narrowed or emptied). Its checkpoint state is parameter-shaped, as Megatron's
-distributed checkpointing requires. Megatron is imported only inside `register()`.
+without new flags. It runs this project's NorMuon (docs/spec.md section 3) on the fast backend.
+`MegatronAdamW` takes the keywords of TE's FusedAdam / torch.optim.AdamW and runs this project's AdamW
+(spec section 4) with FusedAdam's step rule; `register(replace_adam=True)` makes Megatron build it for its
+Adam groups. Both build their flat layout lazily and rebuild it whenever Megatron's wrappers change
+`param_groups` (fp32 copies swapped in, 1-D shards, groups narrowed or emptied), and both emit
+parameter-shaped checkpoint state, as Megatron's distributed checkpointing requires. Megatron is imported
+only inside `register()`.
 """
 import importlib
 import math
@@ -58,12 +60,7 @@ CONFIG_FIELDS = {
     "eps": ("adaptive_muon_eps",),
 }
 
-_STATE_KEYS = ("momentum_buffer", "moment2_buffer")
-_LOADABLE_KEYS = set(_STATE_KEYS) | {"master_param", "step"}
-
-
-def _fail(message):
-    raise ValueError(f"MegatronNorMuon: {message}")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _group_size(group):
@@ -78,153 +75,91 @@ def _group_size(group):
     return int(dist.get_world_size(group))
 
 
-def _number(where, group, key, high):
-    """A group value as a float in [0, high]: a Python number or a one-element tensor (Megatron's scheduler
-    may keep lr as a tensor and fill_() it)."""
+def _number(label, where, group, key, high, below=False):
+    """A group value as a float in [0, high] ([0, high) with below): a Python number or a one-element tensor
+    (Megatron's scheduler may keep lr as a tensor and fill_() it)."""
     if key not in group:
-        raise ValueError(f"MegatronNorMuon: {where} has no '{key}'")
-    value = group[key]
+        raise ValueError(f"{label}: {where} has no '{key}'")
+    return _as_number(label, where, key, group[key], high, below)
+
+
+def _as_number(label, where, key, value, high, below=False):
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"MegatronNorMuon: {where}: {key} is a tensor of shape {tuple(value.shape)}, "
-                             "not a scalar")
+            raise ValueError(f"{label}: {where}: {key} is a tensor of shape {tuple(value.shape)}, not a scalar")
         value = value.item()
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"MegatronNorMuon: {where}: {key}={value!r} is not a number") from None
-    if not math.isfinite(number) or not 0 <= number <= high:
-        raise ValueError(f"MegatronNorMuon: {where}: {key}={value!r} is outside [0, {high:g}]")
+        raise ValueError(f"{label}: {where}: {key}={value!r} is not a number") from None
+    if not math.isfinite(number) or not 0 <= number <= high or (below and number == high):
+        raise ValueError(f"{label}: {where}: {key}={value!r} is outside [0, {high:g}{')' if below else ']'}")
     return number
 
 
-class MegatronNorMuon(torch.optim.Optimizer):
-    """NorMuon (docs/spec.md section 3) with the constructor of Megatron's TensorParallelAdaptiveMuon.
+def _tp_sharded(p):
+    """Megatron's tensor-parallel metadata: the parameter is one rank's slice along partition_dim."""
+    return bool(getattr(p, "tensor_model_parallel", False)) and getattr(p, "partition_dim", -1) not in (-1, None)
 
-    The keyword arguments are Megatron's (see CONFIG_FIELDS for the config fields they come from); each
-    maps onto the spec as docs/python.md ("Megatron-LM") tabulates. Values the adapter cannot run are
-    rejected here, with the reason: moment2_method other than 'normuon', L2 weight decay, coefficient types
-    other than 'simple', QKV splitting of a parameter that is QKV, and tensor parallelism (TP > 1).
-    Accepted without effect: tp_mode (with TP = 1 every mode is the same), use_syrk (a CUDA kernel choice),
-    qkv_split_shapes (no splitting).
 
-    Per group, every step reads lr (a float or a one-element tensor), weight_decay, momentum, beta2 and
-    eps, so Megatron's scheduler works. group['step'] is a Python int incremented once per step() in every
-    group that has parameters, whether or not they have gradients (TE FusedAdam's rule, which Megatron's
-    step synchronisation across optimizers relies on).
+class _Slot:
+    """One parameter of the outer optimizer and what stands for it in the inner NorMuonAdamW: the parameter
+    itself (rows is None), or one tensor per block of rows (a split QKV weight)."""
 
-    Keyword-only extras: backend ('auto' | 'fast' | 'reference'; None reads NORMUON_BACKEND, then 'auto',
-    which is the fast backend), threads (fast backend; 0 = one per processor), nonfinite ('error' |
-    'skip_step').
-    """
+    __slots__ = ("param", "entries", "proxies", "rows", "views")
 
-    def __init__(self, params, lr=3e-4, momentum=0.95, nesterov=True, weight_decay=0.01,
-                 use_decoupled_weight_decay=True, split_qkv=False, is_qkv_fn=None, qkv_split_shapes=None,
-                 fp32_matmul_prec="medium", coefficient_type="simple", num_ns_steps=5, scale_mode="spectral",
-                 extra_scale_factor=1.0, pg_collection=None, tp_mode="duplicated", use_syrk=False,
-                 moment2_method="normuon", beta2=0.95, eps=1e-8, *, backend=None, threads=0, nonfinite="error"):
-        if moment2_method != "normuon":
-            _fail(f"moment2_method={moment2_method!r}: this optimizer runs NorMuon only ('normuon'); use "
-                  "Megatron's adaptive_muon for 'adamuon' or 'namo'")
-        if use_decoupled_weight_decay not in (True,):
-            _fail(f"use_decoupled_weight_decay={use_decoupled_weight_decay!r}: only decoupled weight decay "
-                  "(p <- p * (1 - lr * wd)) is implemented, not L2 decay added to the gradient")
-        if coefficient_type not in COEFFICIENT_TYPES:
-            hint = {"quintic": "Emerging-Optimizers' 'quintic' is a schedule of five different triples",
-                    "polar_express": "Emerging-Optimizers' 'polar_express' (eight triples) is not the 5-triple "
-                                     "schedule normuon implements"}.get(coefficient_type, "unknown here")
-            _fail(f"coefficient_type={coefficient_type!r} is not supported ({hint}); use 'simple' "
-                  "(--muon-coefficient-type simple): Keller's quintic (3.4445, -4.7750, 2.0315) at every "
-                  "iteration, the official NorMuon's orthogonaliser")
-        if fp32_matmul_prec not in MATMUL_PRECISIONS:
-            _fail(f"fp32_matmul_prec={fp32_matmul_prec!r}: choose {' | '.join(MATMUL_PRECISIONS)}")
-        if isinstance(num_ns_steps, bool) or not isinstance(num_ns_steps, int) or not 1 <= num_ns_steps <= 100:
-            _fail(f"num_ns_steps={num_ns_steps!r} is not an integer in [1, 100]")
-        if scale_mode not in SCALE_MODES:
-            _fail(f"scale_mode={scale_mode!r}: choose {' | '.join(SCALE_MODES)}")
-        try:
-            extra = float(extra_scale_factor)
-        except (TypeError, ValueError):
-            extra = float("nan")
-        if not math.isfinite(extra) or extra <= 0:
-            _fail(f"extra_scale_factor={extra_scale_factor!r} must be a finite number > 0")
-        if tp_mode not in TP_MODES:
-            _fail(f"tp_mode={tp_mode!r}: choose {' | '.join(TP_MODES)}")
-        for attr in ("tp", "expt_tp"):
-            size = _group_size(getattr(pg_collection, attr, None)) if pg_collection is not None else 1
-            if size > 1:
-                _fail(f"tensor parallelism is not supported yet (pg_collection.{attr} has {size} ranks): "
-                      "NorMuon's statistics need the whole matrix. Run the NorMuon parameters with tensor "
-                      "(and expert tensor) parallel size 1, or use Megatron's adaptive_muon")
+    def __init__(self, param, entries, proxies, rows, views):
+        self.param, self.entries, self.proxies, self.rows, self.views = param, entries, proxies, rows, views
+
+
+class _MegatronFlat(torch.optim.Optimizer):
+    """What MegatronNorMuon and MegatronAdamW share: an inner NorMuonAdamW (one algorithm) over the
+    parameters param_groups holds now, built lazily and rebuilt when they change; the Megatron-facing
+    state (self.state, state dicts) translated to and from its flat buffers; TE FusedAdam's step rule.
+
+    Subclasses set _label, _algorithm, _state_keys and implement _check_param, _inner_defaults, _hypers,
+    _memory_views, _entry_writes and _entry_export (and _blocks for parameters split into row blocks)."""
+
+    _label = None
+    _algorithm = None
+    _state_keys = ()
+
+    def _setup(self, backend, threads, nonfinite):
+        """Before torch's __init__ (which calls add_param_group)."""
         if nonfinite not in ("error", "skip_step"):
-            _fail(f"nonfinite={nonfinite!r}: choose error | skip_step")
-        if nesterov not in (True, False, 0, 1):
-            _fail(f"nesterov={nesterov!r} is not a boolean")
+            self._fail(f"nonfinite={nonfinite!r}: choose error | skip_step")
         self.nonfinite = nonfinite
-        self.split_qkv = bool(split_qkv)
-        self.is_qkv_fn = is_qkv_fn if is_qkv_fn is not None else (lambda p: bool(getattr(p, "is_qkv", False)))
-        self.qkv_split_shapes = qkv_split_shapes
-        self.pg_collection = pg_collection
-        self.tp_mode = tp_mode
-        self.use_syrk = use_syrk
-        self.coefficient_type = coefficient_type
-        self.num_ns_steps = num_ns_steps
-        self.scale_mode = scale_mode
-        self.extra_scale_factor = extra
-        self.fp32_matmul_prec = fp32_matmul_prec
-        self.moment2_method = moment2_method
-        self.nesterov = bool(nesterov)
-        lr_scale, c = SCALE_MODES[scale_mode]
-        # The spec has no free scale factor; an extra constant is folded into the learning rate and out of
-        # the weight decay: p(1 - lr*wd) - lr*k*U  ==  p(1 - (k*lr)(wd/k)) - (k*lr)*U  (exact up to rounding).
-        self._fold = c * extra
-        self._fixed = dict(reference.NORMUON_DEFAULTS, nesterov=self.nesterov, ns_steps=num_ns_steps,
-                           ns_coefficients=COEFFICIENT_TYPES[coefficient_type],
-                           ns_precision=MATMUL_PRECISIONS[fp32_matmul_prec], reduce_axis="longer_dim",
-                           lr_scale=lr_scale, weight_decay_mode="decoupled", eps_placement="clamp")
         self._choice = _optim._resolve_choice(backend)
         if _optim.native_error() is not None and self._choice != "reference":
-            raise RuntimeError(f"MegatronNorMuon: backend '{self._choice}' needs the native module normuon._C, "
+            raise RuntimeError(f"{self._label}: backend '{self._choice}' needs the native module normuon._C, "
                                f"which could not be imported ({_optim.native_error()}); no fallback")
         self._threads = threads
         self._inner = None      # the NorMuonAdamW over the current parameters, built lazily
         self._signature = None  # what it was built for
-        self._slots = {}        # id(param) -> (param, entry, momentum view, moment2 view)
+        self._slots = {}        # id(param) -> _Slot
         self._group_map = []    # (index in param_groups, index in the inner optimizer's groups)
         self.last_skip_reason = None
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, beta2=beta2, eps=eps)
-        super().__init__(params, defaults)
+
+    def _fail(self, message):
+        raise ValueError(f"{self._label}: {message}")
+
+    def _check_all(self):
         for i, g in enumerate(self.param_groups):
             for k, p in enumerate(g["params"]):
                 self._check_param(p, f"param_groups[{i}]['params'][{k}]")
 
-    # ------------------------------------------------------------------------------------- checks
-
-    def _check_param(self, p, where):
-        if p.dim() != 2:
-            _fail(f"{where} has shape {list(p.shape)}: NorMuon needs whole 2-D matrices. Megatron routes "
-                  "non-matrix parameters to Adam; under --use-distributed-optimizer the emerging-optimizer "
-                  "path shards whole matrices per rank (LayerWise), never 1-D fragments")
+    def _check_common(self, p, where):
         if p.device.type != "cpu":
-            _fail(f"{where} is on {p.device}: normuon runs on CPU tensors only for now (its CUDA backend is "
-                  "not written yet)")
-        if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            _fail(f"{where} is {p.dtype}; float32, bfloat16 or float16 expected")
-        if self.split_qkv and self.is_qkv_fn(p):
-            _fail(f"{where} is a QKV weight and split_qkv is on: per-block (Q, K, V) Newton-Schulz is not "
-                  "implemented; pass split_qkv=False (--muon-no-split-qkv) to orthogonalise it whole")
+            self._fail(f"{where} is on {p.device}: normuon runs on CPU tensors only for now (its CUDA backend "
+                       "is not written yet)")
+        if p.dtype not in _DTYPES:
+            self._fail(f"{where} is {p.dtype}; float32, bfloat16 or float16 expected")
+        if p.is_sparse:
+            self._fail(f"{where} is sparse")
 
-    def _hypers(self, i, group):
-        """The spec's values for one group (docs/python.md tabulates the mapping); ValueError names it."""
-        where = f"param_groups[{i}]"
-        lr = _number(where, group, "lr", 1e6)
-        weight_decay = _number(where, group, "weight_decay", 1e6)
-        h = dict(self._fixed, lr=lr * self._fold, weight_decay=weight_decay / self._fold,
-                 beta1=_number(where, group, "momentum", 1.0), beta2=_number(where, group, "beta2", 1.0),
-                 denom_eps=_number(where, group, "eps", 1.0))
-        if h["lr"] > 1e6:
-            _fail(f"{where}: lr={lr!r} times the folded scale {self._fold:g} exceeds 1e6")
-        return h
+    def _blocks(self, p, where):
+        """None, or one row-index tensor per block that the inner optimizer treats as its own matrix."""
+        return None
 
     # --------------------------------------------------------------------------- the flat layout
 
@@ -254,98 +189,131 @@ class MegatronNorMuon(torch.optim.Optimizer):
                 present.append((i, params))
         inner, slots, group_map = None, {}, []
         if present:
-            # The spec's defaults stand in for lr & co. until step() writes the groups' values (Megatron
-            # builds with lr=None and lets its scheduler set it).
-            groups = [dict(params=params, names=[f"g{i}.p{k}" for k in range(len(params))], name=f"g{i}",
-                           algorithm="normuon", **self._fixed)
-                      for i, params in present]
+            groups, plan = [], []
+            for i, params in present:
+                tensors, names = [], []
+                for k, p in enumerate(params):
+                    rows = self._blocks(p, f"param_groups[{i}]['params'][{k}]")
+                    if rows is None:
+                        proxies, labels = [p], [f"g{i}.p{k}"]
+                    else:  # standalone tensors of the parameter's dtype, one per block
+                        proxies = [p.detach().index_select(0, r) for r in rows]
+                        labels = [f"g{i}.p{k}.b{j}" for j in range(len(rows))]
+                    plan.append((p, proxies, rows))
+                    tensors += proxies
+                    names += labels
+                groups.append(dict(params=tensors, names=names, name=f"g{i}", algorithm=self._algorithm,
+                                   **self._inner_defaults()))
             try:
                 inner = _optim.NorMuonAdamW(groups, backend=self._choice, threads=self._threads,
                                             nonfinite=self.nonfinite)
             except ValueError as error:
-                raise ValueError(f"MegatronNorMuon: {error} (gI.pK is param_groups[I]['params'][K])") from None
+                raise ValueError(f"{self._label}: {error} (gI.pK is param_groups[I]['params'][K])") from None
             entries = {id(e.tensor): e for e in inner._entries}
-            for j, (i, params) in enumerate(present):
-                group_map.append((i, j))
-                for p in params:
-                    e = entries[id(p)]
-                    m, n = e.shape
-                    moment2 = e.state[1].view((m, 1) if e.stats_per_row else (1, n))  # EO's keepdim shape
-                    slots[id(p)] = (p, e, e.state[0], moment2)
+            group_map = [(i, j) for j, (i, _) in enumerate(present)]
+            for p, proxies, rows in plan:
+                found = [entries[id(t)] for t in proxies]
+                views = self._memory_views(found[0]) if rows is None else None
+                slots[id(p)] = _Slot(p, found, proxies, rows, views)
         # Carry the values over: check everything first, then write (old views stay valid until then).
         writes, where = [], self._positions()
-        for p, e, momentum, moment2 in slots.values():
+        for slot in slots.values():
+            p = slot.param
             old = self.state.get(p)
             if old:
-                writes += self._state_writes(p, e, momentum, moment2, old, f"state of {where[id(p)]}")
+                writes += self._slot_writes(slot, old, f"state of {where[id(p)]}")
             previous = self._slots.get(id(p))
-            if previous is not None and previous[0] is p and e.low_precision and previous[1].low_precision:
-                writes.append((e.param, previous[1].param))  # keep the fp32 master's low bits
+            if previous is not None and previous.param is p and len(previous.entries) == len(slot.entries):
+                for e, f in zip(slot.entries, previous.entries):
+                    if e.low_precision and f.low_precision:
+                        writes.append((e.param, f.param))  # keep the fp32 master's low bits
         for dst, src in writes:
             dst.copy_(src)
         self._inner, self._slots, self._group_map, self._signature = inner, slots, group_map, signature
-        self.state = defaultdict(dict)
-        for p, _, momentum, moment2 in slots.values():
-            self.state[p] = {"momentum_buffer": momentum, "moment2_buffer": moment2}
+        self._install_state()
+
+    def _install_state(self):
+        """self.state from the flat state: live views for parameters the inner optimizer holds itself,
+        fresh parameter-shaped copies for split ones (never written in place afterwards: someone may hold
+        them)."""
+        state = defaultdict(dict)
+        for slot in self._slots.values():
+            state[slot.param] = dict(slot.views) if slot.rows is None else self._assemble(slot, master=False)
+        self.state = state
 
     def _adopt_state(self):
-        """Someone replaced, removed or added entries of self.state (a load through torch's machinery,
-        offload/restore, a wrapper moving state): copy their values into the flat state, reinstall the views."""
-        stale = [p for p, e, momentum, moment2 in self._slots.values()
-                 if not (self.state.get(p, {}).get("momentum_buffer") is momentum
-                         and self.state.get(p, {}).get("moment2_buffer") is moment2)]
+        """Someone replaced, removed, added or (for split parameters) edited entries of self.state (a load
+        through torch's machinery, offload/restore, a wrapper moving state): copy their values into the flat
+        state, reinstall the views."""
+        stale = []
+        for slot in self._slots.values():
+            current = self.state.get(slot.param)
+            # A split parameter's state is a copy: always read back, so in-place edits are seen too.
+            if slot.rows is not None or not current or any(current.get(k) is not v for k, v in slot.views.items()):
+                stale.append(slot)
         if not stale and len(self.state) == len(self._slots):
             return
         writes, where = [], self._positions()
-        for p in stale:
-            _, e, momentum, moment2 = self._slots[id(p)]
-            writes += self._state_writes(p, e, momentum, moment2, self.state.get(p) or {},
-                                         f"state of {where.get(id(p), 'a parameter')}")
+        for slot in stale:
+            writes += self._slot_writes(slot, self.state.get(slot.param) or {},
+                                        f"state of {where.get(id(slot.param), 'a parameter')}")
         for dst, src in writes:
             dst.copy_(src)
-        state = defaultdict(dict)
-        for p, _, momentum, moment2 in self._slots.values():
-            state[p] = {"momentum_buffer": momentum, "moment2_buffer": moment2}
-        self.state = state
+        if any(slot.rows is None for slot in stale) or len(self.state) != len(self._slots):
+            state = defaultdict(dict)
+            for slot in self._slots.values():  # split parameters keep the copies just read (same values)
+                kept = self.state.get(slot.param)
+                state[slot.param] = kept if slot.rows is not None and kept else (
+                    dict(slot.views) if slot.rows is None else self._assemble(slot, master=False))
+            self.state = state
 
     def _positions(self):
         """id(param) -> where it sits in param_groups, for messages."""
         return {id(p): f"param_groups[{i}]['params'][{k}]"
                 for i, g in enumerate(self.param_groups) for k, p in enumerate(g["params"])}
 
-    @staticmethod
-    def _state_writes(p, e, momentum, moment2, saved, where):
-        """(destination, source) pairs that put `saved` (a per-parameter state dict) into the flat state;
-        empty means fresh state (zeros). ValueError, before anything is written, if it does not fit."""
+    def _slot_writes(self, slot, saved, where):
+        """(destination, source) pairs that put `saved` (one parameter's state dict, parameter-shaped or in
+        the in-memory form) into the flat state; empty means fresh state (zeros). ValueError, before anything
+        is written, if it does not fit."""
         if not saved:
-            return [(momentum, torch.zeros(())), (moment2, torch.zeros(()))]
-        unknown = sorted(set(saved) - _LOADABLE_KEYS)
-        missing = [k for k in _STATE_KEYS if k not in saved]
+            return [(t, torch.zeros(())) for e in slot.entries for t in e.state]
+        loadable = set(self._state_keys) | {"master_param", "step"}
+        unknown = sorted(set(saved) - loadable)
+        missing = [k for k in self._state_keys if k not in saved]
         if unknown or missing:
-            raise ValueError(f"MegatronNorMuon: {where} has keys {sorted(saved)}; expected momentum_buffer and "
-                             "moment2_buffer (optionally master_param, step)")
-        shape = tuple(p.shape)
-        m, n = shape
-        writes = []
-        for key in _STATE_KEYS + ("master_param",):
-            src = saved.get(key)
-            if src is None:
-                continue
-            if not isinstance(src, torch.Tensor) or not src.is_floating_point():
+            self._fail(f"{where} has keys {sorted(saved)}; expected {' and '.join(self._state_keys)} "
+                       "(optionally master_param, step)")
+        for key, src in saved.items():
+            if key != "step" and (not isinstance(src, torch.Tensor) or not src.is_floating_point()):
                 got = src.dtype if isinstance(src, torch.Tensor) else type(src).__name__
-                raise ValueError(f"MegatronNorMuon: {where}: {key} is {got}, not a floating-point tensor")
-            got = tuple(src.shape)
-            if key == "moment2_buffer":
-                src = _reduce_moment2(src, shape, e.stats_per_row, where)
-                writes.append((moment2, src.reshape(moment2.shape)))
-                continue
-            if got != shape:
-                raise ValueError(f"MegatronNorMuon: {where}: {key} has shape {got}, expected {shape}")
-            if key == "momentum_buffer":
-                writes.append((momentum, src))
-            elif e.low_precision:  # master_param: the fp32 master of a bf16/f16 parameter
-                writes.append((e.param, src))
+                self._fail(f"{where}: {key} is {got}, not a floating-point tensor")
+        if slot.rows is None:
+            return self._entry_writes(slot.entries[0], saved, where)
+        shape = tuple(slot.param.shape)
+        for key, src in saved.items():
+            if key != "step" and tuple(src.shape) != shape:
+                self._fail(f"{where}: {key} has shape {tuple(src.shape)}, expected {shape} (the state of a "
+                           "parameter split into QKV blocks is parameter-shaped)")
+        writes = []
+        for j, (e, rows) in enumerate(zip(slot.entries, slot.rows)):
+            part = {k: v.index_select(0, rows) for k, v in saved.items() if k != "step"}
+            writes += self._entry_writes(e, part, f"{where} (block {j})")
         return writes
+
+    def _assemble(self, slot, master):
+        """Parameter-shaped fresh fp32 copies of a parameter's state (and master_param, for a bf16/f16
+        parameter, with master)."""
+        parts = [self._entry_export(e, master) for e in slot.entries]
+        if slot.rows is None:
+            return parts[0]
+        out = {}
+        for key in parts[0]:
+            full = torch.empty(tuple(slot.param.shape), dtype=torch.float32)
+            for part, rows in zip(parts, slot.rows):
+                full.index_copy_(0, rows, part[key])
+            out[key] = full
+        return out
 
     # ------------------------------------------------------------------------------- Megatron hooks
 
@@ -359,7 +327,7 @@ class MegatronNorMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One NorMuon step over every parameter with a gradient (others are left as they are), then
+        """One step over every parameter with a gradient (others are left as they are), then
         group['step'] += 1 in every group with parameters. Hyper-parameters are read (and checked) first."""
         loss = None
         if closure is not None:
@@ -367,17 +335,36 @@ class MegatronNorMuon(torch.optim.Optimizer):
                 loss = closure()
         self._ensure_built()
         hypers = [(j, self._hypers(i, self.param_groups[i])) for i, j in self._group_map]
+        steps = [_step_value(self._label, self.param_groups[i].get("step", 0), f"param_groups[{i}]")
+                 for i, _ in self._group_map]
         skipped = None
         if self._inner is not None:
+            split = [slot for slot in self._slots.values() if slot.rows is not None]
+            for slot in split:  # the blocks follow the parameter and its gradient
+                p, grad = slot.param.detach(), slot.param.grad
+                for proxy, rows in zip(slot.proxies, slot.rows):
+                    proxy.copy_(p.index_select(0, rows))
+                    proxy.grad = None if grad is None else grad.detach().index_select(0, rows)
             for j, h in hypers:
                 self._inner.param_groups[j].update(h)
+            # TE FusedAdam's rule: the step about to run is group['step'] + 1 (AdamW's bias correction reads
+            # it); the core would count only steps with a gradient in the group.
+            self._inner._set_group_steps(steps)
             self._inner.step()
             skipped = self._inner.last_skip_reason
+            for slot in split:
+                for proxy in slot.proxies:
+                    proxy.grad = None
+                if skipped is None and slot.param.grad is not None:
+                    for proxy, rows in zip(slot.proxies, slot.rows):
+                        slot.param.detach().index_copy_(0, rows, proxy)
+            if split:
+                self._install_state()
         self.last_skip_reason = skipped
         if skipped is None:
             for g in self.param_groups:
                 if len(g["params"]) > 0:
-                    g["step"] = int(g.get("step", 0)) + 1
+                    g["step"] = _step_value(self._label, g.get("step", 0), "a param group") + 1
         return loss
 
     @property
@@ -387,11 +374,14 @@ class MegatronNorMuon(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------- state dicts
 
+    def _extra_export(self, group):
+        """Per-parameter entries besides the state tensors (MegatronAdamW: a per-parameter step)."""
+        return {}
+
     def state_dict(self):
-        """torch's structure. Per parameter: momentum_buffer, and moment2_buffer expanded to the
-        parameter's shape (Megatron's distributed checkpoint requires parameter-shaped state; both are fresh
-        fp32 copies), plus master_param for a bf16/f16 parameter. No per-parameter step: group['step'] is the
-        counter. Before the first step (nothing built, no state) "state" is empty, as torch's."""
+        """torch's structure, every tensor parameter-shaped (Megatron's distributed checkpoint requires it)
+        and a fresh fp32 copy, plus master_param for a bf16/f16 parameter. Before the first step (nothing
+        built, no state) "state" is empty, as torch's."""
         if self._inner is not None or any(self.state.values()):
             self._ensure_built()
         groups, state, index = [], {}, 0
@@ -401,31 +391,26 @@ class MegatronNorMuon(torch.optim.Optimizer):
             for p in g["params"]:
                 slot = self._slots.get(id(p))
                 if slot is not None:
-                    _, e, momentum, moment2 = slot
-                    s = {"momentum_buffer": momentum.clone(),
-                         "moment2_buffer": moment2.expand(e.shape).clone(memory_format=torch.contiguous_format)}
-                    if e.low_precision:
-                        s["master_param"] = e.param.clone()
-                    state[index] = s
+                    state[index] = dict(self._assemble(slot, master=True), **self._extra_export(g))
                 index += 1
             groups.append(packed)
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict):
-        """Loads a state dict of the same groups and parameter counts. moment2_buffer may be
-        parameter-shaped (this adapter's state_dict), reduced (length rows or cols) or Emerging-Optimizers'
-        [m, 1] / [1, n]. A group without 'step' takes a per-parameter 'step' if all agree. Everything is
-        checked before anything is written; a parameter without saved state gets fresh (zero) state."""
+        """Loads a state dict of the same groups and parameter counts; per parameter the forms _entry_writes
+        accepts. A group without 'step' takes a per-parameter 'step' if all agree (its value is read, the
+        tensor is never kept). Everything is checked before anything is written; a parameter without saved
+        state gets fresh (zero) state."""
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-            _fail("not an optimizer state dict: expected the keys 'state' and 'param_groups'")
+            self._fail("not an optimizer state dict: expected the keys 'state' and 'param_groups'")
         saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
         if len(saved_groups) != len(self.param_groups):
-            _fail(f"the state dict has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}")
+            self._fail(f"the state dict has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}")
         self._ensure_built()
         writes, new_groups = [], []
         for i, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
             if len(sg["params"]) != len(g["params"]):
-                _fail(f"param_groups[{i}]: {len(sg['params'])} parameters saved, {len(g['params'])} here")
+                self._fail(f"param_groups[{i}]: {len(sg['params'])} parameters saved, {len(g['params'])} here")
             new = {k: v for k, v in sg.items() if k != "params"}
             for k in self.defaults:
                 new.setdefault(k, g[k])
@@ -434,15 +419,15 @@ class MegatronNorMuon(torch.optim.Optimizer):
             per_param_steps = set()
             for index, p in zip(sg["params"], g["params"]):
                 saved = saved_state.get(index) or {}
-                _, e, momentum, moment2 = self._slots[id(p)]
                 where = f"state {index} (param_groups[{i}])"
-                writes += self._state_writes(p, e, momentum, moment2, saved, where)
+                writes += self._slot_writes(self._slots[id(p)], saved, where)
                 if "step" in saved:
-                    per_param_steps.add(_step_value(saved["step"], where))
+                    per_param_steps.add(_step_value(self._label, saved["step"], where))
             if "step" in new:
-                new["step"] = _step_value(new["step"], f"param_groups[{i}]")
+                new["step"] = _step_value(self._label, new["step"], f"param_groups[{i}]")
             elif len(per_param_steps) > 1:
-                _fail(f"param_groups[{i}] has no 'step' and its parameters' steps differ: {sorted(per_param_steps)}")
+                self._fail(f"param_groups[{i}] has no 'step' and its parameters' steps differ: "
+                           f"{sorted(per_param_steps)}")
             elif per_param_steps:
                 new["step"] = per_param_steps.pop()
             new_groups.append(new)
@@ -451,9 +436,328 @@ class MegatronNorMuon(torch.optim.Optimizer):
         for g, new in zip(self.param_groups, new_groups):
             g.clear()
             g.update(new)
+        self._install_state()
 
 
-def _step_value(step, where):
+class MegatronNorMuon(_MegatronFlat):
+    """NorMuon (docs/spec.md section 3) with the constructor of Megatron's TensorParallelAdaptiveMuon.
+
+    The keyword arguments are Megatron's (see CONFIG_FIELDS for the config fields they come from); each
+    maps onto the spec as docs/megatron.md tabulates. Values the adapter cannot run are rejected here, with
+    the reason: moment2_method other than 'normuon', L2 weight decay, coefficient types other than 'simple',
+    and a tensor-parallel shard (TP > 1) under tp_mode 'duplicated' or 'distributed'. With split_qkv, a QKV
+    weight (is_qkv_fn(p)) is cut into its Q, K and V row blocks (p.qkv_split_shapes, else qkv_split_shapes,
+    per query group, as Megatron does) and each block is run as a matrix of its own. Under tp_mode
+    'blockwise' each rank's shard is run as a matrix of its own. Accepted without effect: use_syrk (a CUDA
+    kernel choice).
+
+    Per group, every step reads lr (a float or a one-element tensor), weight_decay, momentum, beta2 and
+    eps, so Megatron's scheduler works. group['step'] is a Python int incremented once per step() in every
+    group that has parameters, whether or not they have gradients (TE FusedAdam's rule, which Megatron's
+    step synchronisation across optimizers relies on).
+
+    Keyword-only extras: backend ('auto' | 'fast' | 'reference'; None reads NORMUON_BACKEND, then 'auto',
+    which is the fast backend), threads (fast backend; 0 = one per processor), nonfinite ('error' |
+    'skip_step').
+    """
+
+    _label = "MegatronNorMuon"
+    _algorithm = "normuon"
+    _state_keys = ("momentum_buffer", "moment2_buffer")
+
+    def __init__(self, params, lr=3e-4, momentum=0.95, nesterov=True, weight_decay=0.01,
+                 use_decoupled_weight_decay=True, split_qkv=False, is_qkv_fn=None, qkv_split_shapes=None,
+                 fp32_matmul_prec="medium", coefficient_type="simple", num_ns_steps=5, scale_mode="spectral",
+                 extra_scale_factor=1.0, pg_collection=None, tp_mode="duplicated", use_syrk=False,
+                 moment2_method="normuon", beta2=0.95, eps=1e-8, *, backend=None, threads=0, nonfinite="error"):
+        if moment2_method != "normuon":
+            self._fail(f"moment2_method={moment2_method!r}: this optimizer runs NorMuon only ('normuon'); use "
+                       "Megatron's adaptive_muon for 'adamuon' or 'namo'")
+        if use_decoupled_weight_decay not in (True,):
+            self._fail(f"use_decoupled_weight_decay={use_decoupled_weight_decay!r}: only decoupled weight decay "
+                       "(p <- p * (1 - lr * wd)) is implemented, not L2 decay added to the gradient")
+        if coefficient_type not in COEFFICIENT_TYPES:
+            hint = {"quintic": "Emerging-Optimizers' 'quintic' is a schedule of five different triples",
+                    "polar_express": "Emerging-Optimizers' 'polar_express' (eight triples) is not the 5-triple "
+                                     "schedule normuon implements"}.get(coefficient_type, "unknown here")
+            self._fail(f"coefficient_type={coefficient_type!r} is not supported ({hint}); use 'simple' "
+                       "(--muon-coefficient-type simple): Keller's quintic (3.4445, -4.7750, 2.0315) at every "
+                       "iteration, the official NorMuon's orthogonaliser")
+        if fp32_matmul_prec not in MATMUL_PRECISIONS:
+            self._fail(f"fp32_matmul_prec={fp32_matmul_prec!r}: choose {' | '.join(MATMUL_PRECISIONS)}")
+        if isinstance(num_ns_steps, bool) or not isinstance(num_ns_steps, int) or not 1 <= num_ns_steps <= 100:
+            self._fail(f"num_ns_steps={num_ns_steps!r} is not an integer in [1, 100]")
+        if scale_mode not in SCALE_MODES:
+            self._fail(f"scale_mode={scale_mode!r}: choose {' | '.join(SCALE_MODES)}")
+        try:
+            extra = float(extra_scale_factor)
+        except (TypeError, ValueError):
+            extra = float("nan")
+        if not math.isfinite(extra) or extra <= 0:
+            self._fail(f"extra_scale_factor={extra_scale_factor!r} must be a finite number > 0")
+        if tp_mode not in TP_MODES:
+            self._fail(f"tp_mode={tp_mode!r}: choose {' | '.join(TP_MODES)}")
+        if nesterov not in (True, False, 0, 1):
+            self._fail(f"nesterov={nesterov!r} is not a boolean")
+        if qkv_split_shapes is not None:
+            self._split_shapes(qkv_split_shapes, "qkv_split_shapes")
+        self._setup(backend, threads, nonfinite)
+        self.split_qkv = bool(split_qkv)
+        self.is_qkv_fn = is_qkv_fn if is_qkv_fn is not None else (lambda p: bool(getattr(p, "is_qkv", False)))
+        self.qkv_split_shapes = qkv_split_shapes
+        self.pg_collection = pg_collection
+        self.tp_mode = tp_mode
+        self.use_syrk = use_syrk
+        self.coefficient_type = coefficient_type
+        self.num_ns_steps = num_ns_steps
+        self.scale_mode = scale_mode
+        self.extra_scale_factor = extra
+        self.fp32_matmul_prec = fp32_matmul_prec
+        self.moment2_method = moment2_method
+        self.nesterov = bool(nesterov)
+        lr_scale, c = SCALE_MODES[scale_mode]
+        # The spec has no free scale factor; an extra constant is folded into the learning rate and out of
+        # the weight decay: p(1 - lr*wd) - lr*k*U  ==  p(1 - (k*lr)(wd/k)) - (k*lr)*U  (exact up to rounding).
+        self._fold = c * extra
+        self._fixed = dict(reference.NORMUON_DEFAULTS, nesterov=self.nesterov, ns_steps=num_ns_steps,
+                           ns_coefficients=COEFFICIENT_TYPES[coefficient_type],
+                           ns_precision=MATMUL_PRECISIONS[fp32_matmul_prec], reduce_axis="longer_dim",
+                           lr_scale=lr_scale, weight_decay_mode="decoupled", eps_placement="clamp")
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, beta2=beta2, eps=eps)
+        super().__init__(params, defaults)
+        self._check_all()
+
+    # ------------------------------------------------------------------------------------- checks
+
+    def _tp_size(self, p):
+        """Ranks the parameter is sharded over: Megatron's expert TP group for expert weights, else TP."""
+        if self.pg_collection is None:
+            return 1
+        attr = "expt_tp" if getattr(p, "expert_tp", False) else "tp"
+        return _group_size(getattr(self.pg_collection, attr, None))
+
+    def _check_param(self, p, where):
+        if p.dim() != 2:
+            self._fail(f"{where} has shape {list(p.shape)}: NorMuon needs whole 2-D matrices. Megatron routes "
+                       "non-matrix parameters to Adam; under --use-distributed-optimizer the emerging-optimizer "
+                       "path shards whole matrices per rank (LayerWise), never 1-D fragments")
+        self._check_common(p, where)
+        size = self._tp_size(p) if _tp_sharded(p) else 1
+        if size > 1 and self.tp_mode != "blockwise":
+            self._fail(f"{where} (local shape {list(p.shape)}) is a tensor-parallel shard along dim "
+                       f"{p.partition_dim} over {size} ranks, and tp_mode={self.tp_mode!r} needs the whole "
+                       "matrix, which this adapter does not gather yet. Use tp_mode='blockwise' "
+                       "(--muon-tp-mode blockwise: each rank runs NorMuon on its own shard, so the result "
+                       "depends on the TP size), or tensor (and expert tensor) parallel size 1")
+        self._blocks(p, where)
+
+    @staticmethod
+    def _split_shapes(shapes, where):
+        try:
+            sizes = [int(s) for s in shapes]
+            ok = len(sizes) >= 1 and all(s > 0 and s == t for s, t in zip(sizes, shapes))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"MegatronNorMuon: {where}={shapes!r} is not a list of positive integers")
+        return sizes
+
+    def _blocks(self, p, where):
+        """Megatron's split_qkv: the rows are [query group][q | k | v rows] (qkv_split_shapes per group, a
+        gate block too when attention_output_gate is on); block j gathers its rows of every query group,
+        and each block is orthogonalised, normalised and scaled as a matrix of its own."""
+        if not (self.split_qkv and self.is_qkv_fn(p)):
+            return None
+        shapes = getattr(p, "qkv_split_shapes", None)
+        if shapes is None:
+            shapes = self.qkv_split_shapes
+        if shapes is None:
+            self._fail(f"{where} is a QKV weight and split_qkv is on, but neither the parameter nor the "
+                       "optimizer has qkv_split_shapes; set p.qkv_split_shapes, or pass split_qkv=False "
+                       "(--muon-no-split-qkv) to orthogonalise it whole")
+        sizes = self._split_shapes(shapes, f"{where}: qkv_split_shapes")
+        rows, total = p.shape[0], sum(sizes)
+        if rows % total:
+            self._fail(f"{where} has {rows} rows, not a multiple of sum(qkv_split_shapes) = {total} ({sizes})")
+        starts = torch.arange(rows // total) * total
+        blocks, offset = [], 0
+        for size in sizes:
+            blocks.append((starts.unsqueeze(1) + offset + torch.arange(size)).reshape(-1))
+            offset += size
+        return blocks
+
+    def _inner_defaults(self):
+        # The spec's defaults stand in for lr & co. until step() writes the groups' values (Megatron
+        # builds with lr=None and lets its scheduler set it).
+        return dict(self._fixed)
+
+    def _hypers(self, i, group):
+        """The spec's values for one group (docs/megatron.md tabulates the mapping); ValueError names it."""
+        where, label = f"param_groups[{i}]", self._label
+        lr = _number(label, where, group, "lr", 1e6)
+        weight_decay = _number(label, where, group, "weight_decay", 1e6)
+        h = dict(self._fixed, lr=lr * self._fold, weight_decay=weight_decay / self._fold,
+                 beta1=_number(label, where, group, "momentum", 1.0),
+                 beta2=_number(label, where, group, "beta2", 1.0),
+                 denom_eps=_number(label, where, group, "eps", 1.0))
+        if h["lr"] > 1e6:
+            self._fail(f"{where}: lr={lr!r} times the folded scale {self._fold:g} exceeds 1e6")
+        return h
+
+    # ------------------------------------------------------------------------------- state forms
+
+    @staticmethod
+    def _memory_views(e):
+        """Emerging-Optimizers' in-memory forms: momentum m x n, moment2 [m, 1] or [1, n] (live views)."""
+        m, n = e.shape
+        return {"momentum_buffer": e.state[0], "moment2_buffer": e.state[1].view((m, 1) if e.stats_per_row else (1, n))}
+
+    def _entry_writes(self, e, saved, where):
+        """moment2_buffer may be parameter-shaped (constant along the statistics axis), reduced, or [m, 1] /
+        [1, n]; momentum_buffer and master_param are parameter-shaped."""
+        shape = tuple(e.shape)
+        writes = []
+        for key in ("momentum_buffer", "moment2_buffer", "master_param"):
+            src = saved.get(key)
+            if src is None:
+                continue
+            if key == "moment2_buffer":
+                writes.append((e.state[1], _reduce_moment2(src, shape, e.stats_per_row, where)))
+            elif tuple(src.shape) != shape:
+                self._fail(f"{where}: {key} has shape {tuple(src.shape)}, expected {shape}")
+            elif key == "momentum_buffer":
+                writes.append((e.state[0], src))
+            elif e.low_precision:  # master_param: the fp32 master of a bf16/f16 parameter
+                writes.append((e.param, src))
+        return writes
+
+    @staticmethod
+    def _entry_export(e, master):
+        s = {"momentum_buffer": e.state[0].clone(),
+             "moment2_buffer": (e.state[1].view(-1, 1) if e.stats_per_row else e.state[1].view(1, -1))
+             .expand(e.shape).clone(memory_format=torch.contiguous_format)}
+        if master and e.low_precision:
+            s["master_param"] = e.param.clone()
+        return s
+
+
+class MegatronAdamW(_MegatronFlat):
+    """This project's AdamW (docs/spec.md section 4, the code path of NorMuonAdamW's AdamW groups) with the
+    constructor of TE's FusedAdam / torch.optim.AdamW, for Megatron's Adam groups (register(replace_adam=True)).
+
+    lr, betas, eps, weight_decay and bias_correction are group values, read at every step (lr may be a
+    one-element tensor; MuP's per-group eps works). Refused, with the reason: amsgrad, adam_w_mode=False (L2
+    Adam), bias_correction=False, capturable, maximize, differentiable, and TE's precision-aware options
+    (master_weights, non-fp32 state dtypes, use_decoupled_grad, store_param_remainders): Megatron keeps the
+    fp32 master weights itself. Accepted without effect: foreach, fused, set_grad_none (only zero_grad's
+    default).
+
+    Step rule (TE FusedAdam): group['step'] is a Python int incremented once per step() in every group that
+    has parameters, with or without gradients, and the bias correction of step t uses it; there is no
+    per-parameter step tensor in self.state. state_dict() adds a per-parameter 'step' (a fresh 0-d fp32
+    tensor equal to the group's), which torch's and Megatron's no-TE paths read; load_state_dict() takes the
+    group's 'step', else a common per-parameter one, reading its value and never keeping the tensor (a
+    loaded step tensor may be shared by every parameter).
+
+    Keyword-only extras: backend, threads, nonfinite (as MegatronNorMuon).
+    """
+
+    _label = "MegatronAdamW"
+    _algorithm = "adamw"
+    _state_keys = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 bias_correction=True, adam_w_mode=True, capturable=False, master_weights=False,
+                 master_weight_dtype=torch.float32, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
+                 use_decoupled_grad=False, store_param_remainders=False, set_grad_none=None, maximize=False,
+                 foreach=None, fused=None, differentiable=False, backend=None, threads=0, nonfinite="error"):
+        precision = ("master_weights, exp_avg_dtype, exp_avg_sq_dtype, use_decoupled_grad and "
+                     "store_param_remainders are TE's precision-aware options (--use-precision-aware-optimizer), "
+                     "which this optimizer does not implement: Megatron keeps fp32 master weights and state")
+        for name, value, default in (("amsgrad", amsgrad, False), ("capturable", capturable, False),
+                                     ("maximize", maximize, False), ("differentiable", differentiable, False),
+                                     ("master_weights", master_weights, False),
+                                     ("use_decoupled_grad", use_decoupled_grad, False),
+                                     ("store_param_remainders", store_param_remainders, False)):
+            if bool(value) != default:
+                why = {"amsgrad": "AMSGrad is not implemented",
+                       "capturable": "CUDA graph capture (--optimizer-cuda-graph) needs the CUDA backend",
+                       "maximize": "only minimisation is implemented",
+                       "differentiable": "the step is not differentiable"}.get(name, precision)
+                self._fail(f"{name}={value!r}: {why}")
+        for name, value in (("master_weight_dtype", master_weight_dtype), ("exp_avg_dtype", exp_avg_dtype),
+                            ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
+            if value != torch.float32:
+                self._fail(f"{name}={value!r}: {precision}")
+        if adam_w_mode not in (True, 1):
+            self._fail(f"adam_w_mode={adam_w_mode!r}: only decoupled weight decay (AdamW, p <- p * (1 - lr * wd)) "
+                       "is implemented, not Adam's L2 decay added to the gradient (Megatron passes "
+                       "adam_w_mode=config.decoupled_weight_decay: keep it True)")
+        if bias_correction not in (True, 1):
+            self._fail(f"bias_correction={bias_correction!r}: only bias-corrected AdamW is implemented")
+        self._setup(backend, threads, nonfinite)
+        self.set_grad_none = set_grad_none
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
+        super().__init__(params, defaults)
+        self._check_all()
+
+    def _check_param(self, p, where):
+        self._check_common(p, where)  # any shape: DistOpt hands over 1-D shards, some empty
+
+    def _inner_defaults(self):
+        a = reference.ADAMW_DEFAULTS
+        return dict(lr=a["lr"], betas=(a["beta1"], a["beta2"]), eps=a["eps"], weight_decay=a["weight_decay"])
+
+    def _hypers(self, i, group):
+        where, label = f"param_groups[{i}]", self._label
+        betas = group.get("betas")
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            self._fail(f"{where}: betas={betas!r} is not a pair")
+        beta1 = _as_number(label, where, "betas[0]", betas[0], 1.0, below=True)
+        beta2 = _as_number(label, where, "betas[1]", betas[1], 1.0, below=True)
+        if group.get("bias_correction", True) not in (True, 1):
+            self._fail(f"{where}: bias_correction={group['bias_correction']!r}: only bias-corrected AdamW is "
+                       "implemented")
+        return dict(lr=_number(label, where, group, "lr", 1e6), betas=(beta1, beta2),
+                    eps=_number(label, where, group, "eps", 1.0),
+                    weight_decay=_number(label, where, group, "weight_decay", 1e6))
+
+    @staticmethod
+    def _memory_views(e):
+        return {"exp_avg": e.state[0], "exp_avg_sq": e.state[1]}
+
+    def _entry_writes(self, e, saved, where):
+        shape = tuple(e.shape)
+        writes = []
+        for key, dst in (("exp_avg", e.state[0]), ("exp_avg_sq", e.state[1]), ("master_param", e.param)):
+            src = saved.get(key)
+            if src is None:
+                continue
+            if tuple(src.shape) != shape:
+                self._fail(f"{where}: {key} has shape {tuple(src.shape)}, expected {shape}")
+            if key != "master_param" or e.low_precision:
+                writes.append((dst, src))
+        return writes
+
+    @staticmethod
+    def _entry_export(e, master):
+        s = {"exp_avg": e.state[0].clone(), "exp_avg_sq": e.state[1].clone()}
+        if master and e.low_precision:
+            s["master_param"] = e.param.clone()
+        return s
+
+    def _extra_export(self, group):
+        # A fresh tensor per parameter: whoever loads it may share or increment it, never ours.
+        return {"step": torch.tensor(float(_step_value(self._label, group.get("step", 0), "a param group")))}
+
+    def zero_grad(self, set_to_none=None):
+        """TE FusedAdam's default: gradients set to None (or set_grad_none's value when given)."""
+        if set_to_none is None:
+            set_to_none = True if self.set_grad_none is None else bool(self.set_grad_none)
+        super().zero_grad(set_to_none=set_to_none)
+
+
+def _step_value(label, step, where):
     """A step counter (an int, or a one-element tensor as torch keeps per-parameter steps) as an int >= 0."""
     value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
     try:
@@ -462,7 +766,7 @@ def _step_value(step, where):
     except (TypeError, ValueError, OverflowError):
         ok = False
     if not ok:
-        raise ValueError(f"MegatronNorMuon: {where}: step={step!r} is not a non-negative integer")
+        raise ValueError(f"{label}: {where}: step={step!r} is not a non-negative integer")
     return number
 
 
@@ -554,26 +858,70 @@ def check_version(version, allow_untested_version=False):
                            f"{_known_range()}{why}. Pass allow_untested_version=True to register anyway")
 
 
-def register(name="normuon", *, replace_existing=False, allow_untested_version=False, backend=None, threads=0):
+def _import_megatron(caller):
+    try:
+        return (importlib.import_module("megatron.core.optimizer"),
+                importlib.import_module("megatron.core.optimizer.emerging_optimizers"))
+    except ImportError as error:
+        raise RuntimeError(f"normuon.megatron.{caller}: megatron-core is not importable ({error})") from None
+
+
+def _with_defaults(cls, backend, threads):
+    """cls, or a subclass whose backend/threads default to the given ones (Megatron passes neither)."""
+    if backend is None and not threads:
+        return cls
+
+    class Bound(cls):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("backend", backend)
+            kwargs.setdefault("threads", threads)
+            super().__init__(*args, **kwargs)
+
+    Bound.__name__ = Bound.__qualname__ = cls.__name__
+    return Bound
+
+
+def _check_adam_hooks(mopt, version):
+    missing = [a for a in ("Adam", "USING_PYTORCH_OPTIMIZER") if not hasattr(mopt, a)]
+    if missing:
+        raise RuntimeError(f"normuon.megatron: megatron-core {version}: megatron.core.optimizer lacks "
+                           f"{', '.join(missing)} (the module globals replace_adam sets)")
+
+
+def replace_adam(*, allow_untested_version=False, backend=None, threads=0):
+    """Makes Megatron build MegatronAdamW wherever it builds its Adam (the Adam groups next to Muon, and
+    --optimizer adam): sets megatron.core.optimizer.Adam and USING_PYTORCH_OPTIMIZER = False (without
+    TE/Apex Megatron would otherwise call torch.optim.AdamW directly). Megatron has no Adam registry, so this
+    patches module globals; the version gate and fail-closed checks are register()'s. Returns the class."""
+    mopt, _ = _import_megatron("replace_adam")
+    version = megatron_core_version()
+    check_version(version, allow_untested_version)
+    _check_adam_hooks(mopt, version)
+    cls = _with_defaults(MegatronAdamW, backend, threads)
+    mopt.Adam = cls
+    mopt.USING_PYTORCH_OPTIMIZER = False
+    return cls
+
+
+def register(name="normuon", *, replace_existing=False, replace_adam=False, allow_untested_version=False,
+             backend=None, threads=0):
     """Adds MegatronNorMuon to Megatron's emerging-optimizer registry under `name`, so that
     OptimizerConfig(optimizer=name) (or --optimizer name, for a name argparse accepts) builds it.
 
     Touches only megatron.core.optimizer.emerging_optimizers._EMERGING_OPTIMIZERS[name] (a new
     EmergingOptimizerEntry) and, where it exists, megatron.core.optimizer.HAVE_EMERGING_OPTIMIZERS (set True,
     because the emerging path refuses to run without Emerging-Optimizers, which this optimizer does not
-    need). Parameter routing (which parameters go to Adam) is copied from Megatron's own muon entry.
+    need). Parameter routing (which parameters go to Adam) is copied from Megatron's own muon entry. With
+    replace_adam=True, Megatron's Adam groups get MegatronAdamW too (see replace_adam()).
 
     Fails closed with RuntimeError when megatron-core is missing, of a version outside KNOWN_GOOD_VERSIONS
-    (unless allow_untested_version) or without the registry. Replacing an entry Megatron already has
-    (e.g. name='adaptive_muon', to keep the stock --optimizer choice) needs replace_existing=True.
-    backend/threads are handed to every MegatronNorMuon it builds. Returns the entry."""
+    (unless allow_untested_version) or without the registry (or, with replace_adam, without the Adam
+    globals); nothing is touched then. Replacing an entry Megatron already has (e.g. name='adaptive_muon',
+    to keep the stock --optimizer choice) needs replace_existing=True. backend/threads are handed to every
+    optimizer it builds. Returns the entry."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"normuon.megatron.register: name={name!r} must be a non-empty string")
-    try:
-        mopt = importlib.import_module("megatron.core.optimizer")
-        eo = importlib.import_module("megatron.core.optimizer.emerging_optimizers")
-    except ImportError as error:
-        raise RuntimeError(f"normuon.megatron.register: megatron-core is not importable ({error})") from None
+    mopt, eo = _import_megatron("register")
     version = megatron_core_version()
     check_version(version, allow_untested_version)
     missing = [a for a in ("_EMERGING_OPTIMIZERS", "EmergingOptimizerEntry") if not hasattr(eo, a)]
@@ -581,10 +929,14 @@ def register(name="normuon", *, replace_existing=False, allow_untested_version=F
         raise RuntimeError(f"normuon.megatron.register: megatron-core {version}: "
                            f"megatron.core.optimizer.emerging_optimizers lacks {', '.join(missing) or 'a dict registry'} "
                            "(the emerging-optimizer registry this adapter plugs into)")
+    if replace_adam:
+        _check_adam_hooks(mopt, version)
     registry = eo._EMERGING_OPTIMIZERS
     existing = registry.get(name)
-    if existing is not None and getattr(existing, "optimizer_cls", None) is not MegatronNorMuon and not replace_existing:
-        cls = getattr(getattr(existing, "optimizer_cls", None), "__name__", type(existing).__name__)
+    ours = getattr(existing, "optimizer_cls", None)
+    if existing is not None and not (isinstance(ours, type) and issubclass(ours, MegatronNorMuon)) \
+            and not replace_existing:
+        cls = getattr(ours, "__name__", type(existing).__name__)
         raise ValueError(f"normuon.megatron.register: '{name}' is already Megatron's {cls}; pass "
                          "replace_existing=True to take it over")
     template = registry.get("adaptive_muon") or registry.get("muon")
@@ -603,8 +955,17 @@ def register(name="normuon", *, replace_existing=False, allow_untested_version=F
     registry[name] = entry
     if hasattr(mopt, "HAVE_EMERGING_OPTIMIZERS"):
         mopt.HAVE_EMERGING_OPTIMIZERS = True
+    if replace_adam:
+        mopt.Adam = _with_defaults(MegatronAdamW, backend, threads)
+        mopt.USING_PYTORCH_OPTIMIZER = False
     return entry
 
 
-__all__ = ["MegatronNorMuon", "register", "init_state_fn", "config_to_kwargs", "check_version",
-           "megatron_core_version", "KNOWN_GOOD_VERSIONS", "CONFIG_FIELDS"]
+def adamw_init_state_fn(opt, config=None):
+    """Megatron's Adam init_state_fn contract for MegatronAdamW: state for every parameter. (Megatron's own
+    init_state_fn, which puts zero tensors into opt.state, works too: they are adopted at the next step.)"""
+    init_state_fn(opt, config)
+
+
+__all__ = ["MegatronNorMuon", "MegatronAdamW", "register", "replace_adam", "init_state_fn", "adamw_init_state_fn",
+           "config_to_kwargs", "check_version", "megatron_core_version", "KNOWN_GOOD_VERSIONS", "CONFIG_FIELDS"]

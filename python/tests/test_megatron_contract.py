@@ -3,8 +3,9 @@ the call sequences of Megatron's wrappers on plain torch and check what Megatron
 test names are the notes' contract numbers: 1 Megatron-shaped groups and the scheduler, 2 the Float16
 wrapper's parameter swap, 3 the DistributedOptimizer-style swap (as far as it applies to a matrix
 optimizer), 5 LayerWise narrowing, 6 parameter-shaped checkpoint state, 7 step counters, 8 resume
-determinism, 10 registration against a stub megatron.core module tree. (4 is AdamW's; 9, tensor
-parallelism, is not supported and is rejected.)"""
+determinism, 10 registration against a stub megatron.core module tree. 4 is AdamW's: MegatronAdamW's
+contract tests are in test_megatron_adamw.py; per-block QKV and tensor parallelism (9) in
+test_megatron_split.py."""
 import io
 import math
 import sys
@@ -552,9 +553,7 @@ class FakeGroup:
     (dict(scale_mode="rms"), "scale_mode='rms'"),
     (dict(extra_scale_factor=0.0), "extra_scale_factor=0.0"),
     (dict(tp_mode="ring"), "tp_mode='ring'"),
-    (dict(pg_collection=SimpleNamespace(tp=FakeGroup(2), expt_tp=FakeGroup(1))),
-     r"tensor parallelism is not supported yet \(pg_collection.tp has 2 ranks\)"),
-    (dict(pg_collection=SimpleNamespace(tp=FakeGroup(1), expt_tp=FakeGroup(4))), "pg_collection.expt_tp has 4"),
+    (dict(qkv_split_shapes=[4, 0, 2]), r"qkv_split_shapes=\[4, 0, 2\] is not a list of positive integers"),
     (dict(backend="gpu"), "unknown backend 'gpu'"),
 ])
 def test_unsupported_values_are_refused_with_the_reason(kwargs, message):
@@ -569,16 +568,9 @@ def test_tp_one_and_any_tp_mode_are_accepted(backend):
         build(make_params(), backend, pg_collection=one, tp_mode=mode, use_syrk=True)
 
 
-def test_qkv_split_and_non_matrices_are_refused():
-    params = make_params()
-    params[0].is_qkv = True
-    kw = dict(coefficient_type="simple", backend="reference")
-    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] is a QKV weight and split_qkv is on"):
-        MegatronNorMuon(params, split_qkv=True, **kw)
-    MegatronNorMuon(params, split_qkv=False, **kw)  # whole-matrix NS: fine
-    MegatronNorMuon(params[1:], split_qkv=True, **kw)  # no QKV weight: fine
+def test_non_matrices_are_refused():
     with pytest.raises(ValueError, match=r"has shape \[4\]: NorMuon needs whole 2-D matrices"):
-        MegatronNorMuon([torch.zeros(4, requires_grad=True)], **kw)
+        MegatronNorMuon([torch.zeros(4, requires_grad=True)], coefficient_type="simple", backend="reference")
 
 
 # ------------------------------------------------------------------------------------------------ 10
@@ -620,6 +612,7 @@ def install_stub_megatron(monkeypatch, version="0.19.0", registry=True):
             "muon": StubEntry(TensorParallelAdaptiveMuon, default_param_overrides=MUON_OVERRIDES),
             "adaptive_muon": StubEntry(TensorParallelAdaptiveMuon, default_param_overrides=MUON_OVERRIDES)}
     mopt.HAVE_EMERGING_OPTIMIZERS = False
+    mopt.Adam, mopt.USING_PYTORCH_OPTIMIZER = torch.optim.AdamW, True  # no TE/Apex: Megatron's torch fallback
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     return mopt, eo
@@ -676,8 +669,51 @@ def test_10_register_into_a_stub_megatron_and_build_like_megatron(monkeypatch, b
     with pytest.raises(ValueError, match="--muon-coefficient-type simple"):
         entry.optimizer_cls(megatron_groups(params[:2], params[2:]), **stock)
     stock["coefficient_type"] = "simple"
-    with pytest.raises(ValueError, match="--muon-no-split-qkv"):
+    # split_qkv is on by default: a QKV weight needs its split shapes (Megatron tags p.qkv_split_shapes).
+    with pytest.raises(ValueError, match="neither the parameter nor the optimizer has qkv_split_shapes"):
         entry.optimizer_cls(megatron_groups(params[:2], params[2:]), **stock)
+    params[0].qkv_split_shapes = [2, 1, 1]  # 16 rows: 4 query groups of q, k, v rows
+    opt = entry.optimizer_cls(megatron_groups(params[:2], params[2:]), **stock)
+    set_grads(params, grads_for(params, 2))
+    opt.step()
+    assert opt.param_groups[0]["step"] == 1
+
+
+def megatron_builds_adam(mopt, config, param_groups):
+    """What _get_megatron_optimizer_based_on_param_groups does for config.optimizer == 'adam'."""
+    kwargs = dict(params=param_groups, lr=config.lr, weight_decay=config.weight_decay,
+                  betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, capturable=False)
+    if mopt.USING_PYTORCH_OPTIMIZER:
+        return torch.optim.AdamW(**kwargs)
+    kwargs["adam_w_mode"] = config.decoupled_weight_decay
+    return mopt.Adam(**kwargs)
+
+
+def test_10_register_with_replace_adam(monkeypatch, backend):
+    """register(replace_adam=True) also points Megatron's Adam at MegatronAdamW (module globals Adam and
+    USING_PYTORCH_OPTIMIZER), so the Adam groups next to NorMuon run this project's AdamW."""
+    mopt, eo = install_stub_megatron(monkeypatch)
+    nm.register(backend=backend)
+    assert mopt.Adam is torch.optim.AdamW and mopt.USING_PYTORCH_OPTIMIZER is True  # untouched by default
+    nm.register(backend=backend, replace_adam=True)
+    assert issubclass(mopt.Adam, nm.MegatronAdamW) and mopt.USING_PYTORCH_OPTIMIZER is False
+    vectors = [torch.randn(5, requires_grad=True), torch.randn(3, 4, requires_grad=True)]
+    adam = megatron_builds_adam(mopt, megatron_config(), megatron_groups(vectors[:1], vectors[1:]))
+    assert isinstance(adam, nm.MegatronAdamW) and adam.defaults["betas"] == (0.9, 0.999)
+    for p in vectors:
+        p.grad = torch.ones_like(p)
+    adam.step()
+    assert adam.backend == ("fast-cpu" if backend == "fast" else "reference-python")
+    assert [g.get("step") for g in adam.param_groups] == [1, None, 1]
+    with pytest.raises(ValueError, match="adam_w_mode=False: only decoupled weight decay"):
+        megatron_builds_adam(mopt, megatron_config(decoupled_weight_decay=False), [{"params": vectors}])
+    assert nm.replace_adam(backend=backend).__name__ == "MegatronAdamW"
+
+    mopt, eo = install_stub_megatron(monkeypatch)
+    del mopt.USING_PYTORCH_OPTIMIZER
+    with pytest.raises(RuntimeError, match="megatron.core.optimizer lacks USING_PYTORCH_OPTIMIZER"):
+        nm.register(replace_adam=True)
+    assert "normuon" not in eo._EMERGING_OPTIMIZERS and mopt.Adam is torch.optim.AdamW  # nothing touched
 
 
 def test_10_registration_fails_closed(monkeypatch):

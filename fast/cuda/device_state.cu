@@ -1,0 +1,95 @@
+#include "device_state.h"
+
+#include <cuda_bf16.h>
+
+#include <stdexcept>
+#include <vector>
+
+namespace normuon::cuda {
+namespace {
+
+template <typename T>
+void to_device(DeviceBuffer<T>& dst, const T* src, int64_t count, cudaStream_t stream) {
+  if (count != dst.size()) throw std::logic_error("device state: buffer size mismatch");
+  if (count > 0) NORMUON_CUDA_CHECK(cudaMemcpyAsync(dst.data(), src, dst.bytes(), cudaMemcpyHostToDevice, stream));
+}
+
+template <typename T>
+void to_host(T* dst, const DeviceBuffer<T>& src, int64_t count, cudaStream_t stream) {
+  if (count != src.size()) throw std::logic_error("device state: buffer size mismatch");
+  if (count > 0) NORMUON_CUDA_CHECK(cudaMemcpyAsync(dst, src.data(), src.bytes(), cudaMemcpyDeviceToHost, stream));
+}
+
+}  // namespace
+
+DeviceFlatState::DeviceFlatState(const Layout& layout, GradType grad_type, bool bf16_params)
+    : params(layout.param_floats),
+      momentum(layout.normuon_floats),
+      row_var(layout.stat_floats),
+      exp_avg(layout.adam_floats),
+      exp_avg_sq(layout.adam_floats),
+      grads_f32(grad_type == GradType::f32 ? layout.param_floats : 0),
+      grads_bf16(grad_type == GradType::bf16 ? layout.param_floats : 0),
+      params_bf16(bf16_params ? layout.param_floats : 0),
+      has_grad(static_cast<int64_t>(layout.entries.size())),
+      group_steps(static_cast<int64_t>(layout.group_names.size())),
+      layout_(&layout),
+      grad_type_(grad_type) {
+  // Padding between slots is read by nothing, but zero it so device buffers hold defined values.
+  for (auto* b : {&params, &momentum, &row_var, &exp_avg, &exp_avg_sq, &grads_f32})
+    if (b->size() > 0) NORMUON_CUDA_CHECK(cudaMemset(b->data(), 0, b->bytes()));
+  for (auto* b : {&grads_bf16, &params_bf16})
+    if (b->size() > 0) NORMUON_CUDA_CHECK(cudaMemset(b->data(), 0, b->bytes()));
+  // FlatState's defaults: every parameter has a gradient, no step taken yet.
+  if (has_grad.size() > 0) NORMUON_CUDA_CHECK(cudaMemset(has_grad.data(), 1, has_grad.bytes()));
+  if (group_steps.size() > 0) NORMUON_CUDA_CHECK(cudaMemset(group_steps.data(), 0, group_steps.bytes()));
+  // cudaMemset is asynchronous on the legacy stream; the backend's own stream is not ordered after it.
+  NORMUON_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+void DeviceFlatState::upload(const FlatState& host, cudaStream_t stream) {
+  if (host.layout != layout_) throw std::invalid_argument("device state: the host state has another layout");
+  const Layout& l = *layout_;
+  to_device(params, host.params.data(), l.param_floats, stream);
+  to_device(momentum, host.momentum.data(), l.normuon_floats, stream);
+  to_device(row_var, host.row_var.data(), l.stat_floats, stream);
+  to_device(exp_avg, host.exp_avg.data(), l.adam_floats, stream);
+  to_device(exp_avg_sq, host.exp_avg_sq.data(), l.adam_floats, stream);
+  to_device(has_grad, host.has_grad.data(), static_cast<int64_t>(host.has_grad.size()), stream);
+  to_device(group_steps, host.group_steps.data(), static_cast<int64_t>(host.group_steps.size()), stream);
+  std::vector<uint16_t> bf16;  // only for bf16 gradients
+  if (grad_type_ == GradType::f32) {
+    to_device(grads_f32, host.grads.data(), l.param_floats, stream);
+  } else {
+    bf16.resize(static_cast<size_t>(l.param_floats));
+    for (int64_t i = 0; i < l.param_floats; ++i) {
+      const __nv_bfloat16 x = __float2bfloat16_rn(host.grads[i]);
+      bf16[i] = *reinterpret_cast<const uint16_t*>(&x);
+    }
+    to_device(grads_bf16, bf16.data(), l.param_floats, stream);
+  }
+  if (params_bf16.size() > 0) {  // keep the bf16 copy consistent with the uploaded master copy
+    std::vector<uint16_t> copy(static_cast<size_t>(l.param_floats));
+    for (int64_t i = 0; i < l.param_floats; ++i) {
+      const __nv_bfloat16 x = __float2bfloat16_rn(host.params[i]);
+      copy[i] = *reinterpret_cast<const uint16_t*>(&x);
+    }
+    to_device(params_bf16, copy.data(), l.param_floats, stream);
+    NORMUON_CUDA_CHECK(cudaStreamSynchronize(stream));  // `copy` dies here
+  }
+  NORMUON_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+void DeviceFlatState::download(FlatState& host, cudaStream_t stream) const {
+  if (host.layout != layout_) throw std::invalid_argument("device state: the host state has another layout");
+  const Layout& l = *layout_;
+  to_host(host.params.data(), params, l.param_floats, stream);
+  to_host(host.momentum.data(), momentum, l.normuon_floats, stream);
+  to_host(host.row_var.data(), row_var, l.stat_floats, stream);
+  to_host(host.exp_avg.data(), exp_avg, l.adam_floats, stream);
+  to_host(host.exp_avg_sq.data(), exp_avg_sq, l.adam_floats, stream);
+  to_host(host.group_steps.data(), group_steps, static_cast<int64_t>(host.group_steps.size()), stream);
+  NORMUON_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+}  // namespace normuon::cuda

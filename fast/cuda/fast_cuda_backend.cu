@@ -1,0 +1,359 @@
+#include "fast_cuda_backend.h"
+
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <sstream>
+#include <stdexcept>
+
+#include "cuda_check.h"
+#include "cuda_device.h"
+#include "newton_schulz_cuda.h"
+#include "normuon/ns_coefficients.h"
+#include "nvtx_range.h"
+#include "step_plan.h"
+
+namespace normuon {
+namespace {
+
+using cuda::DeviceBuffer;
+
+// Makes `device` current for a scope (the runtime's current device is per host thread).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    NORMUON_CUDA_CHECK(cudaGetDevice(&saved_));
+    if (saved_ != device) NORMUON_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceScope() { cudaSetDevice(saved_); }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int saved_ = 0;
+};
+
+template <typename T>
+DeviceBuffer<T> to_device(const std::vector<T>& host) {
+  DeviceBuffer<T> buffer(static_cast<int64_t>(host.size()));
+  if (!host.empty()) NORMUON_CUDA_CHECK(cudaMemcpy(buffer.data(), host.data(), buffer.bytes(), cudaMemcpyHostToDevice));
+  return buffer;
+}
+
+cuda::GroupScalars group_scalars(const GroupOptions& g) {
+  cuda::GroupScalars s{};
+  const NorMuonHyper& h = g.normuon;
+  s.w1 = static_cast<float>(1 - h.beta1);
+  s.beta1 = static_cast<float>(h.beta1);
+  s.nesterov = h.nesterov;
+  s.w2 = static_cast<float>(1 - h.beta2);
+  s.eps_add = h.eps_placement == EpsPlacement::add;
+  s.denom_eps = static_cast<float>(h.denom_eps);
+  s.renorm_eps = static_cast<float>(h.renorm_eps);
+  s.wd_mode = h.weight_decay_mode == WeightDecayMode::decoupled ? 0
+              : h.weight_decay_mode == WeightDecayMode::cautious ? 1
+                                                                  : 2;
+  s.decay = h.weight_decay != 0 && s.wd_mode != 2;
+  s.decay_factor = static_cast<float>(1 - h.lr * h.weight_decay);
+  s.lr_wd = static_cast<float>(h.lr * h.weight_decay);
+  s.neg_lr = static_cast<float>(-h.lr);
+  const AdamWHyper& a = g.adamw;
+  s.adam_decay = a.weight_decay != 0;
+  s.adam_decay_factor = static_cast<float>(1 - a.lr * a.weight_decay);
+  s.adam_w1 = static_cast<float>(1 - a.beta1);
+  s.adam_beta2 = static_cast<float>(a.beta2);
+  s.adam_one_minus_beta2 = static_cast<float>(1 - a.beta2);
+  s.adam_eps = static_cast<float>(a.eps);
+  s.adam_lr = a.lr;
+  s.adam_beta1_d = a.beta1;
+  s.adam_beta2_d = a.beta2;
+  return s;
+}
+
+const char* kPhaseNames[] = {"normuon.momentum", "normuon.newton_schulz", "normuon.normalisation", "normuon.update",
+                             "normuon.adamw"};
+
+}  // namespace
+
+std::string FastCudaBackend::unsupported_reason(const Layout& layout, const Options& options, int device) {
+  const std::string reason = cuda::plan_unsupported_reason(layout, options);
+  return reason.empty() ? cuda::unavailable_reason(device) : reason;
+}
+
+FastCudaBackend::FastCudaBackend(const Layout& layout, const Options& options, const FastCudaConfig& config)
+    : layout_(layout), device_index_(config.device) {
+  const std::string reason = unsupported_reason(layout, options, config.device);
+  if (!reason.empty()) throw std::invalid_argument("fast-cuda backend: " + reason);
+  const DeviceScope scope(device_index_);
+  if (config.stream) {
+    stream_ = config.stream;
+  } else {  // the legacy default stream cannot be captured into a graph
+    NORMUON_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    own_stream_ = true;
+  }
+  device_ = std::make_unique<cuda::DeviceFlatState>(layout, config.grad_type, config.bf16_params);
+
+  cuda::StepPlan plan = cuda::StepPlan::build(layout, options);
+  ns_ = std::make_unique<cuda::BatchedNewtonSchulz>(plan.batches, stream_);
+  for (size_t b = 0; b < plan.batches.size(); ++b) {
+    const cuda::NsBatchShape& shape = plan.batches[b];
+    batch_knobs_.push_back({plan.batch_group[b], shape.precision, shape.coefficients, shape.steps, shape.eps});
+  }
+  // Each matrix reads and writes its slot of its batch's Newton-Schulz buffers.
+  for (size_t m = 0; m < plan.matrices.size(); ++m) {
+    cuda::MatrixInfo& info = plan.matrices[m];
+    const int batch = plan.matrix_batch[m];
+    const int64_t at = ns_->stride(batch) * plan.matrix_index[m] * static_cast<int64_t>(info.ns_bf16 ? 2 : 4);  // bytes
+    info.ns_input = static_cast<char*>(ns_->input(batch)) + at;
+    info.ns_output = static_cast<const char*>(ns_->output(batch)) + at;
+    matrix_rows_.push_back(info.rows);
+    matrix_cols_.push_back(info.cols);
+    matrix_group_.push_back(info.group);
+  }
+  n_matrices_ = static_cast<int>(plan.matrices.size());
+  n_scan_chunks_ = static_cast<int>(plan.scan_chunks.size());
+  n_normuon_chunks_ = static_cast<int>(plan.normuon_chunks.size());
+  n_adamw_chunks_ = static_cast<int>(plan.adamw_chunks.size());
+  n_stat_tasks_ = static_cast<int>(plan.stat_tasks.size());
+  entries_ = to_device(plan.entries);
+  matrices_ = to_device(plan.matrices);
+  scan_chunks_ = to_device(plan.scan_chunks);
+  normuon_chunks_ = to_device(plan.normuon_chunks);
+  adamw_chunks_ = to_device(plan.adamw_chunks);
+  stat_tasks_ = to_device(plan.stat_tasks);
+  groups_ = DeviceBuffer<cuda::GroupScalars>(static_cast<int64_t>(layout.group_names.size()));
+  matrix_scalars_ = DeviceBuffer<cuda::MatrixScalars>(n_matrices_);
+  stat_sums_ = DeviceBuffer<double>(layout.stat_floats);
+  inv_scale_ = DeviceBuffer<float>(layout.stat_floats);
+  status_ = DeviceBuffer<cuda::StepStatus>(1);
+  host_groups_.resize(layout.group_names.size());
+  host_matrix_scalars_.resize(plan.matrices.size());
+
+  cuda::StepBuffers& b = buffers_;
+  b.params = device_->params.data();
+  b.grads = device_->grads();
+  b.grad_type = device_->grad_type();
+  b.momentum = device_->momentum.data();
+  b.row_var = device_->row_var.data();
+  b.exp_avg = device_->exp_avg.data();
+  b.exp_avg_sq = device_->exp_avg_sq.data();
+  b.params_bf16 = config.bf16_params ? device_->params_bf16.data() : nullptr;
+  b.has_grad = device_->has_grad.data();
+  b.group_steps = device_->group_steps.data();
+  b.n_entries = static_cast<int32_t>(plan.entries.size());
+  b.n_groups = static_cast<int32_t>(layout.group_names.size());
+  b.entries = entries_.data();
+  b.matrices = matrices_.data();
+  b.groups = groups_.data();
+  b.matrix_scalars = matrix_scalars_.data();
+  b.stat_sums = stat_sums_.data();
+  b.inv_scale = inv_scale_.data();
+  b.status = status_.data();
+
+  // Counted as enqueue_step() issues them (launchers skip empty passes).
+  launches_per_step_ = plan.elementwise_launches();
+  for (int i = 0; i < ns_->size(); ++i) launches_per_step_ += ns_->launches(i);
+
+  for (auto& event : events_) NORMUON_CUDA_CHECK(cudaEventCreate(&event));
+  set_options(options);
+  // The table copies above ran on the legacy stream, which the backend's non-blocking stream does not
+  // wait for: settle everything once, here, at setup.
+  NORMUON_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+FastCudaBackend::~FastCudaBackend() {
+  // No throwing here (the runtime may be unloading at exit): switch devices without checks.
+  int saved = 0;
+  const bool switched = cudaGetDevice(&saved) == cudaSuccess && saved != device_index_ &&
+                        cudaSetDevice(device_index_) == cudaSuccess;
+  cudaStreamSynchronize(stream_);  // no kernel may still read what is freed below
+  release_graph();
+  for (auto& event : events_)
+    if (event) cudaEventDestroy(event);
+  ns_.reset();
+  if (own_stream_) cudaStreamDestroy(stream_);
+  if (switched) cudaSetDevice(saved);
+}
+
+void FastCudaBackend::set_stream(cudaStream_t stream) {
+  if (stream == stream_) return;
+  const DeviceScope scope(device_index_);
+  // Work already queued on the old stream (uploads, a step) must come first.
+  NORMUON_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (own_stream_) NORMUON_CUDA_CHECK(cudaStreamDestroy(stream_));
+  own_stream_ = false;
+  stream_ = stream;
+  ns_->set_stream(stream);
+}
+
+void FastCudaBackend::release_graph() {
+  if (graph_exec_) cudaGraphExecDestroy(graph_exec_);
+  if (graph_) cudaGraphDestroy(graph_);
+  graph_exec_ = nullptr;
+  graph_ = nullptr;
+  graph_kernel_nodes_ = 0;
+}
+
+void FastCudaBackend::set_options(const Options& options) {
+  if (options.groups.size() != layout_.group_names.size())
+    throw std::invalid_argument("the options define " + std::to_string(options.groups.size()) +
+                                " groups but the layout was built with " + std::to_string(layout_.group_names.size()));
+  for (const NsKnobs& k : batch_knobs_) {
+    const NorMuonHyper& h = options.groups[k.group].normuon;
+    if (h.ns_precision != k.precision || h.ns_coefficients != k.coefficients || h.ns_steps != k.steps || h.ns_eps != k.eps)
+      throw std::invalid_argument("fast-cuda backend: group '" + options.groups[k.group].name +
+                                  "' changed a Newton-Schulz knob (ns_precision, ns_coefficients, ns_steps or ns_eps) "
+                                  "after the backend was built; build a new backend for it");
+  }
+  const DeviceScope scope(device_index_);
+  for (size_t g = 0; g < host_groups_.size(); ++g) host_groups_[g] = group_scalars(options.groups[g]);
+  for (int m = 0; m < n_matrices_; ++m)
+    host_matrix_scalars_[m] = {0.0f, static_cast<float>(lr_scale_factor(options.groups[matrix_group_[m]].normuon.lr_scale,
+                                                                         matrix_rows_[m], matrix_cols_[m]))};
+  // From pageable memory: the copy is staged before the call returns, so the host vectors may change.
+  NORMUON_CUDA_CHECK(cudaMemcpyAsync(groups_.data(), host_groups_.data(), groups_.bytes(), cudaMemcpyHostToDevice, stream_));
+  if (n_matrices_ > 0)
+    NORMUON_CUDA_CHECK(cudaMemcpyAsync(matrix_scalars_.data(), host_matrix_scalars_.data(), matrix_scalars_.bytes(),
+                                       cudaMemcpyHostToDevice, stream_));
+}
+
+void FastCudaBackend::enqueue_step() {
+  const DeviceScope scope(device_index_);
+  const cuda::NvtxRange step_range("normuon.step");
+  const bool timed = timing_ && !capturing_;
+  auto mark = [&](int i) {
+    if (timed) NORMUON_CUDA_CHECK(cudaEventRecord(events_[i], stream_));
+  };
+  const cuda::StepBuffers& b = buffers_;
+  NORMUON_CUDA_CHECK(cudaMemsetAsync(status_.data(), 0xff, sizeof(cuda::StepStatus), stream_));  // kNoBadGradient
+  mark(0);
+  {
+    const cuda::NvtxRange range(kPhaseNames[0]);
+    cuda::launch_scan_gradients(b, scan_chunks_.data(), n_scan_chunks_, stream_);
+    cuda::launch_advance_steps(b, stream_);
+    cuda::launch_momentum(b, normuon_chunks_.data(), n_normuon_chunks_, stream_);
+  }
+  mark(1);
+  {
+    const cuda::NvtxRange range(kPhaseNames[1]);
+    for (int i = 0; i < ns_->size(); ++i) ns_->run(i);
+  }
+  mark(2);
+  {
+    const cuda::NvtxRange range(kPhaseNames[2]);
+    cuda::launch_statistics(b, stat_tasks_.data(), n_stat_tasks_, stream_);
+    cuda::launch_finalize(b, n_matrices_, stream_);
+  }
+  mark(3);
+  {
+    const cuda::NvtxRange range(kPhaseNames[3]);
+    cuda::launch_normuon_update(b, normuon_chunks_.data(), n_normuon_chunks_, stream_);
+  }
+  mark(4);
+  {
+    const cuda::NvtxRange range(kPhaseNames[4]);
+    cuda::launch_adamw(b, adamw_chunks_.data(), n_adamw_chunks_, stream_);
+  }
+  mark(5);
+  timed_step_pending_ = timed;
+}
+
+StepResult FastCudaBackend::finish_step(const Options& options) {
+  const DeviceScope scope(device_index_);
+  NORMUON_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (timed_step_pending_) {
+    float ms[5];
+    for (int i = 0; i < 5; ++i) NORMUON_CUDA_CHECK(cudaEventElapsedTime(&ms[i], events_[i], events_[i + 1]));
+    times_ = PhaseTimes{ms[0], ms[1], ms[2], ms[3], ms[4], 0};
+    times_.total = ms[0] + ms[1] + ms[2] + ms[3] + ms[4];
+    timed_step_pending_ = false;
+  }
+  cuda::StepStatus status{};
+  NORMUON_CUDA_CHECK(cudaMemcpy(&status, status_.data(), sizeof status, cudaMemcpyDeviceToHost));
+  if (status.first_bad == cuda::kNoBadGradient) return {};
+  // Say what begin_step (core/src/step_prologue.cpp) says, so every backend reports the same.
+  const int entry = static_cast<int>(status.first_bad >> cuda::kBadElementBits);
+  const int64_t element = static_cast<int64_t>(status.first_bad & ((1ull << cuda::kBadElementBits) - 1));
+  const LayoutEntry& e = layout_.entries.at(entry);
+  float value = 0;
+  const int64_t at = e.offset + element;
+  if (device_->grad_type() == cuda::GradType::f32) {
+    NORMUON_CUDA_CHECK(cudaMemcpy(&value, device_->grads_f32.data() + at, sizeof value, cudaMemcpyDeviceToHost));
+  } else {
+    __nv_bfloat16 x;
+    NORMUON_CUDA_CHECK(cudaMemcpy(&x, device_->grads_bf16.data() + at, sizeof x, cudaMemcpyDeviceToHost));
+    value = __bfloat162float(x);
+  }
+  int64_t group_step = 0;
+  NORMUON_CUDA_CHECK(cudaMemcpy(&group_step, device_->group_steps.data() + e.group, sizeof group_step, cudaMemcpyDeviceToHost));
+  std::ostringstream msg;
+  msg << "step " << group_step + 1 << ": gradient of '" << e.name << "' holds " << value << " at element " << element;
+  if (options.nonfinite == NonFinitePolicy::error)
+    throw std::runtime_error(msg.str() + " (nothing was changed; set nonfinite=skip_step to skip such steps)");
+  return StepResult{true, msg.str() + "; step skipped"};
+}
+
+StepResult FastCudaBackend::step(FlatState& state, const Options& options) {
+  if (state.layout != &layout_) throw std::invalid_argument("fast-cuda backend: the state has another layout");
+  const DeviceScope scope(device_index_);
+  set_options(options);  // checks the groups first, before anything moves
+  device_->upload(state, stream_);
+  enqueue_step();
+  const StepResult result = finish_step(options);  // throws under nonfinite=error: the host state is untouched
+  if (!result.skipped) device_->download(state, stream_);
+  return result;
+}
+
+void FastCudaBackend::capture_graph() {
+  const DeviceScope scope(device_index_);
+  release_graph();
+  NORMUON_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  NORMUON_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  capturing_ = true;
+  try {
+    enqueue_step();
+  } catch (...) {
+    capturing_ = false;
+    cudaGraph_t broken = nullptr;
+    cudaStreamEndCapture(stream_, &broken);
+    if (broken) cudaGraphDestroy(broken);
+    throw;
+  }
+  capturing_ = false;
+  NORMUON_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph_));
+  NORMUON_CUDA_CHECK(cudaGraphInstantiate(&graph_exec_, graph_, 0));
+  size_t n_nodes = 0;
+  NORMUON_CUDA_CHECK(cudaGraphGetNodes(graph_, nullptr, &n_nodes));
+  std::vector<cudaGraphNode_t> nodes(n_nodes);
+  NORMUON_CUDA_CHECK(cudaGraphGetNodes(graph_, nodes.data(), &n_nodes));
+  graph_kernel_nodes_ = 0;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type;
+    NORMUON_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
+    graph_kernel_nodes_ += type == cudaGraphNodeTypeKernel;
+  }
+}
+
+void FastCudaBackend::replay_graph() {
+  if (!graph_exec_) throw std::logic_error("fast-cuda backend: replay_graph() before capture_graph()");
+  const DeviceScope scope(device_index_);
+  const cuda::NvtxRange range("normuon.step (graph)");
+  NORMUON_CUDA_CHECK(cudaGraphLaunch(graph_exec_, stream_));
+}
+
+double FastCudaBackend::newton_schulz_flops() const {
+  double flops = 0;
+  for (int i = 0; i < ns_->size(); ++i) flops += ns_->flops(i);
+  return flops;
+}
+
+std::string FastCudaBackend::describe() const {
+  std::ostringstream out;
+  out << "fast-cuda on " << cuda::describe_device(device_index_) << ": " << n_matrices_ << " NorMuon matrices in "
+      << ns_->size() << " Newton-Schulz batches, " << n_normuon_chunks_ << " + " << n_adamw_chunks_ << " chunks of <= "
+      << cuda::kChunkElements << " elements, " << launches_per_step_ << " launches per step\n"
+      << ns_->describe();
+  return out.str();
+}
+
+}  // namespace normuon

@@ -1,0 +1,124 @@
+// The fused CUDA backend over the shared flat layout (docs/fast-cuda.md). A step is a fixed sequence of
+// launches on one stream: a NaN/Inf scan and the step counters, one momentum + Nesterov pass over all
+// NorMuon matrices, batched Newton-Schulz per (shape, group) on cuBLASLt, one statistics pass, one
+// per-matrix finalize, one update pass, one AdamW pass. The number of launches depends on the number of
+// shape buckets only. Everything is allocated in the constructor; a step allocates nothing, never
+// synchronises and reads its hyper-parameters and step counters from device memory, so it can be
+// captured once in a CUDA graph and replayed.
+//
+// Two ways to use it:
+//  - as a Backend: step(FlatState&) uploads the host state, steps and downloads it (synchronising);
+//    the comparator, golden traces and state files work unchanged.
+//  - device-resident: write gradients into device_state(), then set_options(), enqueue_step() (or
+//    replay_graph()), and finish_step() when the outcome is wanted (that synchronises).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "device_state.h"
+#include "normuon/backend.h"
+#include "normuon/layout.h"
+#include "step_kernels.h"
+#include "step_tables.h"
+
+namespace normuon::cuda {
+class BatchedNewtonSchulz;
+}
+
+namespace normuon {
+
+struct FastCudaConfig {
+  int device = 0;
+  cudaStream_t stream = nullptr;  // nullptr: the backend creates its own (non-blocking) stream
+  cuda::GradType grad_type = cuda::GradType::f32;
+  bool bf16_params = false;       // keep a bf16 copy of the parameters, written in the same passes
+};
+
+class FastCudaBackend : public Backend {
+ public:
+  // The layout must outlive the backend. Options fix the groups and the Newton-Schulz knobs (precision,
+  // coefficients, ns_steps, ns_eps); the other values may change at every set_options().
+  FastCudaBackend(const Layout& layout, const Options& options, const FastCudaConfig& config = {});
+  ~FastCudaBackend() override;
+  FastCudaBackend(const FastCudaBackend&) = delete;
+  FastCudaBackend& operator=(const FastCudaBackend&) = delete;
+
+  std::string name() const override { return "fast-cuda"; }
+  StepResult step(FlatState& state, const Options& options) override;
+
+  // Empty when this backend can run `options` on `layout` on `device`; otherwise why not.
+  static std::string unsupported_reason(const Layout& layout, const Options& options, int device = 0);
+
+  // --- device-resident use
+  cuda::DeviceFlatState& device_state() { return *device_; }
+  cudaStream_t stream() const { return stream_; }
+  // Later work goes to `stream` (e.g. the caller's current stream; it must be a capturable, non-legacy
+  // stream to capture graphs). Any captured graph stays valid; replays go to the new stream.
+  void set_stream(cudaStream_t stream);
+  // Uploads the per-group values (learning rates, weight decay, betas, eps) for the next steps; async.
+  // Throws std::invalid_argument if a fixed knob differs from construction.
+  void set_options(const Options& options);
+  // Enqueues one step. No allocation, no synchronisation: capturable.
+  void enqueue_step();
+  // Waits for the stream and reports the last step: {} when it ran, skipped (nonfinite=skip_step) or
+  // std::runtime_error (nonfinite=error) when a gradient held NaN/Inf; either way nothing changed.
+  // Fills phase_times() when timing was on for an eager step.
+  StepResult finish_step(const Options& options);
+
+  // CUDA graph of one step: capture once (after at least one eager step, so that lazily loaded
+  // kernels are loaded), then replay as often as wanted; each replay is one step.
+  void capture_graph();
+  void replay_graph();
+  bool has_graph() const { return graph_exec_ != nullptr; }
+  int64_t graph_kernel_nodes() const { return graph_kernel_nodes_; }  // counted in the captured graph
+
+  int64_t launches_per_step() const { return launches_per_step_; }  // kernels and matmuls enqueue_step issues
+  double newton_schulz_flops() const;                                // per step
+  std::string describe() const;
+
+ private:
+  void release_graph();
+
+  const Layout& layout_;
+  int device_index_;
+  cudaStream_t stream_ = nullptr;
+  bool own_stream_ = false;
+  std::unique_ptr<cuda::DeviceFlatState> device_;
+  std::unique_ptr<cuda::BatchedNewtonSchulz> ns_;
+  struct NsKnobs {
+    int group;
+    NsPrecision precision;
+    NsCoefficients coefficients;
+    int steps;
+    double eps;
+  };
+  std::vector<NsKnobs> batch_knobs_;
+  std::vector<int> matrix_rows_, matrix_cols_, matrix_group_;  // host copies, for the lr_scale factor
+  int n_matrices_ = 0, n_scan_chunks_ = 0, n_normuon_chunks_ = 0, n_adamw_chunks_ = 0, n_stat_tasks_ = 0;
+  cuda::DeviceBuffer<cuda::Chunk> scan_chunks_, normuon_chunks_, adamw_chunks_;
+  cuda::DeviceBuffer<cuda::StatTask> stat_tasks_;
+  cuda::DeviceBuffer<cuda::EntryInfo> entries_;
+  cuda::DeviceBuffer<cuda::MatrixInfo> matrices_;
+  cuda::DeviceBuffer<cuda::GroupScalars> groups_;
+  cuda::DeviceBuffer<cuda::MatrixScalars> matrix_scalars_;
+  cuda::DeviceBuffer<double> stat_sums_;
+  cuda::DeviceBuffer<float> inv_scale_;
+  cuda::DeviceBuffer<cuda::StepStatus> status_;
+  std::vector<cuda::GroupScalars> host_groups_;
+  std::vector<cuda::MatrixScalars> host_matrix_scalars_;
+  cuda::StepBuffers buffers_{};
+  int64_t launches_per_step_ = 0;
+  std::array<cudaEvent_t, 6> events_{};
+  bool timed_step_pending_ = false;
+  bool capturing_ = false;
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t graph_exec_ = nullptr;
+  int64_t graph_kernel_nodes_ = 0;
+};
+
+}  // namespace normuon

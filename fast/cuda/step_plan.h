@@ -1,0 +1,43 @@
+// What one fused CUDA step will do, worked out on the host from the layout and the options: the
+// Newton-Schulz batches, the per-entry and per-matrix tables, the multi-tensor chunks, the statistics
+// tasks and the number of launches. Plain C++ (no CUDA call), so tests check it on any machine.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "newton_schulz_cuda.h"
+#include "normuon/layout.h"
+#include "normuon/options.h"
+#include "step_tables.h"
+
+namespace normuon::cuda {
+
+struct StepPlan {
+  // Newton-Schulz batches: the matrices of one shape bucket that share a group (so the NS knobs).
+  std::vector<NsBatchShape> batches;
+  std::vector<int> batch_group;
+  // Per matrix (MatrixInfo order): its batch and its index inside the batch. The matrices' NS pointers
+  // are left null here; the backend fills them from the BatchedNewtonSchulz buffers.
+  std::vector<int> matrix_batch, matrix_index;
+  std::vector<EntryInfo> entries;
+  std::vector<MatrixInfo> matrices;
+  std::vector<Chunk> scan_chunks;     // every parameter's gradient
+  std::vector<Chunk> normuon_chunks;  // NorMuon matrices
+  std::vector<Chunk> adamw_chunks;    // AdamW parameters
+  std::vector<StatTask> stat_tasks;
+
+  // Throws std::invalid_argument when the layout and options don't fit the tables (sizes, groups).
+  static StepPlan build(const Layout& layout, const Options& options);
+
+  // Kernel launches of one step besides Newton-Schulz's own (empty passes launch nothing).
+  int64_t elementwise_launches() const;
+  // Newton-Schulz launches of one step: 2 + 3 * ns_steps per non-empty batch.
+  int64_t newton_schulz_launches() const;
+};
+
+// Why the plan cannot be built, or empty.
+std::string plan_unsupported_reason(const Layout& layout, const Options& options);
+
+}  // namespace normuon::cuda

@@ -1,0 +1,84 @@
+// The tables the fused CUDA step reads: built on the host once at setup (chunks, matrices, statistics
+// tasks) or at each set_options() (per-group scalars), copied to device memory, read by the kernels.
+// Plain structs shared by host and device code; every scalar is already rounded to what the
+// reference's ATen ops use (docs/spec.md section 1), so device arithmetic mirrors it.
+#pragma once
+
+#include <cstdint>
+
+namespace normuon::cuda {
+
+// A piece of one parameter for the multi-tensor passes: <= kChunkElements elements of entry `entry`.
+constexpr int64_t kChunkElements = 16384;
+struct Chunk {
+  int32_t entry;
+  int32_t size;
+  int64_t begin;  // element offset inside the parameter
+};
+
+// One per layout entry.
+struct EntryInfo {
+  int64_t offset;       // in the param / grad buffers (and momentum, for NorMuon)
+  int64_t adam_offset;  // in exp_avg / exp_avg_sq (AdamW only)
+  int32_t group;
+  int32_t matrix;       // index into the matrix table (NorMuon with elements), else -1
+};
+
+// One per NorMuon matrix with elements, in layout order.
+struct MatrixInfo {
+  int32_t entry, group;
+  int32_t rows, cols;
+  int32_t stats_per_row;  // second moment per row (length rows) or per column (length cols)
+  int32_t ns_bf16;        // the Newton-Schulz buffers hold __nv_bfloat16 (else float)
+  void* ns_input;         // where the momentum pass writes P(U)
+  const void* ns_output;  // where Newton-Schulz leaves O
+  int64_t offset;         // in the param buffer
+  int64_t stat_offset, stat_len;  // in row_var (and the statistics scratch)
+};
+
+// A statistics work item: a few rows (per-row statistics) or columns (per-column) of one matrix.
+constexpr int kStatRowsPerTask = 8;     // one warp per row, 8 warps per block
+constexpr int kStatColsPerTask = 256;   // one thread per column
+struct StatTask {
+  int32_t matrix;
+  int32_t first;  // first row or column of the task
+};
+
+// Per group. Set by the host from Options at set_options(); the "derived" fields are written by the
+// step-advance kernel from the group's step counter, so a replayed CUDA graph needs no host input.
+struct GroupScalars {
+  // NorMuon
+  float w1, beta1;  // momentum lerp weight 1 - beta1, and beta1 (Nesterov blend)
+  int32_t nesterov;
+  float w2;         // second-moment lerp weight 1 - beta2
+  int32_t eps_add;  // EpsPlacement::add (else clamp)
+  float denom_eps, renorm_eps;
+  int32_t wd_mode;  // 0 decoupled, 1 cautious, 2 none
+  int32_t decay;    // weight decay applies (weight_decay != 0 and a mode that decays)
+  float decay_factor;  // 1 - lr*wd
+  float lr_wd;         // lr*wd (cautious)
+  float neg_lr;
+  // AdamW
+  int32_t adam_decay;
+  float adam_decay_factor, adam_w1, adam_beta2, adam_one_minus_beta2, adam_eps;
+  double adam_lr, adam_beta1_d, adam_beta2_d;  // for the bias corrections, in double as the reference
+  // derived on the device each step
+  float adam_bc2_sqrt;        // sqrt(1 - beta2^t)
+  float adam_neg_step_size;   // -lr / (1 - beta1^t)
+};
+
+// Per matrix, written on the device by the finalize kernel and read by the update pass.
+struct MatrixScalars {
+  float ratio;  // ||O|| / (||O * s|| + renorm_eps)
+  float kappa;  // the lr_scale shape factor (set by the host)
+};
+
+// The step's outcome, in device memory. first_bad = (entry << 40) | element of the first NaN/Inf
+// gradient (the minimum, so the same one whatever the launch order), or kNoBadGradient.
+constexpr unsigned long long kNoBadGradient = ~0ull;
+constexpr int kBadElementBits = 40;
+struct StepStatus {
+  unsigned long long first_bad;
+};
+
+}  // namespace normuon::cuda

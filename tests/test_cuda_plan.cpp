@@ -1,0 +1,530 @@
+// The host-side plan of the fused CUDA step (fast/cuda/step_plan.h) and what the CUDA backend and the
+// selector say about a machine: runs everywhere, no GPU needed. Every element of every parameter is in
+// exactly one chunk of each pass that should see it, every statistic in exactly one task, the
+// Newton-Schulz batches match the shape buckets, and the launch count depends on the shapes only.
+#define BOOST_TEST_MODULE cuda_plan
+#include <boost/test/unit_test.hpp>
+
+#include <algorithm>
+#include <cctype>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "cuda_device.h"
+#include "fast_cuda_backend.h"
+#include "normuon/layout.h"
+#include "normuon/presets.h"
+#include "selector.h"
+#include "step_plan.h"
+
+using namespace normuon;
+using normuon::cuda::StepPlan;
+
+namespace {
+
+// Collects problems instead of asserting per chunk (the large presets have ~10^5 chunks): one assertion
+// per check, with the first few problems in its message.
+class Problems {
+ public:
+  std::ostream& add() {
+    ++count_;
+    if (count_ > 5) return ignored_;
+    text_ << "\n  ";
+    return text_;
+  }
+  bool none() const { return count_ == 0; }
+  std::string str() const { return std::to_string(count_) + " problem(s):" + text_.str(); }
+
+ private:
+  int64_t count_ = 0;
+  std::ostringstream text_;
+  std::ostream ignored_{nullptr};  // no buffer: writes are dropped
+};
+
+using Intervals = std::vector<std::pair<int64_t, int64_t>>;  // [begin, end)
+
+// Do the intervals cover [0, n) exactly once (no gap, no overlap, nothing outside)?
+void check_cover(Intervals iv, int64_t n, const std::string& what, Problems& p) {
+  std::sort(iv.begin(), iv.end());
+  int64_t at = 0;
+  for (const auto& [begin, end] : iv) {
+    if (begin != at) {
+      p.add() << what << ": " << (begin < at ? "overlap" : "gap") << " at " << std::min(begin, at);
+      return;
+    }
+    if (end <= begin) {
+      p.add() << what << ": empty piece at " << begin;
+      return;
+    }
+    at = end;
+  }
+  if (at != n) p.add() << what << ": covered up to " << at << " of " << n;
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+std::string lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+// Checks a plan against its layout and options: chunks, matrices, batches, statistics tasks.
+void check_plan(const Layout& layout, const Options& options, const StepPlan& plan, const std::string& label) {
+  const int n_entries = static_cast<int>(layout.entries.size());
+  BOOST_TEST_CONTEXT(label) {
+    // ---- chunks: every element of every parameter exactly once per pass that should see it
+    std::vector<Intervals> scan(layout.entries.size()), normuon(layout.entries.size()), adamw(layout.entries.size());
+    Problems chunk_problems;
+    auto collect = [&](const std::vector<cuda::Chunk>& chunks, std::vector<Intervals>& into, const char* pass) {
+      for (const cuda::Chunk& c : chunks) {
+        if (c.entry < 0 || c.entry >= n_entries) {
+          chunk_problems.add() << pass << ": chunk of entry " << c.entry << " (out of range)";
+          continue;
+        }
+        if (c.size <= 0 || c.size > cuda::kChunkElements || c.begin < 0)
+          chunk_problems.add() << pass << ": chunk of '" << layout.entries[c.entry].name << "' at " << c.begin
+                               << " has size " << c.size;
+        into[c.entry].push_back({c.begin, c.begin + c.size});
+      }
+    };
+    collect(plan.scan_chunks, scan, "scan");
+    collect(plan.normuon_chunks, normuon, "normuon");
+    collect(plan.adamw_chunks, adamw, "adamw");
+    BOOST_TEST(chunk_problems.none(), chunk_problems.str());
+
+    Problems cover;
+    for (int i = 0; i < n_entries; ++i) {
+      const LayoutEntry& e = layout.entries[i];
+      const bool is_normuon = e.algorithm == Algorithm::normuon;
+      check_cover(scan[i], e.numel, "scan '" + e.name + "'", cover);
+      check_cover(normuon[i], is_normuon ? e.numel : 0, "normuon '" + e.name + "'", cover);
+      check_cover(adamw[i], is_normuon ? 0 : e.numel, "adamw '" + e.name + "'", cover);
+    }
+    BOOST_TEST(cover.none(), cover.str());
+
+    // ---- entries and matrices: one matrix per NorMuon entry with elements, in layout order
+    BOOST_REQUIRE(plan.entries.size() == layout.entries.size());
+    BOOST_REQUIRE(plan.matrix_batch.size() == plan.matrices.size());
+    BOOST_REQUIRE(plan.matrix_index.size() == plan.matrices.size());
+    Problems tables;
+    int expected_matrix = 0;
+    for (int i = 0; i < n_entries; ++i) {
+      const LayoutEntry& e = layout.entries[i];
+      const cuda::EntryInfo& info = plan.entries[i];
+      if (info.offset != e.offset || info.group != e.group ||
+          (e.algorithm == Algorithm::adamw && info.adam_offset != e.adam_offset))
+        tables.add() << "entry '" << e.name << "': offsets or group differ from the layout";
+      const bool has_matrix = e.algorithm == Algorithm::normuon && e.numel > 0;
+      if (!has_matrix) {
+        if (info.matrix != -1) tables.add() << "entry '" << e.name << "' has matrix " << info.matrix;
+        continue;
+      }
+      if (info.matrix != expected_matrix) {
+        tables.add() << "entry '" << e.name << "' has matrix " << info.matrix << ", expected " << expected_matrix;
+        ++expected_matrix;
+        continue;
+      }
+      const cuda::MatrixInfo& m = plan.matrices[info.matrix];
+      const bool bf16 = options.groups[e.group].normuon.ns_precision == NsPrecision::bf16;
+      if (m.entry != i || m.group != e.group || m.rows != e.rows || m.cols != e.cols ||
+          (m.stats_per_row != 0) != e.stats_per_row || m.offset != e.offset || m.stat_offset != e.stat_offset ||
+          m.stat_len != e.stat_len || m.stat_len != (e.stats_per_row ? e.rows : e.cols) || (m.ns_bf16 != 0) != bf16)
+        tables.add() << "matrix of '" << e.name << "' differs from its layout entry";
+      if (m.ns_input != nullptr || m.ns_output != nullptr)
+        tables.add() << "matrix of '" << e.name << "' has Newton-Schulz pointers in the host plan";
+      if (m.offset + m.rows * int64_t{m.cols} > layout.normuon_floats || m.stat_offset + m.stat_len > layout.stat_floats)
+        tables.add() << "matrix of '" << e.name << "' reaches outside its buffers";
+      ++expected_matrix;
+    }
+    BOOST_TEST(static_cast<int>(plan.matrices.size()) == expected_matrix);
+    BOOST_TEST(tables.none(), tables.str());
+
+    // ---- Newton-Schulz batches: one per (shape bucket, group), matching the bucket and the group's knobs
+    BOOST_REQUIRE(plan.batch_group.size() == plan.batches.size());
+    std::set<std::pair<int, int>> bucket_groups;  // (bucket, group) of every NorMuon entry, empty ones too
+    std::vector<int64_t> expected_count(plan.batches.size(), 0);
+    Problems batches;
+    for (const LayoutEntry& e : layout.entries)
+      if (e.algorithm == Algorithm::normuon) bucket_groups.insert({e.bucket, e.group});
+    BOOST_TEST(plan.batches.size() == bucket_groups.size());
+    std::set<std::pair<int, int>> pairs;  // (batch, index) of every matrix
+    for (size_t k = 0; k < plan.matrices.size(); ++k) {
+      const cuda::MatrixInfo& m = plan.matrices[k];
+      const int b = plan.matrix_batch[k];
+      if (b < 0 || b >= static_cast<int>(plan.batches.size())) {
+        batches.add() << "matrix " << k << " is in batch " << b;
+        continue;
+      }
+      if (!pairs.insert({b, plan.matrix_index[k]}).second)
+        batches.add() << "matrix " << k << ": (batch " << b << ", index " << plan.matrix_index[k] << ") taken twice";
+      const cuda::NsBatchShape& shape = plan.batches[b];
+      const ShapeBucket& bucket = layout.buckets[layout.entries[m.entry].bucket];
+      if (shape.rows != bucket.rows || shape.cols != bucket.cols || shape.rows != m.rows || shape.cols != m.cols)
+        batches.add() << "matrix " << k << " (" << m.rows << "x" << m.cols << ") is in batch " << b << " of shape "
+                      << shape.rows << "x" << shape.cols;
+      if (plan.batch_group[b] != m.group) batches.add() << "matrix " << k << " is in a batch of another group";
+      ++expected_count[b];
+    }
+    for (size_t b = 0; b < plan.batches.size(); ++b) {
+      const cuda::NsBatchShape& shape = plan.batches[b];
+      const NorMuonHyper& h = options.groups.at(plan.batch_group[b]).normuon;
+      if (shape.precision != h.ns_precision || shape.coefficients != h.ns_coefficients || shape.steps != h.ns_steps ||
+          shape.eps != h.ns_eps)
+        batches.add() << "batch " << b << " has other Newton-Schulz knobs than its group";
+      if (shape.rows * shape.cols == 0) {
+        // A 0-element shape: counted, but no matrix runs in it.
+        if (expected_count[b] != 0) batches.add() << "empty-shape batch " << b << " has matrices";
+        continue;
+      }
+      if (shape.count != expected_count[b])
+        batches.add() << "batch " << b << " counts " << shape.count << " matrices, " << expected_count[b] << " are in it";
+      for (int64_t i = 0; i < shape.count; ++i)
+        if (!pairs.count({static_cast<int>(b), static_cast<int>(i)}))
+          batches.add() << "batch " << b << " index " << i << " has no matrix";
+    }
+    BOOST_TEST(batches.none(), batches.str());
+
+    // ---- statistics tasks: every row (or column) statistic of every matrix exactly once
+    std::vector<Intervals> stats(plan.matrices.size());
+    Problems stat_problems;
+    for (const cuda::StatTask& t : plan.stat_tasks) {
+      if (t.matrix < 0 || t.matrix >= static_cast<int>(plan.matrices.size())) {
+        stat_problems.add() << "task of matrix " << t.matrix << " (out of range)";
+        continue;
+      }
+      const cuda::MatrixInfo& m = plan.matrices[t.matrix];
+      const int64_t len = m.stats_per_row ? m.rows : m.cols;
+      const int64_t width = m.stats_per_row ? cuda::kStatRowsPerTask : cuda::kStatColsPerTask;
+      if (t.first < 0 || t.first >= len) {
+        stat_problems.add() << "task at " << t.first << " outside matrix " << t.matrix << " (" << len << " statistics)";
+        continue;
+      }
+      stats[t.matrix].push_back({t.first, std::min<int64_t>(t.first + width, len)});
+    }
+    for (size_t k = 0; k < plan.matrices.size(); ++k)
+      check_cover(stats[k], plan.matrices[k].stat_len, "statistics of matrix " + std::to_string(k), stat_problems);
+    BOOST_TEST(stat_problems.none(), stat_problems.str());
+
+    // ---- launches: the Newton-Schulz ones are 2 + 3 * ns_steps per batch that has work
+    int64_t ns = 0;
+    for (const auto& shape : plan.batches)
+      if (shape.count > 0 && shape.rows * shape.cols > 0) ns += 2 + 3 * shape.steps;
+    BOOST_TEST(plan.newton_schulz_launches() == ns);
+    BOOST_TEST(plan.elementwise_launches() >= 1);
+    BOOST_TEST(plan.elementwise_launches() <= 7);
+  }
+}
+
+// A preset with only its first `layers` blocks ("transformer.h.N." or "model.layers.N."): the same
+// shapes, fewer parameters of each.
+Manifest first_layers(const std::string& preset, int layers) {
+  Manifest full = preset_manifest(preset), m;
+  for (const auto& p : full.params) {
+    size_t pos = p.name.find(".h.");
+    size_t skip = 3;
+    if (pos == std::string::npos) {
+      pos = p.name.find(".layers.");
+      skip = 8;
+    }
+    if (pos != std::string::npos && std::stoi(p.name.substr(pos + skip)) >= layers) continue;
+    m.params.push_back(p);
+  }
+  return m;
+}
+
+// Role: matrix for 2-D, bias otherwise, unless given.
+void add_param(Manifest& m, const std::string& name, std::vector<int64_t> shape, const std::string& group = "",
+               std::optional<Role> role = std::nullopt) {
+  ParamSpec p;
+  p.name = name;
+  p.shape = std::move(shape);
+  p.role = role ? *role : p.shape.size() == 2 ? Role::matrix : Role::bias;
+  p.group = group;
+  m.params.push_back(p);
+}
+
+// Odd shapes: 1 x n, n x 1, primes, tall and wide, several chunks and statistics tasks per matrix,
+// 0-element parameters, and a bucket shared by two NorMuon groups of different precision.
+Manifest odd_manifest() {
+  Manifest m;
+  add_param(m, "row", {1, 37});
+  add_param(m, "col", {37, 1});
+  add_param(m, "prime", {37, 53});
+  add_param(m, "tall", {97, 13});
+  add_param(m, "wide", {3, 600});    // per-column statistics over three tasks
+  add_param(m, "big", {200, 300});   // four chunks
+  add_param(m, "empty", {0, 8});
+  add_param(m, "empty_t", {8, 0});
+  add_param(m, "a", {16, 24});
+  add_param(m, "b", {16, 24}, "fp32");
+  add_param(m, "tall2", {97, 13}, "fp32");
+  add_param(m, "idle", {16, 24});
+  add_param(m, "emb", {50, 16}, "", Role::embedding);
+  add_param(m, "vec", {70000}, "adam2");  // five chunks
+  add_param(m, "bias", {24});
+  add_param(m, "scalar", {}, "", Role::other);
+  add_param(m, "empty_bias", {0});
+  add_param(m, "cube", {2, 3, 5}, "adam2", Role::other);
+  return m;
+}
+
+// The default groups with reduce_axis=longer_dim (so per-column statistics appear), a second NorMuon
+// group in fp32 with per-row statistics, a second AdamW group.
+Options odd_options() {
+  Options o;
+  o.set("normuon.reduce_axis=longer_dim");
+  GroupOptions fp32;
+  fp32.name = "fp32";
+  fp32.algorithm = Algorithm::normuon;
+  fp32.normuon.ns_precision = NsPrecision::fp32;
+  o.groups.push_back(fp32);
+  GroupOptions adam2;
+  adam2.name = "adam2";
+  adam2.algorithm = Algorithm::adamw;
+  adam2.adamw.lr = 1e-3;
+  o.groups.push_back(adam2);
+  o.set("weight_decay=0.1");
+  return o;
+}
+
+int64_t launches(const StepPlan& plan) { return plan.elementwise_launches() + plan.newton_schulz_launches(); }
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(plans_of_the_presets_cover_everything_once) {
+  for (const std::string name : {"tiny", "gpt2-124m", "gpt-1.3b", "llama-1b"}) {
+    for (const std::string knob : {"", "normuon.reduce_axis=longer_dim"}) {
+      Options options;
+      if (!knob.empty()) options.set(knob);
+      const Layout layout = Layout::build(preset_manifest(name), options);
+      BOOST_TEST(cuda::plan_unsupported_reason(layout, options).empty());
+      const StepPlan plan = StepPlan::build(layout, options);
+      check_plan(layout, options, plan, name + " " + knob);
+      // One group: one batch per shape bucket; no empty passes in a transformer.
+      BOOST_TEST(plan.batches.size() == layout.buckets.size(), name);
+      BOOST_TEST(plan.elementwise_launches() == 7, name);
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(plan_of_gpt2_124m_has_the_expected_size) {
+  const Options options;
+  const Layout layout = Layout::build(preset_manifest("gpt2-124m"), options);
+  const StepPlan plan = StepPlan::build(layout, options);
+  // 768x2304 (c_attn), 768x768, 3072x768, 768x3072: 12 matrices each.
+  BOOST_TEST(plan.batches.size() == 4u);
+  for (const auto& b : plan.batches) BOOST_TEST(b.count == 12);
+  BOOST_TEST(plan.matrices.size() == 48u);
+  BOOST_TEST(plan.newton_schulz_launches() == 4 * (2 + 3 * 5));
+  BOOST_TEST(launches(plan) == 75);
+}
+
+BOOST_AUTO_TEST_CASE(plan_of_odd_shapes_and_groups) {
+  const Options options = odd_options();
+  const Layout layout = Layout::build(odd_manifest(), options);
+  const StepPlan plan = StepPlan::build(layout, options);
+  check_plan(layout, options, plan, "odd shapes");
+
+  // The statistics axis follows the group's reduce_axis.
+  auto matrix_of = [&](const std::string& name) -> const cuda::MatrixInfo& {
+    const int e = layout.find(name);
+    BOOST_REQUIRE(e >= 0);
+    BOOST_REQUIRE(plan.entries[e].matrix >= 0);
+    return plan.matrices[plan.entries[e].matrix];
+  };
+  BOOST_TEST(matrix_of("row").stats_per_row == 0);    // 1 x 37, longer_dim: per column
+  BOOST_TEST(matrix_of("row").stat_len == 37);
+  BOOST_TEST(matrix_of("col").stats_per_row == 1);    // 37 x 1: per row
+  BOOST_TEST(matrix_of("prime").stats_per_row == 0);  // 37 x 53
+  BOOST_TEST(matrix_of("wide").stats_per_row == 0);
+  BOOST_TEST(matrix_of("a").stats_per_row == 0);      // 16 x 24, longer_dim
+  BOOST_TEST(matrix_of("b").stats_per_row == 1);      // 16 x 24 in the fp32 group (reduce_axis=rows)
+  BOOST_TEST(matrix_of("a").ns_bf16 == 1);
+  BOOST_TEST(matrix_of("b").ns_bf16 == 0);
+  BOOST_TEST(matrix_of("tall2").ns_bf16 == 0);
+
+  // 0-element parameters: no matrix, no chunk, no task.
+  for (const std::string name : {"empty", "empty_t", "empty_bias"}) {
+    const int e = layout.find(name);
+    BOOST_REQUIRE(e >= 0);
+    BOOST_TEST(plan.entries[e].matrix == -1, name);
+    for (const auto* chunks : {&plan.scan_chunks, &plan.normuon_chunks, &plan.adamw_chunks})
+      for (const auto& c : *chunks) BOOST_TEST(c.entry != e, name);
+  }
+  // Buckets shared by two groups make two batches: 16x24 (default and fp32) and 97x13 (default and fp32).
+  int batches_16x24 = 0, batches_97x13 = 0;
+  for (const auto& b : plan.batches) {
+    batches_16x24 += b.rows == 16 && b.cols == 24;
+    batches_97x13 += b.rows == 97 && b.cols == 13;
+  }
+  BOOST_TEST(batches_16x24 == 2);
+  BOOST_TEST(batches_97x13 == 2);
+  // Batches of the 0-element shapes launch nothing; every other batch launches 2 + 3 * 5.
+  int64_t working = 0;
+  for (const auto& b : plan.batches) working += b.rows * b.cols > 0;
+  BOOST_TEST(plan.batches.size() == layout.buckets.size() + 2);
+  BOOST_TEST(plan.newton_schulz_launches() == working * (2 + 3 * 5));
+  // Chunks of the big parameters: 60000 and 70000 elements.
+  auto chunks_of = [&](const std::vector<cuda::Chunk>& chunks, const std::string& name) {
+    const int e = layout.find(name);
+    return std::count_if(chunks.begin(), chunks.end(), [e](const cuda::Chunk& c) { return c.entry == e; });
+  };
+  BOOST_TEST(chunks_of(plan.normuon_chunks, "big") == 4);
+  BOOST_TEST(chunks_of(plan.adamw_chunks, "vec") == 5);
+  BOOST_TEST(chunks_of(plan.scan_chunks, "vec") == 5);
+  // Statistics tasks: 97 rows in 8-row tasks, 600 columns in 256-column tasks.
+  auto tasks_of = [&](const std::string& name) {
+    const int m = plan.entries[layout.find(name)].matrix;
+    return std::count_if(plan.stat_tasks.begin(), plan.stat_tasks.end(),
+                         [m](const cuda::StatTask& t) { return t.matrix == m; });
+  };
+  BOOST_TEST(tasks_of("tall") == 13);
+  BOOST_TEST(tasks_of("wide") == 3);
+  BOOST_TEST(tasks_of("col") == 5);  // 37 rows
+  BOOST_TEST(tasks_of("row") == 1);  // 37 columns
+}
+
+BOOST_AUTO_TEST_CASE(plan_of_a_model_without_normuon_or_adamw) {
+  // Empty passes launch nothing: only AdamW, then only NorMuon.
+  Manifest adam_only;
+  add_param(adam_only, "bias", {24});
+  add_param(adam_only, "emb", {50, 16}, "", Role::embedding);
+  const Options options;
+  const Layout l1 = Layout::build(adam_only, options);
+  const StepPlan p1 = StepPlan::build(l1, options);
+  check_plan(l1, options, p1, "adamw only");
+  BOOST_TEST(p1.newton_schulz_launches() == 0);
+  BOOST_TEST(p1.elementwise_launches() == 3);  // step counters, scan, AdamW
+
+  Manifest normuon_only;
+  add_param(normuon_only, "w", {16, 24});
+  const Layout l2 = Layout::build(normuon_only, options);
+  const StepPlan p2 = StepPlan::build(l2, options);
+  check_plan(l2, options, p2, "normuon only");
+  BOOST_TEST(p2.elementwise_launches() == 6);  // no AdamW pass
+  BOOST_TEST(p2.newton_schulz_launches() == 17);
+}
+
+BOOST_AUTO_TEST_CASE(launches_grow_with_shape_buckets_not_parameters) {
+  const Options options;
+  for (const auto& [preset, few, all] : {std::tuple<std::string, int, int>{"gpt2-124m", 2, 12},
+                                         std::tuple<std::string, int, int>{"gpt-1.3b", 1, 24},
+                                         std::tuple<std::string, int, int>{"llama-1b", 2, 16}}) {
+    const Layout small = Layout::build(first_layers(preset, few), options);
+    const Layout large = Layout::build(first_layers(preset, all), options);
+    BOOST_REQUIRE(large.entries.size() > small.entries.size());
+    BOOST_TEST(small.buckets.size() == large.buckets.size(), preset);
+    const StepPlan ps = StepPlan::build(small, options), pl = StepPlan::build(large, options);
+    check_plan(small, options, ps, preset + " " + std::to_string(few) + " layers");
+    BOOST_TEST(ps.elementwise_launches() == pl.elementwise_launches(), preset);
+    BOOST_TEST(ps.newton_schulz_launches() == pl.newton_schulz_launches(), preset);
+    BOOST_TEST(launches(ps) == launches(pl), preset);
+    BOOST_TEST(pl.matrices.size() > ps.matrices.size(), preset);
+  }
+  // With the fp32 knob and polar_express the count follows ns_steps, still not the parameters.
+  Options polar;
+  polar.set("normuon.ns_coefficients=polar_express");
+  polar.set("normuon.ns_steps=3");
+  const StepPlan p2 = StepPlan::build(Layout::build(first_layers("gpt2-124m", 2), polar), polar);
+  const StepPlan p12 = StepPlan::build(Layout::build(first_layers("gpt2-124m", 12), polar), polar);
+  BOOST_TEST(p2.newton_schulz_launches() == 4 * (2 + 3 * 3));
+  BOOST_TEST(launches(p2) == launches(p12));
+}
+
+BOOST_AUTO_TEST_CASE(unsupported_options_are_rejected_with_a_reason) {
+  const Options defaults;
+  const Layout layout = Layout::build(preset_manifest("tiny"), defaults);
+
+  Options polar6;
+  polar6.groups[0].normuon.ns_coefficients = NsCoefficients::polar_express;
+  polar6.groups[0].normuon.ns_steps = 6;
+  const std::string reason = cuda::plan_unsupported_reason(layout, polar6);
+  BOOST_TEST(!reason.empty());
+  BOOST_TEST(contains(reason, "Polar Express"), reason);
+  BOOST_TEST(contains(reason, "6"), reason);
+  BOOST_CHECK_THROW(StepPlan::build(layout, polar6), std::invalid_argument);
+  Options polar5 = polar6;
+  polar5.groups[0].normuon.ns_steps = 5;
+  BOOST_TEST(cuda::plan_unsupported_reason(layout, polar5).empty());
+  // The quintic has no such limit.
+  Options quintic7;
+  quintic7.groups[0].normuon.ns_steps = 7;
+  BOOST_TEST(cuda::plan_unsupported_reason(layout, quintic7).empty());
+
+  Options three_groups;
+  GroupOptions extra;
+  extra.name = "extra";
+  three_groups.groups.push_back(extra);
+  const std::string groups = cuda::plan_unsupported_reason(layout, three_groups);
+  BOOST_TEST(contains(groups, "groups"), groups);
+  BOOST_TEST(contains(groups, "3"), groups);
+  BOOST_CHECK_THROW(StepPlan::build(layout, three_groups), std::invalid_argument);
+
+  // The backend gives the plan's reason before asking for a device, on any machine.
+  BOOST_TEST(FastCudaBackend::unsupported_reason(layout, polar6) == reason);
+  BOOST_CHECK_THROW(FastCudaBackend(layout, polar6), std::invalid_argument);
+}
+
+BOOST_AUTO_TEST_CASE(backend_reports_the_device_it_lacks) {
+  const Options options;
+  const Layout layout = Layout::build(preset_manifest("tiny"), options);
+  const std::string device = cuda::unavailable_reason();
+  const std::string reason = FastCudaBackend::unsupported_reason(layout, options);
+  // A device index that exists nowhere is refused on every machine.
+  BOOST_TEST(!cuda::unavailable_reason(4096).empty());
+  BOOST_TEST(!FastCudaBackend::unsupported_reason(layout, options, 4096).empty());
+  if (device.empty()) {
+    BOOST_TEST_MESSAGE("a GPU is present: " << cuda::describe_device());
+    BOOST_TEST(reason.empty(), reason);
+    BOOST_TEST(contains(cuda::unavailable_reason(4096), "4096"));
+    FastCudaConfig config;
+    config.device = 4096;
+    BOOST_CHECK_THROW(FastCudaBackend(layout, options, config), std::invalid_argument);
+  } else {
+    BOOST_TEST_MESSAGE("no GPU: " << device);
+    BOOST_TEST(reason == device);
+    BOOST_TEST(contains(lower(reason), "device"), reason);
+    BOOST_CHECK_EXCEPTION(FastCudaBackend(layout, options), std::invalid_argument, [&](const std::invalid_argument& e) {
+      const std::string what = e.what();
+      return contains(what, "fast-cuda") && contains(what, device);
+    });
+  }
+}
+
+BOOST_AUTO_TEST_CASE(selector_never_falls_back_from_cuda) {
+  const Options options;
+  const Layout layout = Layout::build(preset_manifest("tiny"), options);
+  const std::string device = cuda::unavailable_reason();
+  for (BackendChoice choice : {BackendChoice::fast, BackendChoice::automatic}) {
+    BOOST_TEST_CONTEXT(to_string(choice)) {
+      if (device.empty()) {
+        const auto backend = make_backend(choice, layout, options, DeviceChoice::cuda);
+        BOOST_REQUIRE(backend);
+        BOOST_TEST(backend->name() == "fast-cuda");
+      } else {
+        BOOST_CHECK_EXCEPTION(make_backend(choice, layout, options, DeviceChoice::cuda), std::invalid_argument,
+                              [&](const std::invalid_argument& e) {
+                                const std::string what = e.what();
+                                BOOST_TEST_MESSAGE(what);
+                                return contains(what, "no fallback") && contains(what, device) &&
+                                       contains(what, "cuda");
+                              });
+      }
+    }
+  }
+  // An option the CUDA backend lacks is an error naming it, GPU or not.
+  Options polar6 = options;
+  polar6.groups[0].normuon.ns_coefficients = NsCoefficients::polar_express;
+  polar6.groups[0].normuon.ns_steps = 6;
+  BOOST_CHECK_EXCEPTION(make_backend(BackendChoice::fast, layout, polar6, DeviceChoice::cuda), std::invalid_argument,
+                        [](const std::invalid_argument& e) {
+                          const std::string what = e.what();
+                          return contains(what, "Polar Express") && contains(what, "no fallback");
+                        });
+}

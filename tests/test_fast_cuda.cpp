@@ -1,0 +1,805 @@
+// The fused CUDA backend on a GPU: the cross-check against the reference (every knob, odd shapes,
+// free-running drift, per-step option changes), determinism, state files crossing to and from the fast
+// CPU backend, CUDA graph replay against eager steps, no device allocation in a step, NaN/Inf gradients,
+// bf16 gradients and the bf16 parameter copy, and parameters without a gradient.
+//
+// Without a usable GPU the executable prints "SKIPPED: <reason>" and exits with 77, which CTest reports
+// as skipped (SKIP_RETURN_CODE). Cases needing the reference or the fast CPU backend are compiled only
+// when the build has them (NORMUON_TEST_HAVE_REFERENCE, NORMUON_TEST_HAVE_FAST_CPU).
+#define BOOST_TEST_MODULE fast_cuda
+#define BOOST_TEST_NO_MAIN
+#include <boost/test/unit_test.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <limits>
+#include <optional>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "comparator.h"
+#include "cuda_device.h"
+#include "fast_cuda_backend.h"
+#include "normuon/grad_gen.h"
+#include "normuon/presets.h"
+#include "normuon/state_file.h"
+#include "normuon/step_prologue.h"
+#include "step_plan.h"
+#ifdef NORMUON_TEST_HAVE_REFERENCE
+#include "reference_backend.h"
+#endif
+#ifdef NORMUON_TEST_HAVE_FAST_CPU
+#include "fast_cpu_backend.h"
+#endif
+
+using namespace normuon;
+
+// Skips the whole suite, before any case runs, where there is no GPU to test on.
+int main(int argc, char* argv[]) {
+  const std::string reason = cuda::unavailable_reason();
+  if (!reason.empty()) {
+    std::cout << "SKIPPED: " << reason << std::endl;
+    return 77;
+  }
+  std::cout << "GPU: " << cuda::describe_device() << std::endl;
+  return boost::unit_test::unit_test_main(&init_unit_test, argc, argv);
+}
+
+namespace {
+
+const GradientGenerator kGenerator{1234, 7};  // one parameter in 7 misses its gradient each step
+
+#define CHECK_CUDA(call) check_cuda((call), #call)
+void check_cuda(cudaError_t error, const char* call) {
+  if (error != cudaSuccess) BOOST_FAIL(call << ": " << cudaGetErrorName(error) << " (" << cudaGetErrorString(error) << ")");
+}
+
+bool same_bits(const AlignedBuffer& a, const AlignedBuffer& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), sizeof(float) * static_cast<size_t>(a.size())) == 0;
+}
+
+bool same_bits(const float* a, const float* b, int64_t n) {
+  return std::memcmp(a, b, sizeof(float) * static_cast<size_t>(n)) == 0;
+}
+
+// The first difference in what a step writes (parameters, optimizer state, group steps), or "".
+std::string first_difference(const FlatState& expected, const FlatState& actual) {
+  const struct {
+    const char* name;
+    const AlignedBuffer& e;
+    const AlignedBuffer& a;
+  } buffers[] = {{"params", expected.params, actual.params},
+                 {"momentum", expected.momentum, actual.momentum},
+                 {"row_var", expected.row_var, actual.row_var},
+                 {"exp_avg", expected.exp_avg, actual.exp_avg},
+                 {"exp_avg_sq", expected.exp_avg_sq, actual.exp_avg_sq}};
+  for (const auto& b : buffers) {
+    if (b.e.size() != b.a.size()) return std::string(b.name) + ": sizes differ";
+    for (int64_t i = 0; i < b.e.size(); ++i)
+      if (std::memcmp(&b.e.data()[i], &b.a.data()[i], sizeof(float)) != 0) {
+        std::ostringstream out;
+        out.precision(9);
+        out << b.name << "[" << i << "]: expected " << b.e[i] << ", actual " << b.a[i];
+        return out.str();
+      }
+  }
+  if (expected.group_steps != actual.group_steps) return "group steps differ";
+  return "";
+}
+
+// Gradients and has_grad of `host` into the backend's device state, on its stream (fp32 gradients).
+void upload_gradients(FastCudaBackend& backend, const FlatState& host) {
+  cuda::DeviceFlatState& d = backend.device_state();
+  BOOST_REQUIRE(d.grad_type() == cuda::GradType::f32);
+  CHECK_CUDA(cudaMemcpyAsync(d.grads_f32.data(), host.grads.data(), d.grads_f32.bytes(), cudaMemcpyHostToDevice,
+                             backend.stream()));
+  CHECK_CUDA(cudaMemcpyAsync(d.has_grad.data(), host.has_grad.data(), d.has_grad.bytes(), cudaMemcpyHostToDevice,
+                             backend.stream()));
+  CHECK_CUDA(cudaStreamSynchronize(backend.stream()));  // the host buffers are refilled for the next step
+}
+
+FlatState download(FastCudaBackend& backend, const Layout& layout) {
+  FlatState s(layout);
+  backend.device_state().download(s, backend.stream());
+  return s;
+}
+
+// Round to nearest even, as __float2bfloat16_rn (finite values and infinities; NaN stays NaN).
+uint16_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float round_bf16(float x) {
+  const uint32_t u = static_cast<uint32_t>(bf16_bits(x)) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+std::vector<uint16_t> device_params_bf16(FastCudaBackend& backend) {
+  const auto& buffer = backend.device_state().params_bf16;
+  std::vector<uint16_t> host(static_cast<size_t>(buffer.size()));
+  CHECK_CUDA(cudaStreamSynchronize(backend.stream()));
+  CHECK_CUDA(cudaMemcpy(host.data(), buffer.data(), buffer.bytes(), cudaMemcpyDeviceToHost));
+  return host;
+}
+
+// gpt2-124m with only its first `layers` blocks: every matrix shape and the embeddings.
+Manifest gpt2_layers(int layers) {
+  Manifest full = preset_manifest("gpt2-124m"), m;
+  for (const auto& p : full.params) {
+    const auto pos = p.name.find(".h.");
+    if (pos != std::string::npos && std::stoi(p.name.substr(pos + 3)) >= layers) continue;
+    m.params.push_back(p);
+  }
+  return m;
+}
+
+// Role: matrix for 2-D, bias otherwise, unless given.
+void add_param(Manifest& m, const std::string& name, std::vector<int64_t> shape, const std::string& group = "",
+               std::optional<Role> role = std::nullopt) {
+  ParamSpec p;
+  p.name = name;
+  p.shape = std::move(shape);
+  p.role = role ? *role : p.shape.size() == 2 ? Role::matrix : Role::bias;
+  p.group = group;
+  m.params.push_back(p);
+}
+
+// Odd shapes (as in test_cuda_plan.cpp): 1 x n, n x 1, primes, tall and wide, several chunks and
+// statistics tasks per matrix, 0-element parameters, a bucket shared by two NorMuon groups.
+Manifest odd_manifest() {
+  Manifest m;
+  add_param(m, "row", {1, 37});
+  add_param(m, "col", {37, 1});
+  add_param(m, "prime", {37, 53});
+  add_param(m, "tall", {97, 13});
+  add_param(m, "wide", {3, 600});
+  add_param(m, "big", {200, 300});
+  add_param(m, "empty", {0, 8});
+  add_param(m, "empty_t", {8, 0});
+  add_param(m, "a", {16, 24});
+  add_param(m, "b", {16, 24}, "fp32");
+  add_param(m, "tall2", {97, 13}, "fp32");
+  add_param(m, "idle", {16, 24});
+  add_param(m, "emb", {50, 16}, "", Role::embedding);
+  add_param(m, "vec", {70000}, "adam2");
+  add_param(m, "bias", {24});
+  add_param(m, "scalar", {}, "", Role::other);
+  add_param(m, "empty_bias", {0});
+  add_param(m, "cube", {2, 3, 5}, "adam2", Role::other);
+  return m;
+}
+
+// reduce_axis=longer_dim in the default NorMuon group, a second NorMuon group in fp32 (per-row
+// statistics), a second AdamW group, weight decay everywhere.
+Options odd_options() {
+  Options o;
+  o.set("normuon.reduce_axis=longer_dim");
+  GroupOptions fp32;
+  fp32.name = "fp32";
+  fp32.algorithm = Algorithm::normuon;
+  fp32.normuon.ns_precision = NsPrecision::fp32;
+  o.groups.push_back(fp32);
+  GroupOptions adam2;
+  adam2.name = "adam2";
+  adam2.algorithm = Algorithm::adamw;
+  adam2.adamw.lr = 1e-3;
+  o.groups.push_back(adam2);
+  o.set("weight_decay=0.1");
+  return o;
+}
+
+Options with(const std::string& assignment) {
+  Options o;
+  o.set("weight_decay=0.1");
+  if (!assignment.empty()) o.set(assignment);
+  return o;
+}
+
+// `steps` steps of a fresh backend through Backend::step from the generator's initial parameters.
+FlatState run_cuda(const Layout& layout, const Options& options, int64_t steps, const GradientGenerator& gen,
+                   const FastCudaConfig& config = {}) {
+  FastCudaBackend backend(layout, options, config);
+  FlatState state(layout);
+  gen.fill_params(state);
+  for (int64_t s = 1; s <= steps; ++s) {
+    gen.fill_gradients(state, s);
+    backend.step(state, options);
+  }
+  return state;
+}
+
+// What begin_step (core) says about a state's gradients: the message every backend must give.
+std::string prologue_message(const FlatState& state, const Options& options) {
+  FlatState copy = state;
+  try {
+    const auto result = begin_step(copy, options);
+    return result ? result->reason : "";
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+}
+
+const KindSummary& kind(const RunSummary& s, TensorKind k) { return s.kinds[static_cast<int>(k)]; }
+
+[[maybe_unused]] void log_summary(const std::string& label, const RunSummary& s) {
+  BOOST_TEST_MESSAGE(label << ": " << verdict_line(s));
+  BOOST_TEST_MESSAGE(label << ": normuon_param update error " << kind(s, TensorKind::normuon_param).worst_update_rel
+                           << "; row_var normwise " << kind(s, TensorKind::row_var).worst_normwise
+                           << "; exact kinds bit-identical: momentum "
+                           << kind(s, TensorKind::momentum).bit_identical << "/" << kind(s, TensorKind::momentum).tensors
+                           << ", adamw_param " << kind(s, TensorKind::adamw_param).bit_identical << "/"
+                           << kind(s, TensorKind::adamw_param).tensors);
+}
+
+}  // namespace
+
+// ---- the backend's own numbers -------------------------------------------------------------------------
+
+BOOST_AUTO_TEST_CASE(launches_per_step_follow_the_plan) {
+  for (const bool odd : {false, true}) {
+    const Options options = odd ? odd_options() : with("");
+    const Layout layout = Layout::build(odd ? odd_manifest() : preset_manifest("tiny"), options);
+    const cuda::StepPlan plan = cuda::StepPlan::build(layout, options);
+    FastCudaBackend backend(layout, options);
+    BOOST_TEST_MESSAGE(backend.describe());
+    BOOST_TEST(backend.launches_per_step() == plan.elementwise_launches() + plan.newton_schulz_launches(), odd);
+    BOOST_TEST(backend.newton_schulz_flops() > 0.0);
+    BOOST_TEST(backend.name() == "fast-cuda");
+    BOOST_TEST(!backend.has_graph());
+  }
+}
+
+BOOST_AUTO_TEST_CASE(fresh_device_state_holds_the_defaults_of_a_flat_state) {
+  // Leave non-zero bytes in memory the allocator is likely to hand out again, so that a buffer the
+  // backend forgets to initialise shows.
+  void* dirty = nullptr;
+  CHECK_CUDA(cudaMalloc(&dirty, size_t{256} << 20));
+  CHECK_CUDA(cudaMemset(dirty, 0x5a, size_t{256} << 20));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  CHECK_CUDA(cudaFree(dirty));
+  const Options options = with("");
+  const Layout layout = Layout::build(preset_manifest("tiny"), options);
+  FastCudaBackend backend(layout, options);
+  const FlatState fresh(layout);  // zeros, group steps 0, every has_grad 1
+  const FlatState device = download(backend, layout);
+  BOOST_TEST(first_difference(fresh, device) == "");
+  std::vector<uint8_t> has_grad(layout.entries.size());
+  CHECK_CUDA(cudaMemcpy(has_grad.data(), backend.device_state().has_grad.data(), has_grad.size(), cudaMemcpyDeviceToHost));
+  BOOST_TEST(has_grad == fresh.has_grad, "device has_grad is not initialised like FlatState's");
+}
+
+// ---- against the reference -----------------------------------------------------------------------------
+
+#ifdef NORMUON_TEST_HAVE_REFERENCE
+namespace {
+
+// The comparator over `steps` steps: reference-cpu against fast-cuda from the same initial parameters.
+RunSummary cross_check(const Layout& layout, const Options& options, CompareMode mode, int64_t steps,
+                       const GradientGenerator& gen = kGenerator) {
+  FastCudaBackend candidate(layout, options);
+  ReferenceBackend reference;
+  FlatState ref_state(layout), cand_state(layout);
+  gen.fill_params(ref_state);
+  Comparator::sync(ref_state, cand_state);
+  Comparator comparator(layout, options, gen, mode);
+  for (int64_t step = 1; step <= steps; ++step) comparator.step(reference, ref_state, candidate, cand_state, step);
+  return comparator.summary();
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(matches_reference_on_tiny_20_steps) {
+  const Options options;
+  const Layout layout = Layout::build(preset_manifest("tiny"), options);
+  const RunSummary s = cross_check(layout, options, CompareMode::resync, 20);
+  log_summary("tiny default, 20 steps resync", s);
+  BOOST_TEST(s.passed(), verdict_line(s));
+  BOOST_TEST(s.steps == 20);
+  BOOST_TEST(s.tensors == 20 * 3 * static_cast<int64_t>(layout.entries.size()));
+}
+
+BOOST_AUTO_TEST_CASE(matches_reference_on_tiny_for_every_knob) {
+  const std::vector<std::vector<std::string>> variants = {
+      {"normuon.nesterov=false"},
+      {"normuon.reduce_axis=longer_dim"},
+      {"normuon.lr_scale=spectral"},
+      {"normuon.lr_scale=rms_matching"},
+      {"normuon.weight_decay_mode=cautious", "normuon.weight_decay=0.1"},
+      {"normuon.weight_decay_mode=none", "normuon.weight_decay=0.1"},
+      {"normuon.ns_coefficients=polar_express"},
+      {"normuon.ns_precision=fp32"},
+      {"normuon.eps_placement=clamp"},
+      {"weight_decay=0.1"},
+  };
+  for (const auto& sets : variants) {
+    Options options;
+    std::string label;
+    for (const auto& kv : sets) {
+      options.set(kv);
+      label += (label.empty() ? "" : " ") + kv;
+    }
+    BOOST_TEST_CONTEXT(label) {
+      const Layout layout = Layout::build(preset_manifest("tiny"), options);
+      const RunSummary s = cross_check(layout, options, CompareMode::resync, 10);
+      log_summary("tiny " + label + ", 10 steps resync", s);
+      BOOST_TEST(s.passed(), verdict_line(s));
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(free_running_drift_on_tiny_stays_bounded) {
+  for (const std::string precision : {"bf16", "fp32"}) {
+    BOOST_TEST_CONTEXT("ns_precision=" << precision) {
+      Options options = with("normuon.ns_precision=" + precision);
+      const Layout layout = Layout::build(preset_manifest("tiny"), options);
+      const RunSummary s = cross_check(layout, options, CompareMode::free_running, 20);
+      log_summary("tiny " + precision + ", 20 steps free-running", s);
+      BOOST_TEST(s.passed(), verdict_line(s));
+      const Tolerance bound = tolerances_for(options.groups[0].normuon.ns_precision,
+                                             CompareMode::free_running)[static_cast<int>(TensorKind::normuon_param)];
+      BOOST_TEST(kind(s, TensorKind::normuon_param).worst_update_rel <= bound.update_rel);
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(matches_reference_on_odd_shapes_and_groups) {
+  const Options options = odd_options();
+  const Layout layout = Layout::build(odd_manifest(), options);
+  for (const CompareMode mode : {CompareMode::resync, CompareMode::free_running}) {
+    BOOST_TEST_CONTEXT(to_string(mode)) {
+      const RunSummary s = cross_check(layout, options, mode, 10);
+      log_summary(std::string("odd shapes, 10 steps ") + to_string(mode), s);
+      BOOST_TEST(s.passed(), verdict_line(s));
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(options_may_change_between_steps) {
+  // A scheduler: learning rates, weight decay, lr_scale and Nesterov change at every step; each step is
+  // uploaded by set_options() inside step().
+  const Options initial = with("");
+  const Layout layout = Layout::build(preset_manifest("tiny"), initial);
+  FastCudaBackend candidate(layout, initial);
+  ReferenceBackend reference;
+  FlatState ref_state(layout), cand_state(layout);
+  kGenerator.fill_params(ref_state);
+  Comparator::sync(ref_state, cand_state);
+  Comparator comparator(layout, initial, kGenerator, CompareMode::resync);
+  for (int64_t step = 1; step <= 8; ++step) {
+    std::ostringstream lr, adam_lr, wd;
+    lr.precision(17);
+    adam_lr.precision(17);
+    wd.precision(17);
+    lr << 0.02 * (1.0 - 0.1 * static_cast<double>(step));
+    adam_lr << 3e-4 * (1.0 + 0.25 * static_cast<double>(step));
+    wd << 0.05 * static_cast<double>(step % 3);
+    Options& o = comparator.options();
+    o.set("normuon.lr", lr.str());
+    o.set("adamw.lr", adam_lr.str());
+    o.set("weight_decay", wd.str());
+    o.set("normuon.lr_scale", step % 2 ? "official" : "spectral");
+    o.set("normuon.nesterov", step % 4 == 3 ? "false" : "true");
+    comparator.step(reference, ref_state, candidate, cand_state, step);
+  }
+  log_summary("tiny with a scheduler, 8 steps resync", comparator.summary());
+  BOOST_TEST(comparator.summary().passed(), verdict_line(comparator.summary()));
+}
+#endif  // NORMUON_TEST_HAVE_REFERENCE
+
+BOOST_AUTO_TEST_CASE(newton_schulz_knobs_are_fixed_at_construction) {
+  const Options options = with("");
+  const Layout layout = Layout::build(preset_manifest("tiny"), options);
+  FastCudaBackend backend(layout, options);
+  FlatState state(layout);
+  kGenerator.fill_params(state);
+  kGenerator.fill_gradients(state, 1);
+  const FlatState before = state;
+  for (const std::string knob : {"normuon.ns_precision=fp32", "normuon.ns_steps=4", "normuon.ns_eps=1e-6",
+                                 "normuon.ns_coefficients=polar_express"}) {
+    Options changed = options;
+    changed.set(knob);
+    BOOST_CHECK_THROW(backend.set_options(changed), std::invalid_argument);
+    BOOST_CHECK_THROW(backend.step(state, changed), std::invalid_argument);
+    BOOST_TEST(first_difference(before, state) == "", knob);
+  }
+  BOOST_TEST(!backend.step(state, options).skipped);  // still usable
+}
+
+// ---- determinism ---------------------------------------------------------------------------------------
+
+BOOST_AUTO_TEST_CASE(two_runs_are_bitwise_identical) {
+  for (const std::string knob : {"", "normuon.ns_precision=fp32", "normuon.reduce_axis=longer_dim", "odd shapes"}) {
+    BOOST_TEST_CONTEXT(knob) {
+      const bool odd = knob == "odd shapes";
+      const Options options = odd ? odd_options() : with(knob);
+      const Layout layout = Layout::build(odd ? odd_manifest() : preset_manifest("tiny"), options);
+      const FlatState a = run_cuda(layout, options, 10, kGenerator);
+      const FlatState b = run_cuda(layout, options, 10, kGenerator);
+      BOOST_TEST(first_difference(a, b) == "");
+      FlatState initial(layout);
+      kGenerator.fill_params(initial);
+      BOOST_TEST(!same_bits(a.params, initial.params));  // it did move
+    }
+  }
+}
+
+// ---- state files across backends -----------------------------------------------------------------------
+
+#ifdef NORMUON_TEST_HAVE_FAST_CPU
+BOOST_AUTO_TEST_CASE(state_files_cross_between_cuda_and_cpu) {
+  const Options options = with("normuon.ns_precision=fp32");  // the two backends differ in the last bits
+  const Layout layout = Layout::build(preset_manifest("tiny"), options);
+  constexpr int64_t k = 5, more = 5;
+  const std::string file = "fast_cuda_test_state.safetensors";
+  auto run_alone = [](Backend& backend, FlatState& s, const Options& o, int64_t first, int64_t last) {
+    for (int64_t step = first; step <= last; ++step) {
+      kGenerator.fill_gradients(s, step);
+      BOOST_TEST(!backend.step(s, o).skipped);
+    }
+  };
+  // fast-cuda saves after k steps; fast-cpu loads and continues; fast-cuda continues uninterrupted.
+  {
+    FastCudaBackend cuda_backend(layout, options);
+    FlatState cuda_state(layout);
+    kGenerator.fill_params(cuda_state);
+    run_alone(cuda_backend, cuda_state, options, 1, k);
+    save_state(file, cuda_state, options, cuda_backend.name());
+    BOOST_TEST(read_state_header(file).backend == "fast-cuda");
+    FlatState cpu_state(layout);
+    Options loaded;
+    load_state(file, cpu_state, &loaded);
+    BOOST_TEST(loaded.to_json() == options.to_json());
+    BOOST_TEST(cpu_state.group_steps[0] == k);
+    FastCpuBackend cpu_backend(layout, loaded);
+    Comparator comparator(layout, loaded, kGenerator, CompareMode::free_running);
+    const StepReport at_load = comparator.check(cuda_state, cpu_state, k);
+    BOOST_TEST(at_load.bit_identical == at_load.tensors);
+    for (int64_t step = k + 1; step <= k + more; ++step)
+      comparator.step(cuda_backend, cuda_state, cpu_backend, cpu_state, step);
+    log_summary("fast-cuda state continued by fast-cpu", comparator.summary());
+    BOOST_TEST(comparator.summary().passed(), verdict_line(comparator.summary()));
+  }
+  // fast-cpu saves after k steps; a fresh fast-cuda loads and continues; fast-cpu continues.
+  {
+    FastCpuBackend cpu_backend(layout, options);
+    FlatState cpu_state(layout);
+    kGenerator.fill_params(cpu_state);
+    run_alone(cpu_backend, cpu_state, options, 1, k);
+    save_state(file, cpu_state, options, cpu_backend.name());
+    FlatState cuda_state(layout);
+    Options loaded;
+    load_state(file, cuda_state, &loaded);
+    FastCudaBackend cuda_backend(layout, loaded);
+    Comparator comparator(layout, loaded, kGenerator, CompareMode::free_running);
+    const StepReport at_load = comparator.check(cpu_state, cuda_state, k);
+    BOOST_TEST(at_load.bit_identical == at_load.tensors);
+    for (int64_t step = k + 1; step <= k + more; ++step)
+      comparator.step(cpu_backend, cpu_state, cuda_backend, cuda_state, step);
+    log_summary("fast-cpu state continued by fast-cuda", comparator.summary());
+    BOOST_TEST(comparator.summary().passed(), verdict_line(comparator.summary()));
+  }
+  std::remove(file.c_str());
+}
+#endif  // NORMUON_TEST_HAVE_FAST_CPU
+
+// ---- CUDA graphs ---------------------------------------------------------------------------------------
+
+BOOST_AUTO_TEST_CASE(graph_replay_equals_eager_steps) {
+  for (const bool odd : {false, true}) {
+    BOOST_TEST_CONTEXT((odd ? "odd shapes" : "tiny")) {
+      const Options options = odd ? odd_options() : with("");
+      const Layout layout = Layout::build(odd ? odd_manifest() : preset_manifest("tiny"), options);
+      FlatState initial(layout), grads(layout);
+      kGenerator.fill_params(initial);
+      FastCudaBackend eager(layout, options), graph(layout, options);
+      eager.device_state().upload(initial, eager.stream());
+      graph.device_state().upload(initial, graph.stream());
+      constexpr int64_t kSteps = 10;
+      for (int64_t s = 1; s <= kSteps; ++s) {
+        kGenerator.fill_gradients(grads, s);  // with missing gradients: has_grad is read from the device
+        upload_gradients(eager, grads);
+        eager.set_options(options);
+        eager.enqueue_step();
+        BOOST_TEST(!eager.finish_step(options).skipped);
+        upload_gradients(graph, grads);
+        if (s == 1) {  // one eager step first, then capture once
+          graph.set_options(options);
+          graph.enqueue_step();
+          BOOST_TEST(!graph.finish_step(options).skipped);
+          BOOST_REQUIRE_NO_THROW(graph.capture_graph());
+          BOOST_REQUIRE(graph.has_graph());
+        } else {
+          graph.replay_graph();
+        }
+      }
+      BOOST_TEST(!graph.finish_step(options).skipped);
+      const FlatState a = download(eager, layout), b = download(graph, layout);
+      BOOST_TEST(first_difference(a, b) == "");
+      BOOST_TEST(!same_bits(a.params, initial.params));
+      BOOST_TEST(a.group_steps[0] == kSteps);
+      BOOST_TEST(graph.graph_kernel_nodes() >= graph.launches_per_step());
+    }
+  }
+}
+
+namespace {
+
+// The cuBLASLt choices of the Newton-Schulz GEMMs as describe() reports them (algorithm, tile, split-K,
+// reduction), without the wave counts and workspace sizes that depend on the batch size.
+std::string gemm_choices(const std::string& describe) {
+  static const std::regex gemm(R"((gram|square|apply)\[algo=-?\d+ tile=\d+ splitk=-?\d+ red=\d+)");
+  std::string out;
+  for (auto it = std::sregex_iterator(describe.begin(), describe.end(), gemm); it != std::sregex_iterator(); ++it)
+    out += it->str() + "] ";
+  return out;
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(graph_kernel_nodes_do_not_grow_with_layers) {
+  const Options options;
+  struct Captured {
+    int64_t launches, nodes, ns_launches;
+    std::string gemms;
+  };
+  auto capture = [&options](int layers) {
+    const Layout layout = Layout::build(gpt2_layers(layers), options);
+    FastCudaBackend backend(layout, options);
+    FlatState state(layout);
+    kGenerator.fill_params(state);
+    kGenerator.fill_gradients(state, 1);
+    backend.step(state, options);  // eager first: loads the kernels
+    backend.capture_graph();
+    const int64_t ns = cuda::StepPlan::build(layout, options).newton_schulz_launches();
+    return Captured{backend.launches_per_step(), backend.graph_kernel_nodes(), ns, gemm_choices(backend.describe())};
+  };
+  const Captured two = capture(2), six = capture(6);
+  BOOST_TEST_MESSAGE("2 layers: " << two.launches << " launches, " << two.nodes << " kernel nodes; " << two.gemms);
+  BOOST_TEST_MESSAGE("6 layers: " << six.launches << " launches, " << six.nodes << " kernel nodes; " << six.gemms);
+  BOOST_TEST(two.launches == six.launches);
+  BOOST_TEST(two.launches == 75);  // 7 elementwise + 4 buckets x (2 + 3 x 5)
+  // Every launch is at least one kernel; cuBLASLt may add a split-K reduction kernel to a matmul.
+  for (const Captured& c : {two, six}) {
+    BOOST_TEST(c.nodes >= c.launches);
+    BOOST_TEST(c.nodes <= c.launches + c.ns_launches);
+  }
+  // With the same cuBLASLt choices, the same graph: parameters don't add nodes. (cuBLASLt's heuristic
+  // sees the batch count and may choose another split-K for 6 matrices than for 2; then the counts
+  // may differ by those reduction kernels and only the bound above applies.)
+  if (two.gemms == six.gemms)
+    BOOST_TEST(two.nodes == six.nodes);
+  else
+    BOOST_TEST_MESSAGE("cuBLASLt chose differently for 2 and 6 layers; node counts not compared");
+}
+
+BOOST_AUTO_TEST_CASE(no_device_allocation_in_steady_state) {
+  const Options options = with("");
+  const Layout layout = Layout::build(preset_manifest("tiny"), options);
+  FastCudaBackend backend(layout, options);
+  FlatState state(layout);
+  kGenerator.fill_params(state);
+  kGenerator.fill_gradients(state, 1);
+  backend.device_state().upload(state, backend.stream());
+  backend.set_options(options);
+  for (int i = 0; i < 3; ++i) {  // warm-up: lazily loaded kernels, cuBLASLt's first calls
+    backend.enqueue_step();
+    BOOST_TEST(!backend.finish_step(options).skipped);
+  }
+  // The capture is in a mode that makes an allocation or a synchronisation on this thread fail it.
+  BOOST_REQUIRE_NO_THROW(backend.capture_graph());
+  backend.replay_graph();
+  BOOST_TEST(!backend.finish_step(options).skipped);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  size_t free_before = 0, free_after = 0, total = 0;
+  CHECK_CUDA(cudaMemGetInfo(&free_before, &total));
+  for (int i = 0; i < 20; ++i) backend.enqueue_step();
+  for (int i = 0; i < 20; ++i) backend.replay_graph();
+  BOOST_TEST(!backend.finish_step(options).skipped);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  CHECK_CUDA(cudaMemGetInfo(&free_after, &total));
+  BOOST_TEST(free_after == free_before, "free device memory went from " << free_before << " to " << free_after);
+  const FlatState after = download(backend, layout);
+  BOOST_TEST(after.group_steps[0] == 3 + 1 + 40);
+}
+
+// ---- NaN / Inf gradients -------------------------------------------------------------------------------
+
+BOOST_AUTO_TEST_CASE(nonfinite_gradients_change_nothing) {
+  const Options options = with("");
+  Options skip = options;
+  skip.set("nonfinite=skip_step");
+  const Layout layout = Layout::build(preset_manifest("tiny"), options);
+  const GradientGenerator gen{1234, 0};
+  FastCudaBackend backend(layout, options);
+  FlatState state(layout);
+  gen.fill_params(state);
+  for (int64_t s = 1; s <= 2; ++s) {
+    gen.fill_gradients(state, s);
+    backend.step(state, options);
+  }
+  const int matrix = layout.find("transformer.h.1.attn.c_proj.weight");
+  const int norm = layout.find("transformer.ln_f.weight");  // after the matrix in layout order
+  BOOST_REQUIRE(matrix >= 0 && norm > matrix);
+  gen.fill_gradients(state, 3);
+  const FlatState clean = state;
+  state.grad(matrix)[9] = std::numeric_limits<float>::infinity();
+  state.grad(matrix)[5] = std::numeric_limits<float>::quiet_NaN();
+  state.grad(norm)[2] = -std::numeric_limits<float>::infinity();
+  const FlatState before = state;
+  // The first bad value in layout order (the matrix, element 5), in begin_step's words.
+  const std::string expected_error = prologue_message(state, options);
+  const std::string expected_skip = prologue_message(state, skip);
+  BOOST_TEST(expected_error.find("transformer.h.1.attn.c_proj.weight") != std::string::npos);
+  BOOST_TEST(expected_error.find("element 5") != std::string::npos);
+
+  // Backend::step, nonfinite=error: throws with the same message; host and device state untouched.
+  BOOST_CHECK_EXCEPTION(backend.step(state, options), std::runtime_error,
+                        [&](const std::runtime_error& e) { return std::string(e.what()) == expected_error; });
+  BOOST_TEST(first_difference(before, state) == "");
+  BOOST_TEST(first_difference(before, download(backend, layout)) == "");
+  // nonfinite=skip_step: skipped with the reason, nothing changed (group steps included).
+  const StepResult skipped = backend.step(state, skip);
+  BOOST_TEST(skipped.skipped);
+  BOOST_TEST(skipped.reason == expected_skip);
+  BOOST_TEST(first_difference(before, state) == "");
+  BOOST_TEST(first_difference(before, download(backend, layout)) == "");
+
+  // Device-resident: the same through enqueue_step / finish_step.
+  upload_gradients(backend, state);
+  backend.set_options(skip);
+  backend.enqueue_step();
+  BOOST_TEST(backend.finish_step(skip).skipped);
+  BOOST_TEST(first_difference(before, download(backend, layout)) == "");
+  backend.set_options(options);
+  backend.enqueue_step();
+  BOOST_CHECK_EXCEPTION(backend.finish_step(options), std::runtime_error,
+                        [&](const std::runtime_error& e) { return std::string(e.what()) == expected_error; });
+  BOOST_TEST(first_difference(before, download(backend, layout)) == "");
+
+  // A replayed graph reads the status too: a bad step changes nothing, the next good one steps.
+  upload_gradients(backend, clean);
+  backend.enqueue_step();
+  BOOST_TEST(!backend.finish_step(options).skipped);
+  const FlatState stepped = download(backend, layout);
+  BOOST_TEST(stepped.group_steps[0] == before.group_steps[0] + 1);
+  backend.capture_graph();
+  upload_gradients(backend, state);  // the bad gradients again
+  backend.replay_graph();
+  BOOST_CHECK_THROW(backend.finish_step(options), std::runtime_error);
+  BOOST_TEST(first_difference(stepped, download(backend, layout)) == "");
+  upload_gradients(backend, clean);
+  backend.replay_graph();
+  BOOST_TEST(!backend.finish_step(options).skipped);
+  const FlatState replayed = download(backend, layout);
+  BOOST_TEST(replayed.group_steps[0] == stepped.group_steps[0] + 1);
+  BOOST_TEST(!same_bits(replayed.params, stepped.params));
+}
+
+// ---- bf16 gradients and the bf16 parameter copy ----------------------------------------------------------
+
+BOOST_AUTO_TEST_CASE(bf16_gradients_equal_prerounded_fp32_gradients) {
+  for (const bool odd : {false, true}) {
+    BOOST_TEST_CONTEXT((odd ? "odd shapes" : "tiny")) {
+      const Options options = odd ? odd_options() : with("");
+      const Layout layout = Layout::build(odd ? odd_manifest() : preset_manifest("tiny"), options);
+      FastCudaConfig bf16_config;
+      bf16_config.grad_type = cuda::GradType::bf16;
+      bf16_config.bf16_params = true;
+      FastCudaBackend bf16(layout, options, bf16_config), f32(layout, options), resident(layout, options, bf16_config);
+      FlatState a(layout);
+      kGenerator.fill_params(a);
+      FlatState b = a;
+      resident.device_state().upload(a, resident.stream());
+      std::vector<uint16_t> grads_bf16(static_cast<size_t>(layout.param_floats));
+      constexpr int64_t kSteps = 8;
+      for (int64_t s = 1; s <= kSteps; ++s) {
+        kGenerator.fill_gradients(a, s);
+        for (int64_t i = 0; i < layout.param_floats; ++i) {
+          b.grads[i] = round_bf16(a.grads[i]);
+          grads_bf16[static_cast<size_t>(i)] = bf16_bits(a.grads[i]);
+        }
+        b.has_grad = a.has_grad;
+        BOOST_TEST(!bf16.step(a, options).skipped);  // uploads a's fp32 gradients as bf16
+        BOOST_TEST(!f32.step(b, options).skipped);
+        // Device-resident: the caller writes bf16 gradients itself.
+        cuda::DeviceFlatState& d = resident.device_state();
+        CHECK_CUDA(cudaMemcpyAsync(d.grads_bf16.data(), grads_bf16.data(), d.grads_bf16.bytes(), cudaMemcpyHostToDevice,
+                                   resident.stream()));
+        CHECK_CUDA(cudaMemcpyAsync(d.has_grad.data(), a.has_grad.data(), d.has_grad.bytes(), cudaMemcpyHostToDevice,
+                                   resident.stream()));
+        CHECK_CUDA(cudaStreamSynchronize(resident.stream()));
+        resident.set_options(options);
+        resident.enqueue_step();
+        BOOST_TEST(!resident.finish_step(options).skipped);
+      }
+      BOOST_TEST(first_difference(b, a) == "");
+      BOOST_TEST(first_difference(a, download(resident, layout)) == "");
+      // The bf16 copy is the fp32 master copy rounded to nearest even, in both backends.
+      for (FastCudaBackend* backend : {&bf16, &resident}) {
+        const std::vector<uint16_t> copy = device_params_bf16(*backend);
+        int64_t differing = 0, first = -1;
+        for (int64_t i = 0; i < layout.param_floats; ++i)
+          if (copy[static_cast<size_t>(i)] != bf16_bits(a.params[i])) {
+            if (first < 0) first = i;
+            ++differing;
+          }
+        BOOST_TEST(differing == 0, differing << " bf16 parameters differ, the first at " << first);
+      }
+    }
+  }
+}
+
+// ---- parameters without a gradient -----------------------------------------------------------------------
+
+BOOST_AUTO_TEST_CASE(parameters_without_gradients_stay_unchanged) {
+  for (const bool odd : {false, true}) {
+    BOOST_TEST_CONTEXT((odd ? "odd shapes" : "tiny")) {
+      const Options options = odd ? odd_options() : with("");
+      const Layout layout = Layout::build(odd ? odd_manifest() : preset_manifest("tiny"), options);
+      // tiny: a matrix, the embedding and a bias; odd: both members of the fp32 group (so the group's step
+      // doesn't advance), an AdamW vector and a matrix sharing a batch with stepped ones.
+      const std::vector<std::string> names =
+          odd ? std::vector<std::string>{"b", "tall2", "vec", "idle"}
+              : std::vector<std::string>{"transformer.h.1.attn.c_proj.weight", "transformer.wte.weight",
+                                         "transformer.h.0.ln_1.bias"};
+      std::vector<int> idle;
+      for (const auto& n : names) {
+        idle.push_back(layout.find(n));
+        BOOST_REQUIRE(idle.back() >= 0);
+      }
+      const GradientGenerator gen{1234, 0};
+      FastCudaBackend backend(layout, options);
+      FlatState state(layout);
+      gen.fill_params(state);
+      for (int64_t s = 1; s <= 2; ++s) {  // some state to keep
+        gen.fill_gradients(state, s);
+        backend.step(state, options);
+      }
+      const FlatState snapshot = state;
+      for (int64_t s = 3; s <= 7; ++s) {
+        gen.fill_gradients(state, s);
+        for (int e : idle) {
+          state.has_grad[e] = 0;
+          // Not looked at: a NaN in a gradient that isn't there is no error.
+          if (layout.entries[e].numel > 0) state.grad(e)[0] = std::numeric_limits<float>::quiet_NaN();
+        }
+        BOOST_TEST(!backend.step(state, options).skipped);
+      }
+      for (int e : idle) {
+        const LayoutEntry& le = layout.entries[e];
+        BOOST_TEST_CONTEXT(le.name) {
+          BOOST_TEST(same_bits(state.param(e), snapshot.param(e), le.numel));
+          if (le.algorithm == Algorithm::normuon) {
+            BOOST_TEST(same_bits(state.momentum.data() + le.offset, snapshot.momentum.data() + le.offset, le.numel));
+            BOOST_TEST(same_bits(state.row_var.data() + le.stat_offset, snapshot.row_var.data() + le.stat_offset,
+                                 le.stat_len));
+          } else {
+            BOOST_TEST(same_bits(state.exp_avg.data() + le.adam_offset, snapshot.exp_avg.data() + le.adam_offset, le.numel));
+            BOOST_TEST(same_bits(state.exp_avg_sq.data() + le.adam_offset, snapshot.exp_avg_sq.data() + le.adam_offset,
+                                 le.numel));
+          }
+        }
+      }
+      // Everything else moved; group steps advance only where a gradient was.
+      const int stepped = layout.find(odd ? "a" : "transformer.h.2.attn.c_proj.weight");
+      BOOST_TEST(!same_bits(state.param(stepped), snapshot.param(stepped), layout.entries[stepped].numel));
+      if (odd)
+        BOOST_TEST((state.group_steps == std::vector<int64_t>{7, 7, 2, 7}));  // normuon, adamw, fp32, adam2
+      else
+        BOOST_TEST((state.group_steps == std::vector<int64_t>{7, 7}));
+    }
+  }
+}
