@@ -5,6 +5,7 @@
     opt.print_routing()   # which parameter got NorMuon, which AdamW, and why
 """
 from . import reference
+from .distributed import DistributedNorMuonAdamW  # docs/distributed.md
 from .optim import (BACKEND_CHOICES, BACKEND_ENV, NorMuonAdamW, StateFileError, infer_role, native_error,
                     route)
 

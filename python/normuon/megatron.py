@@ -149,9 +149,8 @@ class _MegatronFlat(torch.optim.Optimizer):
                 self._check_param(p, f"param_groups[{i}]['params'][{k}]")
 
     def _check_common(self, p, where):
-        if p.device.type != "cpu":
-            self._fail(f"{where} is on {p.device}: normuon runs on CPU tensors only for now (its CUDA backend "
-                       "is not written yet)")
+        if p.device.type not in ("cpu", "cuda"):
+            self._fail(f"{where} is on {p.device}: normuon runs on CPU or CUDA tensors")
         if p.dtype not in _DTYPES:
             self._fail(f"{where} is {p.dtype}; float32, bfloat16 or float16 expected")
         if p.is_sparse:
@@ -369,7 +368,7 @@ class _MegatronFlat(torch.optim.Optimizer):
 
     @property
     def backend(self):
-        """'fast-cpu' or 'reference-python' once built; before that the choice ('auto' | 'fast' | 'reference')."""
+        """'fast-cpu', 'fast-cuda' or 'reference-python' once built; before that the choice ('auto' | 'fast' | 'reference')."""
         return self._inner.backend if self._inner is not None else self._choice
 
     # ------------------------------------------------------------------------------- state dicts

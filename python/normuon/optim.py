@@ -172,6 +172,10 @@ class NorMuonAdamW(torch.optim.Optimizer):
 
         groups, entries = self._build_groups(params, normuon_defaults, adamw_defaults, overrides, roles)
         self._entries = entries
+        devices = sorted({str(e.tensor.device) for e in entries})
+        if len(devices) > 1:
+            raise ValueError(f"NorMuonAdamW needs every parameter on one device; got {', '.join(devices)}")
+        self._device = entries[0].tensor.device if entries else torch.device("cpu")
         self._choice = _resolve_choice(backend)
         if _C is None and self._choice != "reference":
             raise RuntimeError(f"backend '{self._choice}' needs the native module normuon._C, which could not be "
@@ -291,14 +295,16 @@ class NorMuonAdamW(torch.optim.Optimizer):
                 e.stats_per_row = reference.stats_per_row(self._hypers[e.group]["reduce_axis"], rows, cols)
                 e.stat_len = rows if e.stats_per_row else cols
         self._backend = None
+        self._cuda_backend = None  # the fast CUDA backend: state in device memory, stepped there
+        self._device_flat = None   # CUDA: the flat buffers on the device (the host FlatState stages files)
         if _C is None:  # reference only: standalone fp32 tensors, no state files
             self._manifest = self._layout = self._flat = None
             self._steps = [0] * len(names)
             for e in self._entries:
                 e.param = e.tensor.detach().to(torch.float32, copy=True)
-                e.grad = torch.zeros(e.shape)
+                e.grad = torch.zeros(e.shape, device=self._device)
                 second = (e.stat_len,) if e.algorithm == "normuon" else e.shape
-                e.state = (torch.zeros(e.shape), torch.zeros(second))
+                e.state = (torch.zeros(e.shape, device=self._device), torch.zeros(second, device=self._device))
             self._reference = reference.ReferenceBackend()
             return
         self._options = _C.Options([(g["name"], g["algorithm"]) for g in self.param_groups])
@@ -317,6 +323,49 @@ class NorMuonAdamW(torch.optim.Optimizer):
         for e, le in zip(self._entries, self._layout.entries):
             assert le.name == e.name and le.algorithm == e.algorithm and le.group == e.group, le.name
             assert le.stats_per_row == e.stats_per_row or e.algorithm == "adamw", le.name
+            e.param = flat["params"][le.offset:le.offset + le.numel].view(e.shape)
+            e.param.copy_(e.tensor.detach())
+        if self._device.type == "cuda":
+            flat = self._allocate_cuda(threads)
+        self._carve(flat)
+        if self._device.type == "cuda":
+            return
+        if self._choice == "reference":
+            self._reference = reference.ReferenceBackend()
+        else:
+            reason = _C.FastCpuBackend.unsupported_reason(self._layout, self._options)
+            if reason:
+                raise ValueError(f"backend '{self._choice}' cannot serve this request: {reason} (no fallback to "
+                                 "the reference; change the options or ask for backend='reference')")
+            self._backend = _C.FastCpuBackend(self._layout, self._options, threads)
+
+    def _allocate_cuda(self, threads):
+        """CUDA parameters: the flat buffers move to the device. The fast backend owns them there (viewed
+        zero-copy through __cuda_array_interface__); the reference gets plain device tensors. The host
+        FlatState stays as the staging area of state files. No silent fallback to the CPU."""
+        del threads
+        index = self._device.index if self._device.index is not None else torch.cuda.current_device()
+        self._device = torch.device("cuda", index)
+        if self._choice == "reference":
+            self._reference = reference.ReferenceBackend()
+            self._device_flat = {k: torch.from_numpy(getattr(self._flat, k)).to(self._device)
+                                 for k in ("params", "grads", "momentum", "row_var", "exp_avg", "exp_avg_sq")}
+            return self._device_flat
+        reason = _C.FastCudaBackend.unsupported_reason(self._layout, self._options, index)
+        if reason:
+            raise ValueError(f"backend '{self._choice}' on {self._device} cannot serve this request: {reason} (no "
+                             "fallback to the CPU or the reference; ask for backend='reference' explicitly)")
+        backend = _C.FastCudaBackend(self._layout, self._options, device=index,
+                                     stream=torch.cuda.current_stream(self._device).cuda_stream)
+        backend.upload(self._flat)  # masters, zero state, flags, steps
+        self._cuda_backend = backend
+        self._device_flat = {k: _device_view(backend, ptr, n, typestr, self._device)
+                             for k, (ptr, n, typestr) in backend.buffers().items()}
+        return self._device_flat
+
+    def _carve(self, flat):
+        """Per-entry views of the flat buffers (host or device): parameter, gradient, state."""
+        for e, le in zip(self._entries, self._layout.entries):
             span = slice(le.offset, le.offset + le.numel)
             e.param = flat["params"][span].view(e.shape)
             e.grad = flat["grads"][span].view(e.shape)
@@ -326,15 +375,6 @@ class NorMuonAdamW(torch.optim.Optimizer):
             else:
                 adam = slice(le.adam_offset, le.adam_offset + le.numel)
                 e.state = (flat["exp_avg"][adam].view(e.shape), flat["exp_avg_sq"][adam].view(e.shape))
-            e.param.copy_(e.tensor.detach())
-        if self._choice == "reference":
-            self._reference = reference.ReferenceBackend()
-        else:
-            reason = _C.FastCpuBackend.unsupported_reason(self._layout, self._options)
-            if reason:
-                raise ValueError(f"backend '{self._choice}' cannot serve this request: {reason} (no fallback to "
-                                 "the reference; change the options or ask for backend='reference')")
-            self._backend = _C.FastCpuBackend(self._layout, self._options, threads)
 
     @staticmethod
     def _state_views(e):
@@ -404,9 +444,9 @@ class NorMuonAdamW(torch.optim.Optimizer):
         the tensor is the master; a low-precision one keeps the fp32 master while it still rounds to it)."""
         for e in self._entries:
             t = e.tensor
-            if t.shape != e.shape or t.dtype != e.dtype or t.device.type != "cpu":
+            if t.shape != e.shape or t.dtype != e.dtype or t.device != self._device:
                 raise RuntimeError(f"parameter '{e.name}' is now {t.dtype} {list(t.shape)} on {t.device}; it was "
-                                   f"{e.dtype} {list(e.shape)} on cpu when the optimizer was built")
+                                   f"{e.dtype} {list(e.shape)} on {self._device} when the optimizer was built")
             if not e.low_precision:
                 e.param.copy_(t.detach())
             elif not torch.equal(t.detach(), e.param.to(e.dtype)):
@@ -425,9 +465,13 @@ class NorMuonAdamW(torch.optim.Optimizer):
                 self._has_grad[e.index] = e.has_grad
 
     def _group_steps(self):
+        if self._cuda_backend is not None:  # the step counters live on the device
+            return [int(t) for t in self._device_flat["group_steps"].tolist()]
         return list(self._flat.group_steps) if self._flat is not None else list(self._steps)
 
     def _set_group_steps(self, steps):
+        if self._cuda_backend is not None:
+            self._device_flat["group_steps"].copy_(torch.tensor(steps, dtype=torch.int64))
         if self._flat is not None:
             self._flat.group_steps = steps
         else:
@@ -447,7 +491,10 @@ class NorMuonAdamW(torch.optim.Optimizer):
         hypers = self._sync_hyper()
         self._refresh_masters()
         self._gather_grads()
-        if self._backend is not None:
+        if self._cuda_backend is not None:
+            skipped = self._cuda_step()
+            steps = self._group_steps()
+        elif self._backend is not None:
             result = self._backend.step(self._flat, self._options)
             skipped = result.reason if result.skipped else None
             steps = self._group_steps()
@@ -462,12 +509,44 @@ class NorMuonAdamW(torch.optim.Optimizer):
                     e.tensor.detach().copy_(e.param)  # rounds to the parameter's dtype
         return loss
 
+    def _cuda_step(self):
+        """One fused step on the caller's current stream (the gradient copies above were queued there).
+        finish_step waits for it: a NaN/Inf gradient raises (or skips) like on the CPU, nothing changed."""
+        backend = self._cuda_backend
+        backend.set_stream(torch.cuda.current_stream(self._device).cuda_stream)
+        self._device_flat["has_grad"].copy_(torch.from_numpy(self._has_grad))
+        backend.set_options(self._options)
+        backend.enqueue_step()
+        result = backend.finish_step(self._options)
+        return result.reason if result.skipped else None
+
+    def _to_host(self):
+        """CUDA: the device's flat state into the host FlatState (before writing a state file)."""
+        if self._cuda_backend is not None:
+            self._cuda_backend.set_stream(torch.cuda.current_stream(self._device).cuda_stream)
+            self._cuda_backend.download(self._flat)
+        elif self._device_flat is not None:
+            for k, t in self._device_flat.items():
+                torch.from_numpy(getattr(self._flat, k)).copy_(t)
+
+    def _to_device(self):
+        """CUDA: the host FlatState (just loaded from a file) onto the device."""
+        if self._cuda_backend is not None:
+            self._cuda_backend.set_stream(torch.cuda.current_stream(self._device).cuda_stream)
+            self._cuda_backend.upload(self._flat)
+        elif self._device_flat is not None:
+            for k, t in self._device_flat.items():
+                t.copy_(torch.from_numpy(getattr(self._flat, k)))
+
     # ----------------------------------------------------------------------------------- inspection
 
     @property
     def backend(self):
-        """Which backend runs the steps: 'fast-cpu' or 'reference-python'."""
-        return self._backend.name if self._backend is not None else self._reference.name
+        """Which backend runs the steps: 'fast-cpu', 'fast-cuda' or 'reference-python'."""
+        for native in (self._cuda_backend, self._backend):
+            if native is not None:
+                return native.name
+        return self._reference.name
 
     @property
     def layout(self):
@@ -604,6 +683,7 @@ class NorMuonAdamW(torch.optim.Optimizer):
         self._need_native("export_state")
         self._sync_hyper()
         self._refresh_masters()
+        self._to_host()
         _C.save_state(os.fspath(path), self._flat, self._options, self.backend)
 
     def import_state(self, path):
@@ -611,7 +691,9 @@ class NorMuonAdamW(torch.optim.Optimizer):
         (StateFileError). Sets the optimizer state, group steps and hyper-parameters (not nonfinite, not
         reduce_axis), and the model's parameters from the file's fp32 values."""
         self._need_native("import_state")
+        self._to_host()  # load_state is all or nothing: on an error the host copy must still be the live state
         saved = _C.load_state(os.fspath(path), self._flat)
+        self._to_device()
         for i, g in enumerate(self.param_groups):
             h = saved.hyper(i)
             if g["algorithm"] == "adamw":
@@ -661,8 +743,8 @@ def _named_tensors(params, names, group_index, prefix):
 def _make_entry(index, name, tensor, role):
     if tensor.dtype not in _DTYPES:
         raise ValueError(f"parameter '{name}' is {tensor.dtype}; NorMuonAdamW takes float32, bfloat16 or float16")
-    if tensor.device.type != "cpu":
-        raise ValueError(f"parameter '{name}' is on {tensor.device}; this version runs on CPU tensors only")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"parameter '{name}' is on {tensor.device}; NorMuonAdamW runs on CPU or CUDA tensors")
     if tensor.is_sparse:
         raise ValueError(f"parameter '{name}' is sparse")
     e = _Entry()
@@ -674,3 +756,21 @@ def _make_entry(index, name, tensor, role):
     e.has_grad = False
     e.stats_per_row, e.stat_len = True, 0
     return e
+
+
+class _CudaArray:
+    """A device buffer of the native CUDA backend as __cuda_array_interface__, for a zero-copy torch view.
+    The view keeps this object, and so the backend that owns the memory, alive."""
+
+    def __init__(self, owner, ptr, n, typestr):
+        self._owner = owner
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": typestr, "data": (ptr, False), "version": 2}
+
+
+_TYPESTR_DTYPES = {"<f4": torch.float32, "|u1": torch.uint8, "<i8": torch.int64, "<i2": torch.int16}
+
+
+def _device_view(owner, ptr, n, typestr, device):
+    if n == 0:
+        return torch.zeros(0, dtype=_TYPESTR_DTYPES[typestr], device=device)
+    return torch.as_tensor(_CudaArray(owner, ptr, n, typestr), device=device)

@@ -1,0 +1,134 @@
+"""NorMuonAdamW on CUDA tensors (the fast CUDA backend, device-resident state).
+
+Everything but the first test needs a GPU, a CUDA build of torch and the native module built with the
+CUDA backend; without them they are skipped with the reason (on the CPU machines: torch is CPU-only).
+"""
+import pytest
+
+torch = pytest.importorskip("torch")
+normuon = pytest.importorskip("normuon")
+from normuon import optim  # noqa: E402
+
+
+def _cuda_reason():
+    if optim._C is None:
+        return f"the native module is missing ({optim.native_error()})"
+    if not torch.cuda.is_available():
+        return "torch has no usable CUDA device (CPU-only torch or no GPU)"
+    return optim._C.cuda_unavailable_reason(0) or None
+
+
+needs_gpu = pytest.mark.skipif(_cuda_reason() is not None, reason=f"no GPU: {_cuda_reason()}")
+
+
+def _model(device, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential()
+    model.add_module("embed", torch.nn.Embedding(37, 24))
+    model.add_module("fc1", torch.nn.Linear(24, 64))
+    model.add_module("fc2", torch.nn.Linear(64, 24))
+    model.add_module("tall", torch.nn.Linear(24, 97, bias=False))
+    model.add_module("head", torch.nn.Linear(24, 37, bias=False))
+    return model.to(device=device, dtype=dtype)
+
+
+def _grads(model, step):
+    gen = torch.Generator().manual_seed(1000 + step)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen).to(device=p.device, dtype=p.dtype)
+
+
+def test_parameters_on_an_unsupported_device_are_refused():
+    p = torch.nn.Parameter(torch.zeros(4, 4, device="meta"))
+    with pytest.raises(ValueError, match="CPU or CUDA"):
+        normuon.NorMuonAdamW([("w", p)])
+
+
+@needs_gpu
+def test_cuda_matches_the_cpu_fast_backend():
+    cpu, gpu = _model("cpu"), _model("cuda")
+    opt_cpu = normuon.NorMuonAdamW(cpu.named_parameters(), weight_decay=0.1, adamw_weight_decay=0.01)
+    opt_gpu = normuon.NorMuonAdamW(gpu.named_parameters(), weight_decay=0.1, adamw_weight_decay=0.01)
+    assert opt_gpu.backend == "fast-cuda"
+    for step in range(1, 6):
+        _grads(cpu, step)
+        _grads(gpu, step)
+        opt_cpu.step()
+        opt_gpu.step()
+    for (name, a), b in zip(cpu.named_parameters(), gpu.parameters()):
+        b = b.detach().cpu()
+        if name.startswith(("embed", "head")) or a.dim() == 1:  # AdamW: the same roundings, bit for bit
+            assert torch.equal(a.detach(), b), name
+        else:  # NorMuon: GEMMs differ; the update is small next to the parameter
+            assert torch.allclose(a.detach(), b, rtol=0, atol=1e-3), name
+    assert [g["step"] for g in opt_gpu.param_groups] == [5, 5]
+
+
+@needs_gpu
+def test_state_is_on_the_device_and_files_cross_to_the_cpu(tmp_path):
+    gpu = _model("cuda")
+    opt = normuon.NorMuonAdamW(gpu.named_parameters())
+    for step in range(1, 4):
+        _grads(gpu, step)
+        opt.step()
+    sd = opt.state_dict()
+    assert all(t.is_cuda for s in sd["state"].values() for t in s.values())
+    path = tmp_path / "gpu.safetensors"
+    opt.export_state(path)
+    cpu = _model("cpu", seed=1)
+    opt_cpu = normuon.NorMuonAdamW(cpu.named_parameters())
+    opt_cpu.import_state(path)
+    for a, b in zip(gpu.parameters(), cpu.parameters()):
+        assert torch.equal(a.detach().cpu(), b.detach())
+    assert [g["step"] for g in opt_cpu.param_groups] == [3, 3]
+    # and back: the CPU optimizer's file loads on the GPU
+    opt_cpu.export_state(path)
+    opt.import_state(path)
+    assert [g["step"] for g in opt.param_groups] == [3, 3]
+
+
+@needs_gpu
+def test_nan_gradient_raises_and_changes_nothing():
+    gpu = _model("cuda")
+    opt = normuon.NorMuonAdamW(gpu.named_parameters())
+    _grads(gpu, 1)
+    opt.step()
+    before = [p.detach().clone() for p in gpu.parameters()]
+    _grads(gpu, 2)
+    gpu.fc1.weight.grad[3, 5] = float("nan")
+    with pytest.raises(RuntimeError, match="fc1.weight"):
+        opt.step()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, gpu.parameters()))
+    assert [g["step"] for g in opt.param_groups] == [1, 1]
+
+
+@needs_gpu
+def test_runs_on_the_current_stream():
+    gpu = _model("cuda")
+    reference_model = _model("cuda")
+    opt = normuon.NorMuonAdamW(gpu.named_parameters())
+    ref = normuon.NorMuonAdamW(reference_model.named_parameters())
+    side = torch.cuda.Stream()
+    for step in range(1, 4):
+        _grads(reference_model, step)
+        ref.step()
+        with torch.cuda.stream(side):
+            _grads(gpu, step)
+            opt.step()
+        torch.cuda.current_stream().wait_stream(side)
+    for a, b in zip(gpu.parameters(), reference_model.parameters()):
+        assert torch.equal(a.detach(), b.detach())
+
+
+@needs_gpu
+def test_bf16_parameters_keep_fp32_masters():
+    gpu = _model("cuda", dtype=torch.bfloat16)
+    opt = normuon.NorMuonAdamW(gpu.named_parameters())
+    for step in range(1, 3):
+        _grads(gpu, step)
+        opt.step()
+    sd = opt.state_dict()
+    masters = [s["master_param"] for s in sd["state"].values()]
+    assert masters and all(m.dtype == torch.float32 and m.is_cuda for m in masters)
+    for p, m in zip(gpu.parameters(), masters):
+        assert torch.equal(p.detach(), m.to(torch.bfloat16))

@@ -1,0 +1,375 @@
+"""DistributedNorMuonAdamW (docs/distributed.md): multi-process runs over Gloo on the CPU, compared bit for
+bit with the single-process NorMuonAdamW on the same gradients.
+
+Two launches (2 and 3 ranks, spawned, FileStore rendezvous in a temporary folder) run every scenario;
+each rank saves what it saw, and the tests below compare that with single-process runs made here."""
+import math
+import os
+from datetime import timedelta
+from functools import partial
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Python tests need it")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with Gloo is not available", allow_module_level=True)
+
+import torch.multiprocessing as mp  # noqa: E402
+from torch import nn  # noqa: E402
+
+import normuon  # noqa: E402
+from conftest import fill_grads, make_model, params_of, require_native  # noqa: E402
+from normuon.distributed import DistributedNorMuonAdamW, assign_owners, newton_schulz_flops  # noqa: E402
+
+STEPS = 4
+VARIANTS = {
+    # name: (model dtype, backend, shard_adamw, scheduler, optimizer keywords)
+    "ref_fp32": (None, "reference", False, False, dict(weight_decay=0.1, adamw_weight_decay=0.05)),
+    "fast_fp32": (None, "fast", False, False, dict(weight_decay=0.1, adamw_weight_decay=0.05)),
+    "fast_fp32_zero": (None, "fast", True, True, dict(weight_decay=0.1, adamw_weight_decay=0.05,
+                                                       reduce_axis="longer_dim", weight_decay_mode="cautious")),
+    "fast_bf16_zero": (torch.bfloat16, "fast", True, False, dict(weight_decay=0.1, adamw_betas=(0.0, 0.95))),
+}
+
+
+class TwoMatrices(nn.Module):
+    """Two NorMuon matrices, so a third rank owns none; with_adamw adds an embedding and a bias."""
+
+    def __init__(self, with_adamw):
+        super().__init__()
+        torch.manual_seed(5)
+        if with_adamw:
+            self.embed = nn.Embedding(16, 8)
+        self.fc1 = nn.Linear(8, 24, bias=with_adamw)
+        self.fc2 = nn.Linear(24, 8, bias=False)
+
+
+def build(variant, distributed, seed=1):
+    dtype, backend, shard, scheduler, kw = VARIANTS[variant]
+    model = make_model(seed=seed, dtype=dtype)
+    if distributed:
+        opt = DistributedNorMuonAdamW(model.named_parameters(), backend=backend, threads=1, shard_adamw=shard, **kw)
+    else:
+        opt = normuon.NorMuonAdamW(model.named_parameters(), backend=backend, threads=1, **kw)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 / (1 + 0.5 * i)) if scheduler else None
+    return model, opt, sched
+
+
+def train(model, opt, sched, first, last):
+    """Missing gradients on a rotating parameter, and at step 2 on every AdamW parameter (its group's step
+    lags behind NorMuon's, which the bias corrections see)."""
+    names = [n for n, _ in model.named_parameters()]
+    adamw = {n for n, p in model.named_parameters() if p.dim() != 2 or n.startswith(("wte", "wpe", "lm_head", "embed"))}
+    for step in range(first, last + 1):
+        fill_grads(model, step, skip=adamw if step == 2 else {names[step % len(names)]})
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
+def record(model, opt):
+    out = dict(params=params_of(model), state=opt.state_dict())
+    if isinstance(opt, DistributedNorMuonAdamW):
+        out.update(comm=dict(opt.comm_stats), last=dict(opt.last_step_comm), owners=opt.ownership_table(),
+                   owned=opt.owned_names())
+    return out
+
+
+# ------------------------------------------------------------------------------------ the rank jobs
+
+
+def job_train(variant, world, rank, out):
+    model, opt, sched = build(variant, True)
+    train(model, opt, sched, 1, STEPS)
+    return record(model, opt)
+
+
+def job_save(world, rank, out):
+    """3 steps, the state file and state dict, then 2 more steps (saving must not disturb the run)."""
+    model, opt, _ = build("fast_fp32", True)
+    train(model, opt, None, 1, 3)
+    opt.export_state(os.path.join(out, f"state-w{world}.safetensors"))
+    saved = dict(sd=opt.state_dict(), params=params_of(model))
+    train(model, opt, None, 4, 5)
+    return dict(saved=saved, final=record(model, opt))
+
+
+def job_resume_file(path, world, rank, out):
+    model, opt, _ = build("fast_fp32", True, seed=99)  # other initial values: the file must set them
+    opt.import_state(os.path.join(out, path))
+    train(model, opt, None, 4, 5)
+    return record(model, opt)
+
+
+def job_resume_sd(world, rank, out):
+    saved = torch.load(os.path.join(out, "w2-r0.pt"))["save"]["saved"]
+    model, opt, _ = build("fast_fp32", True, seed=99)
+    with torch.no_grad():  # load_state_dict, as in torch, leaves the model's parameters to the caller
+        for name, p in model.named_parameters():
+            p.copy_(saved["params"][name])
+    opt.load_state_dict(saved["sd"])
+    train(model, opt, None, 4, 5)
+    return record(model, opt)
+
+
+def job_bad_load(world, rank, out):
+    """A state file of another model: every rank refuses it and nothing changes."""
+    model, opt, _ = build("fast_fp32", True)
+    train(model, opt, None, 1, 1)
+    before = record(model, opt)
+    try:
+        opt.import_state(os.path.join(out, "state-two.safetensors"))
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return dict(error=error, before=before, after=record(model, opt))
+
+
+def job_nonfinite(world, rank, out):
+    model, opt, _ = build("fast_fp32", True)
+    train(model, opt, None, 1, 1)
+    victim = [r["name"] for r in opt.ownership_table() if r["algorithm"] == "normuon" and r["owner"] == world - 1][0]
+    result = dict(victim=victim)
+    poison_grads(model, victim)
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        result["error"] = str(exc)
+    opt.nonfinite = "skip_step"
+    opt.step()
+    result.update(skip=opt.last_skip_reason, after_skip=record(model, opt))
+    opt.nonfinite = "error"
+    train(model, opt, None, 2, 2)
+    result["final"] = record(model, opt)
+    return result
+
+
+def poison_grads(model, victim):
+    """Step-2 gradients with a NaN in `victim` and an Inf in the head (later in manifest order)."""
+    fill_grads(model, 2)
+    named = dict(model.named_parameters())
+    named[victim].grad.view(-1)[5] = float("nan")
+    named["lm_head.weight"].grad.view(-1)[0] = float("inf")
+
+
+def job_two_matrices(with_adamw, shard, world, rank, out):
+    model = TwoMatrices(with_adamw)
+    opt = DistributedNorMuonAdamW(model.named_parameters(), threads=1, shard_adamw=shard, weight_decay=0.1)
+    train(model, opt, None, 1, STEPS)
+    if with_adamw:
+        opt.export_state(os.path.join(out, "state-two.safetensors"))
+    return record(model, opt)
+
+
+def jobs_for(world):
+    """The jobs of one launch, run in this order (world 3 reads what world 2 wrote)."""
+    jobs = {f"train:{v}": partial(job_train, v) for v in VARIANTS}
+    if world == 2:
+        jobs.update(save=job_save, resume_single=partial(job_resume_file, "state-single.safetensors"),
+                    nonfinite=job_nonfinite)
+    else:
+        jobs.update({"repeat:fast_bf16_zero": partial(job_train, "fast_bf16_zero"),
+                     "resume_file": partial(job_resume_file, "state-w2.safetensors"),
+                     "resume_sd": job_resume_sd,
+                     "two": partial(job_two_matrices, True, False),
+                     "two_bare": partial(job_two_matrices, False, True),
+                     "bad_load": job_bad_load})
+    return jobs
+
+
+def _worker(rank, world, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(out, f"store-w{world}"), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))  # a hang fails, not blocks
+    try:
+        results = {name: job(world, rank, out) for name, job in jobs_for(world).items()}
+        torch.save(results, os.path.join(out, f"w{world}-r{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{world: [results of rank 0, rank 1, ...]} of the two launches."""
+    require_native()
+    out = str(tmp_path_factory.mktemp("distributed"))
+    model, opt, _ = build("fast_fp32", False)  # a single-process file for the world-2 run to resume
+    train(model, opt, None, 1, 3)
+    opt.export_state(os.path.join(out, "state-single.safetensors"))
+    runs = {"out": out}
+    for world in (2, 3):
+        mp.start_processes(_worker, args=(world, out), nprocs=world, join=True, start_method="spawn")
+        runs[world] = [torch.load(os.path.join(out, f"w{world}-r{r}.pt")) for r in range(world)]
+    return runs
+
+
+# ------------------------------------------------------------------------------------ comparisons
+
+
+def single(variant, last=STEPS):
+    model, opt, sched = build(variant, False)
+    train(model, opt, sched, 1, last)
+    return record(model, opt)
+
+
+def assert_same(got, want):
+    """Parameters and the whole state dict, bit for bit; group steps and hyper-parameters equal."""
+    assert got["params"].keys() == want["params"].keys()
+    for name in want["params"]:
+        assert torch.equal(got["params"][name], want["params"][name]), name
+    gs, ws = got["state"], want["state"]
+    assert gs["param_groups"] == ws["param_groups"]
+    assert gs["state"].keys() == ws["state"].keys()
+    for i, s in ws["state"].items():
+        assert gs["state"][i].keys() == s.keys()
+        for k, t in s.items():
+            assert torch.equal(gs["state"][i][k], t), (i, k)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_rank_equals_single_process(runs, world, variant):
+    want = single(variant)
+    for rank, results in enumerate(runs[world]):
+        assert_same(results[f"train:{variant}"], want)
+
+
+def test_matrices_are_spread_and_exchanged_in_one_collective(runs):
+    for world in (2, 3):
+        for variant in VARIANTS:
+            rank_results = [r[f"train:{variant}"] for r in runs[world]]
+            owners = rank_results[0]["owners"]
+            matrices = [r for r in owners if r["algorithm"] == "normuon"]
+            assert {r["owner"] for r in matrices} == set(range(world))
+            adamw_owners = {r["owner"] for r in owners if r["algorithm"] == "adamw"}
+            sharded = VARIANTS[variant][2]
+            assert ("all" not in adamw_owners) if sharded else adamw_owners == {"all"}
+            # Counted bytes: one 8-byte verdict plus one packed all_gather of the largest rank's share.
+            numel = [sum(math.prod(r["shape"]) for r in owners if r["owner"] == k) for k in range(world)]
+            expected_sent = 8 + 4 * max(numel)
+            for rank, res in enumerate(rank_results):
+                assert res["owned"] == [r["name"] for r in owners if r["owner"] == rank]
+                assert res["last"] == dict(collectives=2, bytes_sent=expected_sent,
+                                           bytes_received=8 + (world - 1) * 4 * max(numel))
+                assert res["comm"]["steps"] == STEPS and res["comm"]["collectives"] == 2 * STEPS
+
+
+def test_rank_that_owns_no_matrix(runs):
+    for job, with_adamw in (("two", True), ("two_bare", False)):
+        model = TwoMatrices(with_adamw)
+        opt = normuon.NorMuonAdamW(model.named_parameters(), threads=1, weight_decay=0.1)
+        train(model, opt, None, 1, STEPS)
+        want = record(model, opt)
+        for rank, results in enumerate(runs[3]):
+            assert_same(results[job], want)
+            owners = results[job]["owners"]
+            assert [r["owner"] for r in owners if r["algorithm"] == "normuon"] == [0, 1]
+        assert runs[3][2][job]["owned"] == []  # rank 2 owns nothing, yet sends its padded share
+        assert runs[3][2][job]["last"]["bytes_sent"] == 8 + 4 * 24 * 8
+
+
+def test_run_to_run_bitwise(runs):
+    for results in runs[3]:
+        a, b = results["train:fast_bf16_zero"], results["repeat:fast_bf16_zero"]
+        assert_same(a, b)
+
+
+def test_save_resume_and_reshard(runs):
+    want = single("fast_fp32", last=5)
+    for results in runs[2]:
+        assert_same(results["save"]["final"], want)          # saving does not disturb the run
+        assert_same(results["resume_single"], want)          # 1 process -> 2 ranks
+    for results in runs[3]:
+        assert_same(results["resume_file"], want)            # 2 ranks -> 3 ranks, state file
+        assert_same(results["resume_sd"], want)              # 2 ranks -> 3 ranks, state dict
+    # 2 ranks -> 1 process: the file is the single-process file.
+    model, opt, _ = build("fast_fp32", False, seed=99)
+    opt.import_state(os.path.join(runs["out"], "state-w2.safetensors"))
+    train(model, opt, None, 4, 5)
+    assert_same(record(model, opt), want)
+    header = normuon._C.read_state_header(os.path.join(runs["out"], "state-w2.safetensors"))
+    assert header["backend"] == "fast-cpu"
+
+
+def test_bad_state_file_is_refused_everywhere(runs):
+    errors = {results["bad_load"]["error"] for results in runs[3]}
+    assert len(errors) == 1 and errors != {None}
+    assert "StateFileError" in errors.pop()
+    for results in runs[3]:
+        assert_same(results["bad_load"]["after"], results["bad_load"]["before"])
+
+
+def test_nonfinite_gradient(runs):
+    victim = runs[2][0]["nonfinite"]["victim"]
+    model, opt, _ = build("fast_fp32", False)
+    train(model, opt, None, 1, 1)
+    poison_grads(model, victim)
+    with pytest.raises(RuntimeError) as caught:
+        opt.step()
+    opt.nonfinite = "skip_step"
+    opt.step()
+    skip, after_skip = opt.last_skip_reason, record(model, opt)
+    opt.nonfinite = "error"
+    train(model, opt, None, 2, 2)
+    assert victim in str(caught.value) and "nan" in str(caught.value)
+    for results in runs[2]:
+        got = results["nonfinite"]
+        assert got["error"] == str(caught.value)
+        assert got["skip"] == skip
+        assert_same(got["after_skip"], after_skip)
+        assert_same(got["final"], record(model, opt))
+
+
+# ------------------------------------------------------------------------------------ in-process
+
+
+def test_owner_assignment_rule():
+    owners, loads = assign_owners([5, 9, 9, 1, 4], 2)
+    # sorted (cost desc, index): 9@1 -> r0, 9@2 -> r1, 5@0 -> r0 (tie 9/9: rank 0), 4@4 -> r1, 1@3 -> r1
+    assert owners == [0, 0, 1, 1, 1] and loads == [14, 14]
+    assert assign_owners([3, 3], 3) == ([0, 1], [3, 3, 0])  # more ranks than items: rank 2 owns nothing
+    assert assign_owners([], 2) == ([], [0, 0])
+    expected = 5 * (4 * 256 ** 2 * 768 + 2 * 256 ** 3)
+    assert newton_schulz_flops(768, 256, 5) == newton_schulz_flops(256, 768, 5) == expected
+    # The tiny preset's 16 matrices: within 10% of perfect balance at every world size up to 4.
+    shapes = [(768, 256), (256, 256), (1024, 256), (256, 1024)] * 4
+    costs = [newton_schulz_flops(r, c, 5) for r, c in shapes]
+    for world in (2, 3, 4):
+        _, loads = assign_owners(costs, world)
+        assert max(loads) <= 1.10 * sum(costs) / world
+
+
+def test_needs_a_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    model = make_model()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        DistributedNorMuonAdamW(model.named_parameters())
+
+
+def test_world_of_one(tmp_path):
+    """One rank: no collectives at all, the single-process result."""
+    require_native()
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method="file://" + str(tmp_path / "store"), rank=0, world_size=1)
+    outcomes = []
+    try:
+        for distributed in (True, False):
+            model, opt, sched = build("fast_fp32_zero", distributed)
+            train(model, opt, sched, 1, STEPS)
+            got = record(model, opt)
+            poison_grads(model, "blocks.1.attn.weight")  # left to the local optimizer: same verdict
+            with pytest.raises(RuntimeError) as caught:
+                opt.step()
+            opt.nonfinite = "skip_step"
+            opt.step()
+            outcomes.append((got, str(caught.value), opt.last_skip_reason, record(model, opt)))
+    finally:
+        dist.destroy_process_group()
+    (got, error, skip, after), (want, want_error, want_skip, want_after) = outcomes
+    assert_same(got, want)
+    assert_same(after, want_after)
+    assert (error, skip) == (want_error, want_skip) and "blocks.1.attn.weight" in error
+    assert got["comm"]["collectives"] == 0 and all(r["owner"] in (0, "all") for r in got["owners"])
