@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 
@@ -278,7 +279,13 @@ PYBIND11_MODULE(_C, m) {
            py::arg("state"), "Host state -> device (synchronises)")
       .def("download", [](FastCudaBackend& b, FlatState& s) { b.device_state().download(s, b.stream()); },
            py::arg("state"), "Device state -> host (synchronises; gradients stay on the device)")
-      .def("set_options", &FastCudaBackend::set_options, py::arg("options"))
+      .def(
+          "set_options",
+          [](FastCudaBackend& b, const Options& o, const std::optional<std::vector<int64_t>>& group_steps) {
+            b.set_options(o, group_steps ? &*group_steps : nullptr);
+          },
+          py::arg("options"), py::arg("group_steps") = py::none(),
+          "group_steps: the counters before the next step, for host-exact AdamW bias corrections")
       .def("enqueue_step", &FastCudaBackend::enqueue_step)
       .def("finish_step", &FastCudaBackend::finish_step, py::arg("options"), py::call_guard<py::gil_scoped_release>())
       .def("capture_graph", &FastCudaBackend::capture_graph)

@@ -72,6 +72,20 @@ BOOST_AUTO_TEST_CASE(reduce_axis_decides_the_second_moment_length) {
   BOOST_TEST(lr.fingerprint != ll.fingerprint);
 }
 
+// docs/spec.md section 5: a 0-element matrix has 0-element state (a 0 x 3 matrix had a 3-float second
+// moment, written to state files, before this was fixed).
+BOOST_AUTO_TEST_CASE(an_empty_matrix_has_an_empty_second_moment) {
+  for (const char* axis : {"rows", "longer_dim"}) {
+    Options o;
+    o.set(std::string("normuon.reduce_axis=") + axis);
+    const Layout l = Layout::build(mixed_manifest(), o);
+    const LayoutEntry& e = l.entries[static_cast<size_t>(l.find("empty"))];
+    BOOST_TEST((e.algorithm == Algorithm::normuon));
+    BOOST_TEST(e.numel == 0);
+    BOOST_TEST(e.stat_len == 0, axis);
+  }
+}
+
 BOOST_AUTO_TEST_CASE(fingerprint_is_stable_and_sensitive) {
   const Layout a = Layout::build(mixed_manifest(), Options());
   const Layout b = Layout::build(mixed_manifest(), Options());

@@ -60,7 +60,8 @@ Layout Layout::build(const Manifest& manifest, const Options& options) {
       e.rows = p.shape[0];
       e.cols = p.shape[1];
       e.stats_per_row = g->normuon.reduce_axis == ReduceAxis::rows || e.rows >= e.cols;
-      e.stat_len = e.stats_per_row ? e.rows : e.cols;
+      // docs/spec.md section 5: a 0-element matrix has 0-element state, its second moment included.
+      e.stat_len = e.numel == 0 ? 0 : e.stats_per_row ? e.rows : e.cols;
     }
     layout.entries.push_back(e);
   }

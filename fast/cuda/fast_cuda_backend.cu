@@ -1,7 +1,5 @@
 #include "fast_cuda_backend.h"
 
-#include <cuda_bf16.h>
-
 #include <cmath>
 #include <sstream>
 #include <stdexcept>
@@ -126,6 +124,7 @@ FastCudaBackend::FastCudaBackend(const Layout& layout, const Options& options, c
   stat_sums_ = DeviceBuffer<double>(layout.stat_floats);
   inv_scale_ = DeviceBuffer<float>(layout.stat_floats);
   status_ = DeviceBuffer<cuda::StepStatus>(1);
+  NORMUON_CUDA_CHECK(cudaMemset(status_.data(), 0xff, sizeof(cuda::StepStatus)));  // nothing bad reported
   host_groups_.resize(layout.group_names.size());
   host_matrix_scalars_.resize(plan.matrices.size());
 
@@ -194,7 +193,10 @@ void FastCudaBackend::release_graph() {
   graph_kernel_nodes_ = 0;
 }
 
-void FastCudaBackend::set_options(const Options& options) {
+void FastCudaBackend::set_options(const Options& options, const std::vector<int64_t>* group_steps) {
+  if (group_steps && group_steps->size() != layout_.group_names.size())
+    throw std::invalid_argument("set_options: " + std::to_string(group_steps->size()) + " group steps for " +
+                                std::to_string(layout_.group_names.size()) + " groups");
   if (options.groups.size() != layout_.group_names.size())
     throw std::invalid_argument("the options define " + std::to_string(options.groups.size()) +
                                 " groups but the layout was built with " + std::to_string(layout_.group_names.size()));
@@ -206,7 +208,17 @@ void FastCudaBackend::set_options(const Options& options) {
                                   "after the backend was built; build a new backend for it");
   }
   const DeviceScope scope(device_index_);
-  for (size_t g = 0; g < host_groups_.size(); ++g) host_groups_[g] = group_scalars(options.groups[g]);
+  for (size_t g = 0; g < host_groups_.size(); ++g) {
+    cuda::GroupScalars& s = host_groups_[g];
+    s = group_scalars(options.groups[g]);
+    if (group_steps) {  // the reference's arithmetic (fast/fast_cpu_backend.cpp does the same)
+      const AdamWHyper& h = options.groups[g].adamw;
+      const double t = static_cast<double>((*group_steps)[g] + 1);
+      s.bias_from_host = 1;
+      s.adam_bc2_sqrt = static_cast<float>(std::sqrt(1 - std::pow(h.beta2, t)));
+      s.adam_neg_step_size = static_cast<float>(-(h.lr / (1 - std::pow(h.beta1, t))));
+    }
+  }
   for (int m = 0; m < n_matrices_; ++m)
     host_matrix_scalars_[m] = {0.0f, static_cast<float>(lr_scale_factor(options.groups[matrix_group_[m]].normuon.lr_scale,
                                                                          matrix_rows_[m], matrix_cols_[m]))};
@@ -225,7 +237,8 @@ void FastCudaBackend::enqueue_step() {
     if (timed) NORMUON_CUDA_CHECK(cudaEventRecord(events_[i], stream_));
   };
   const cuda::StepBuffers& b = buffers_;
-  NORMUON_CUDA_CHECK(cudaMemsetAsync(status_.data(), 0xff, sizeof(cuda::StepStatus), stream_));  // kNoBadGradient
+  // This step's first_bad only: the reported_* fields keep what earlier steps found until finish_step.
+  NORMUON_CUDA_CHECK(cudaMemsetAsync(&status_.data()->first_bad, 0xff, sizeof(unsigned long long), stream_));
   mark(0);
   {
     const cuda::NvtxRange range(kPhaseNames[0]);
@@ -255,7 +268,7 @@ void FastCudaBackend::enqueue_step() {
     cuda::launch_adamw(b, adamw_chunks_.data(), n_adamw_chunks_, stream_);
   }
   mark(5);
-  timed_step_pending_ = timed;
+  if (!capturing_) timed_step_pending_ = timed;
 }
 
 StepResult FastCudaBackend::finish_step(const Options& options) {
@@ -270,22 +283,15 @@ StepResult FastCudaBackend::finish_step(const Options& options) {
   }
   cuda::StepStatus status{};
   NORMUON_CUDA_CHECK(cudaMemcpy(&status, status_.data(), sizeof status, cudaMemcpyDeviceToHost));
-  if (status.first_bad == cuda::kNoBadGradient) return {};
+  if (status.reported_bad == cuda::kNoBadGradient) return {};
+  // Reported: clear it for the next steps (on the stream, ahead of anything enqueued later).
+  NORMUON_CUDA_CHECK(cudaMemsetAsync(status_.data(), 0xff, sizeof status, stream_));
   // Say what begin_step (core/src/step_prologue.cpp) says, so every backend reports the same.
-  const int entry = static_cast<int>(status.first_bad >> cuda::kBadElementBits);
-  const int64_t element = static_cast<int64_t>(status.first_bad & ((1ull << cuda::kBadElementBits) - 1));
+  const int entry = static_cast<int>(status.reported_bad >> cuda::kBadElementBits);
+  const int64_t element = static_cast<int64_t>(status.reported_bad & ((1ull << cuda::kBadElementBits) - 1));
   const LayoutEntry& e = layout_.entries.at(entry);
-  float value = 0;
-  const int64_t at = e.offset + element;
-  if (device_->grad_type() == cuda::GradType::f32) {
-    NORMUON_CUDA_CHECK(cudaMemcpy(&value, device_->grads_f32.data() + at, sizeof value, cudaMemcpyDeviceToHost));
-  } else {
-    __nv_bfloat16 x;
-    NORMUON_CUDA_CHECK(cudaMemcpy(&x, device_->grads_bf16.data() + at, sizeof x, cudaMemcpyDeviceToHost));
-    value = __bfloat162float(x);
-  }
-  int64_t group_step = 0;
-  NORMUON_CUDA_CHECK(cudaMemcpy(&group_step, device_->group_steps.data() + e.group, sizeof group_step, cudaMemcpyDeviceToHost));
+  const float value = status.reported_value;
+  const int64_t group_step = status.reported_step - 1;
   std::ostringstream msg;
   msg << "step " << group_step + 1 << ": gradient of '" << e.name << "' holds " << value << " at element " << element;
   if (options.nonfinite == NonFinitePolicy::error)
@@ -296,7 +302,7 @@ StepResult FastCudaBackend::finish_step(const Options& options) {
 StepResult FastCudaBackend::step(FlatState& state, const Options& options) {
   if (state.layout != &layout_) throw std::invalid_argument("fast-cuda backend: the state has another layout");
   const DeviceScope scope(device_index_);
-  set_options(options);  // checks the groups first, before anything moves
+  set_options(options, &state.group_steps);  // checks the groups first, before anything moves
   device_->upload(state, stream_);
   enqueue_step();
   const StepResult result = finish_step(options);  // throws under nonfinite=error: the host state is untouched
@@ -306,8 +312,8 @@ StepResult FastCudaBackend::step(FlatState& state, const Options& options) {
 
 void FastCudaBackend::capture_graph() {
   const DeviceScope scope(device_index_);
-  release_graph();
   NORMUON_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  release_graph();
   NORMUON_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   capturing_ = true;
   try {

@@ -61,12 +61,17 @@ class FastCudaBackend : public Backend {
   // stream to capture graphs). Any captured graph stays valid; replays go to the new stream.
   void set_stream(cudaStream_t stream);
   // Uploads the per-group values (learning rates, weight decay, betas, eps) for the next steps; async.
-  // Throws std::invalid_argument if a fixed knob differs from construction.
-  void set_options(const Options& options);
+  // Throws std::invalid_argument if a fixed knob differs from construction. `group_steps`: the step
+  // counters before the next step, when the caller knows them; the AdamW bias corrections of that step
+  // are then computed on the host exactly as the reference does (the C library's pow), for the next
+  // step only. Without them (and for later steps, graph replays) the device computes them from its own
+  // counters.
+  void set_options(const Options& options, const std::vector<int64_t>* group_steps = nullptr);
   // Enqueues one step. No allocation, no synchronisation: capturable.
   void enqueue_step();
-  // Waits for the stream and reports the last step: {} when it ran, skipped (nonfinite=skip_step) or
-  // std::runtime_error (nonfinite=error) when a gradient held NaN/Inf; either way nothing changed.
+  // Waits for the stream and reports the steps enqueued since the last call: {} when they all ran;
+  // when one had a NaN/Inf gradient (that step changed nothing, the others ran), the first such one as
+  // skipped (nonfinite=skip_step) or std::runtime_error (nonfinite=error).
   // Fills phase_times() when timing was on for an eager step.
   StepResult finish_step(const Options& options);
 

@@ -71,13 +71,28 @@ __global__ void scan_gradients_kernel(StepBuffers b, const Chunk* chunks) {
 }
 
 __global__ void advance_steps_kernel(StepBuffers b) {
-  if (step_skipped(b.status)) return;
+  StepStatus& status = *b.status;
+  if (status.first_bad != kNoBadGradient) {
+    // Keep the first bad step until the host reads it: its parameter, element, value and step number.
+    if (threadIdx.x == 0 && status.reported_bad == kNoBadGradient) {
+      const int entry = static_cast<int>(status.first_bad >> kBadElementBits);
+      const int64_t element = static_cast<int64_t>(status.first_bad & ((1ull << kBadElementBits) - 1));
+      status.reported_bad = status.first_bad;
+      status.reported_step = b.group_steps[b.entries[entry].group] + 1;
+      status.reported_value = load_grad(b.grads, b.grad_type, b.entries[entry].offset + element);
+    }
+    return;
+  }
   for (int g = threadIdx.x; g < b.n_groups; g += blockDim.x) {
     bool any = false;
     for (int e = 0; e < b.n_entries && !any; ++e) any = b.entries[e].group == g && b.has_grad[e];
     if (!any) continue;
     const double t = static_cast<double>(++b.group_steps[g]);
     GroupScalars& s = b.groups[g];
+    if (s.bias_from_host) {  // valid for this one step: later steps (replays) derive their own
+      s.bias_from_host = 0;
+      continue;
+    }
     s.adam_bc2_sqrt = static_cast<float>(sqrt(1.0 - pow(s.adam_beta2_d, t)));
     s.adam_neg_step_size = static_cast<float>(-(s.adam_lr / (1.0 - pow(s.adam_beta1_d, t))));
   }
@@ -154,7 +169,8 @@ __global__ void finalize_kernel(StepBuffers b) {
     const double sum = b.stat_sums[at];
     const float v = lerp(b.row_var[at], static_cast<float>(sum / other_len), s.w2);
     b.row_var[at] = v;
-    const float inv = s.eps_add ? 1.0f / (sqrtf(v) + s.denom_eps) : 1.0f / sqrtf(fmaxf(v, s.denom_eps));
+    // clamp_min keeps a NaN (fmaxf would not): written as a compare, like std::max in the CPU kernel.
+    const float inv = s.eps_add ? 1.0f / (sqrtf(v) + s.denom_eps) : 1.0f / sqrtf(v < s.denom_eps ? s.denom_eps : v);
     b.inv_scale[at] = inv;
     total += sum;
     // ||O * s||^2 = sum_k s_k^2 * (sum of squares along k): no second pass over O.

@@ -62,7 +62,11 @@ struct GroupScalars {
   int32_t adam_decay;
   float adam_decay_factor, adam_w1, adam_beta2, adam_one_minus_beta2, adam_eps;
   double adam_lr, adam_beta1_d, adam_beta2_d;  // for the bias corrections, in double as the reference
-  // derived on the device each step
+  // Derived each step from the step counter t: on the host with the C library's pow when the caller
+  // passed the counters to set_options() (bias_from_host = 1: exactly the reference's values), else on
+  // the device (graph replays), where pow may differ in the last bit of the double. The host values
+  // apply to the next step only: the step-counter kernel clears the flag as it uses them.
+  int32_t bias_from_host;
   float adam_bc2_sqrt;        // sqrt(1 - beta2^t)
   float adam_neg_step_size;   // -lr / (1 - beta1^t)
 };
@@ -74,11 +78,16 @@ struct MatrixScalars {
 };
 
 // The step's outcome, in device memory. first_bad = (entry << 40) | element of the first NaN/Inf
-// gradient (the minimum, so the same one whatever the launch order), or kNoBadGradient.
+// gradient of this step (the minimum, so the same one whatever the launch order), or kNoBadGradient;
+// reset by every step. The reported_* fields keep the first bad step since the host last read them
+// (finish_step), so that a NaN in one of several steps enqueued or replayed in a row is not lost.
 constexpr unsigned long long kNoBadGradient = ~0ull;
 constexpr int kBadElementBits = 40;
 struct StepStatus {
   unsigned long long first_bad;
+  unsigned long long reported_bad;
+  long long reported_step;  // the step number the bad step would have had
+  float reported_value;     // the gradient value found
 };
 
 }  // namespace normuon::cuda

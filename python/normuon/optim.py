@@ -293,7 +293,7 @@ class NorMuonAdamW(torch.optim.Optimizer):
             if e.algorithm == "normuon":
                 rows, cols = e.shape
                 e.stats_per_row = reference.stats_per_row(self._hypers[e.group]["reduce_axis"], rows, cols)
-                e.stat_len = rows if e.stats_per_row else cols
+                e.stat_len = 0 if rows * cols == 0 else rows if e.stats_per_row else cols  # spec section 5
         self._backend = None
         self._cuda_backend = None  # the fast CUDA backend: state in device memory, stepped there
         self._device_flat = None   # CUDA: the flat buffers on the device (the host FlatState stages files)
@@ -515,7 +515,7 @@ class NorMuonAdamW(torch.optim.Optimizer):
         backend = self._cuda_backend
         backend.set_stream(torch.cuda.current_stream(self._device).cuda_stream)
         self._device_flat["has_grad"].copy_(torch.from_numpy(self._has_grad))
-        backend.set_options(self._options)
+        backend.set_options(self._options, self._group_steps())  # host-exact bias corrections
         backend.enqueue_step()
         result = backend.finish_step(self._options)
         return result.reason if result.skipped else None
