@@ -258,12 +258,20 @@ __global__ void adamw_kernel(StepBuffers b, const Chunk* chunks) {
   }
 }
 
+// One block of kBlock threads per work item (chunk, task or matrix); an empty pass launches nothing.
+template <typename... Params, typename... Args>
+void launch_per_item(void (*kernel)(Params...), int n_items, cudaStream_t stream, Args... args) {
+  if (n_items == 0) return;
+  kernel<<<n_items, kBlock, 0, stream>>>(args...);
+  NORMUON_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace
 
+static_assert(kStatRowsPerTask * 32 == kBlock && kStatColsPerTask == kBlock, "one statistics task per block");
+
 void launch_scan_gradients(const StepBuffers& b, const Chunk* chunks, int n_chunks, cudaStream_t stream) {
-  if (n_chunks == 0) return;
-  scan_gradients_kernel<<<n_chunks, kBlock, 0, stream>>>(b, chunks);
-  NORMUON_CUDA_CHECK_LAUNCH();
+  launch_per_item(scan_gradients_kernel, n_chunks, stream, b, chunks);
 }
 
 void launch_advance_steps(const StepBuffers& b, cudaStream_t stream) {
@@ -272,34 +280,23 @@ void launch_advance_steps(const StepBuffers& b, cudaStream_t stream) {
 }
 
 void launch_momentum(const StepBuffers& b, const Chunk* chunks, int n_chunks, cudaStream_t stream) {
-  if (n_chunks == 0) return;
-  momentum_kernel<<<n_chunks, kBlock, 0, stream>>>(b, chunks);
-  NORMUON_CUDA_CHECK_LAUNCH();
+  launch_per_item(momentum_kernel, n_chunks, stream, b, chunks);
 }
 
 void launch_statistics(const StepBuffers& b, const StatTask* tasks, int n_tasks, cudaStream_t stream) {
-  if (n_tasks == 0) return;
-  static_assert(kStatRowsPerTask * 32 == kBlock && kStatColsPerTask == kBlock, "one task per block");
-  statistics_kernel<<<n_tasks, kBlock, 0, stream>>>(b, tasks);
-  NORMUON_CUDA_CHECK_LAUNCH();
+  launch_per_item(statistics_kernel, n_tasks, stream, b, tasks);
 }
 
 void launch_finalize(const StepBuffers& b, int n_matrices, cudaStream_t stream) {
-  if (n_matrices == 0) return;
-  finalize_kernel<<<n_matrices, kBlock, 0, stream>>>(b);
-  NORMUON_CUDA_CHECK_LAUNCH();
+  launch_per_item(finalize_kernel, n_matrices, stream, b);
 }
 
 void launch_normuon_update(const StepBuffers& b, const Chunk* chunks, int n_chunks, cudaStream_t stream) {
-  if (n_chunks == 0) return;
-  normuon_update_kernel<<<n_chunks, kBlock, 0, stream>>>(b, chunks);
-  NORMUON_CUDA_CHECK_LAUNCH();
+  launch_per_item(normuon_update_kernel, n_chunks, stream, b, chunks);
 }
 
 void launch_adamw(const StepBuffers& b, const Chunk* chunks, int n_chunks, cudaStream_t stream) {
-  if (n_chunks == 0) return;
-  adamw_kernel<<<n_chunks, kBlock, 0, stream>>>(b, chunks);
-  NORMUON_CUDA_CHECK_LAUNCH();
+  launch_per_item(adamw_kernel, n_chunks, stream, b, chunks);
 }
 
 }  // namespace normuon::cuda
