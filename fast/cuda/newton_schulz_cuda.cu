@@ -2,23 +2,7 @@
 // batch, then each iteration is three cuBLASLt strided-batched GEMMs whose alpha/beta epilogues carry the
 // polynomial's coefficients.
 //
-// GEMM layouts. cuBLASLt is column-major, and a row-major R x C matrix in memory is the column-major
-// C x R matrix (ld = C), i.e. its transpose. Let s = min(rows, cols), l = max(rows, cols); the spec
-// iterates on the wide s x l matrix X. Every GEMM is D = alpha op(A) op(B) + beta C with m x n outputs.
-//
-// Wide (rows = s <= cols = l): memory holds Z = X^T, column-major l x s, ld = l.
-//   gram   A = X X^T = Z^T Z      T,N  m=s n=s k=l   A:Z (l x s, ld l)  B:Z (l x s, ld l)  C=D:A (s x s, ld s)
-//   square B = c A A + b A        N,N  m=s n=s k=s   A:A  B:A  C:A  D:B, all (s x s, ld s)
-//   apply  X'^T = (B X)^T + a X^T = Z B^T + a Z
-//                                 N,T  m=l n=s k=s   A:Z (l x s, ld l)  B:B (s x s, ld s)  C:Z  D:Z' (l x s, ld l)
-//   Z' in memory is X' row-major, the stored orientation.
-// Tall (rows = l > cols = s): memory holds W = M^T = X (M is the stored l x s matrix), column-major
-// s x l, ld = s.
-//   gram   A = W W^T              N,T  m=s n=s k=l   A:W (s x l, ld s)  B:W (s x l, ld s)  C=D:A (s x s, ld s)
-//   square as above
-//   apply  W' = B W + a W         N,N  m=s n=l k=s   A:B (s x s, ld s)  B:W (s x l, ld s)  C:W  D:W' (s x l, ld s)
-//   W' in memory is the row-major l x s matrix W'^T, the stored orientation.
-// B^T (not B) in the wide apply keeps the algebra exact even where the computed A is not bit-symmetric.
+// GEMM layouts (transposes, layouts, operand buffers): ns_gemm_plan.h.
 // Batch strides: stride(b) elements for X buffers, gram_stride for the s x s buffers, both multiples of
 // 128 elements so every matrix starts 256-byte aligned (cuBLASLt's default alignment assumption).
 //
@@ -43,6 +27,7 @@
 #include "cuda_check.h"
 #include "device_buffer.h"
 #include "normuon/ns_coefficients.h"
+#include "ns_gemm_plan.h"
 
 namespace normuon::cuda {
 namespace {
@@ -228,34 +213,32 @@ struct LtGemm {
   }
 };
 
-struct MatrixSpec {
-  int64_t rows, cols, ld, batch_stride;  // column-major, as cuBLASLt reads it (before op)
-};
-
-void make_layout(cudaDataType type, const MatrixSpec& m, int32_t count, cublasLtMatrixLayout_t* out) {
+void make_layout(cudaDataType type, const NsMatrixSpec& m, int64_t batch_stride, int32_t count,
+                 cublasLtMatrixLayout_t* out) {
   NORMUON_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(out, type, static_cast<uint64_t>(m.rows),
                                                   static_cast<uint64_t>(m.cols), m.ld));
   NORMUON_CUBLAS_CHECK(
       cublasLtMatrixLayoutSetAttribute(*out, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
-  const int64_t offset = m.batch_stride;
+  const int64_t offset = batch_stride;
   NORMUON_CUBLAS_CHECK(
       cublasLtMatrixLayoutSetAttribute(*out, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &offset, sizeof(offset)));
 }
 
-void plan_gemm(LtGemm& g, cublasLtHandle_t handle, bool bf16, cublasOperation_t transa, cublasOperation_t transb,
-               const MatrixSpec& a, const MatrixSpec& b, const MatrixSpec& c, int32_t count, const char* what) {
+// D shares C's layout (and so its batch stride).
+void plan_gemm(LtGemm& g, cublasLtHandle_t handle, bool bf16, const NsGemmSpec& spec, int64_t x_stride,
+               int64_t gram_stride, int32_t count, const char* what) {
   const cudaDataType type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
   // fp32 accumulation in both modes; CUBLAS_COMPUTE_32F never uses TF32.
   NORMUON_CUBLAS_CHECK(cublasLtMatmulDescCreate(&g.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const int32_t ta = transa, tb = transb;
+  const int32_t ta = spec.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = spec.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   NORMUON_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
   NORMUON_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
   const int32_t pointer_mode = CUBLASLT_POINTER_MODE_HOST;  // alpha/beta are host floats read at enqueue
   NORMUON_CUBLAS_CHECK(
       cublasLtMatmulDescSetAttribute(g.desc, CUBLASLT_MATMUL_DESC_POINTER_MODE, &pointer_mode, sizeof(pointer_mode)));
-  make_layout(type, a, count, &g.a);
-  make_layout(type, b, count, &g.b);
-  make_layout(type, c, count, &g.c);
+  make_layout(type, spec.a, ns_batch_stride(spec.a.operand, x_stride, gram_stride), count, &g.a);
+  make_layout(type, spec.b, ns_batch_stride(spec.b.operand, x_stride, gram_stride), count, &g.b);
+  make_layout(type, spec.c, ns_batch_stride(spec.c.operand, x_stride, gram_stride), count, &g.c);
 
   LtPreference pref;
   const uint64_t workspace = kWorkspaceBytes;
@@ -298,6 +281,7 @@ struct Batch {
   int64_t groups_per_slice = 0;
   DeviceBuffer<unsigned char> x[2];  // ping-pong; x[0] is the input
   int output = 0;                    // index of the buffer that holds O after run()
+  NsGemmPlan plan{};
   LtGemm gram, square, apply;
 };
 
@@ -329,9 +313,11 @@ struct BatchedNewtonSchulz::Impl {
     NORMUON_CUDA_CHECK_LAUNCH();
   }
 
-  void matmul(const LtGemm& g, float alpha, const void* a, const void* b, float beta, const void* c, void* d) {
-    NORMUON_CUBLAS_CHECK(cublasLtMatmul(handle->h, g.desc, &alpha, a, g.a, b, g.b, &beta, c, g.c, d, g.c, &g.algo,
-                                        workspace.data(), workspace.bytes(), stream));
+  // D = alpha op(A) op(B) + beta C, the operands' buffers as the spec names them.
+  void matmul(const LtGemm& g, const NsGemmSpec& spec, const NsBuffers<void*>& buf, float alpha, float beta) {
+    const NsGemmPointers<void*> p = ns_gemm_pointers(spec, buf);
+    NORMUON_CUBLAS_CHECK(cublasLtMatmul(handle->h, g.desc, &alpha, p.a, g.a, p.b, g.b, &beta, p.c, g.c, p.d, g.c,
+                                        &g.algo, workspace.data(), workspace.bytes(), stream));
   }
 };
 
@@ -355,9 +341,10 @@ BatchedNewtonSchulz::BatchedNewtonSchulz(const std::vector<NsBatchShape>& batche
     b->shape = sh;
     b->empty = sh.count == 0 || sh.rows == 0 || sh.cols == 0;
     if (!b->empty) {
-      b->tall = sh.rows > sh.cols;
-      b->s = std::min(sh.rows, sh.cols);
-      b->l = std::max(sh.rows, sh.cols);
+      b->plan = ns_gemm_plan(sh.rows, sh.cols);
+      b->tall = b->plan.tall;
+      b->s = b->plan.s;
+      b->l = b->plan.l;
       b->n = sh.rows * sh.cols;
       b->stride = round_up(b->n, kStrideAlign);
       b->gram_stride = round_up(b->s * b->s, kStrideAlign);
@@ -391,19 +378,10 @@ BatchedNewtonSchulz::BatchedNewtonSchulz(const std::vector<NsBatchShape>& batche
     b.x[0] = DeviceBuffer<unsigned char>(b.shape.count * b.stride * elem);
     b.x[1] = DeviceBuffer<unsigned char>(b.shape.count * b.stride * elem);
     const int32_t count = static_cast<int32_t>(b.shape.count);
-    const int64_t s = b.s, l = b.l;
-    const MatrixSpec sq{s, s, s, b.gram_stride};
     cublasLtHandle_t h = im.handle->h;
-    if (!b.tall) {
-      const MatrixSpec z{l, s, l, b.stride};  // Z = X^T, column-major l x s
-      plan_gemm(b.gram, h, bf16, CUBLAS_OP_T, CUBLAS_OP_N, z, z, sq, count, "gram");
-      plan_gemm(b.apply, h, bf16, CUBLAS_OP_N, CUBLAS_OP_T, z, sq, z, count, "apply");
-    } else {
-      const MatrixSpec w{s, l, s, b.stride};  // W = X, column-major s x l
-      plan_gemm(b.gram, h, bf16, CUBLAS_OP_N, CUBLAS_OP_T, w, w, sq, count, "gram");
-      plan_gemm(b.apply, h, bf16, CUBLAS_OP_N, CUBLAS_OP_N, sq, w, w, count, "apply");
-    }
-    plan_gemm(b.square, h, bf16, CUBLAS_OP_N, CUBLAS_OP_N, sq, sq, sq, count, "square");
+    plan_gemm(b.gram, h, bf16, b.plan.gram, b.stride, b.gram_stride, count, "gram");
+    plan_gemm(b.apply, h, bf16, b.plan.apply, b.stride, b.gram_stride, count, "apply");
+    plan_gemm(b.square, h, bf16, b.plan.square, b.stride, b.gram_stride, count, "square");
   }
 }
 
@@ -437,14 +415,10 @@ void BatchedNewtonSchulz::run(int b) {
   for (int k = 0; k < batch.shape.steps; ++k) {
     const NsTriple& t = ns_triple(batch.shape.coefficients, k);
     const float ca = static_cast<float>(t.a), cb = static_cast<float>(t.b), cc = static_cast<float>(t.c);
-    void* cur = batch.x[k % 2].data();
-    void* next = batch.x[(k + 1) % 2].data();
-    im.matmul(batch.gram, 1.0f, cur, cur, 0.0f, A, A);  // A = X X^T (beta = 0: C is not read)
-    im.matmul(batch.square, cc, A, A, cb, A, B);         // B = c A A + b A
-    if (!batch.tall)
-      im.matmul(batch.apply, 1.0f, cur, B, ca, cur, next);  // Z' = Z B^T + a Z
-    else
-      im.matmul(batch.apply, 1.0f, B, cur, ca, cur, next);  // W' = B W + a W
+    const NsBuffers<void*> buf{batch.x[k % 2].data(), batch.x[(k + 1) % 2].data(), A, B};
+    im.matmul(batch.gram, batch.plan.gram, buf, 1.0f, 0.0f);  // A = X X^T (beta = 0: C is not read)
+    im.matmul(batch.square, batch.plan.square, buf, cc, cb);  // B = c A A + b A
+    im.matmul(batch.apply, batch.plan.apply, buf, 1.0f, ca);  // X' = B X + a X
   }
 }
 
