@@ -12,11 +12,14 @@
 #include <sstream>
 #include <stdexcept>
 
+#ifdef NORMUON_HAVE_FAST_CPU
 #include "fast_cpu_backend.h"
+#endif
 #ifdef NORMUON_HAVE_FAST_CUDA
 #include "cuda_device.h"
 #include "fast_cuda_backend.h"
 #endif
+#include "normuon/backend.h"
 #include "normuon/flat_state.h"
 #include "normuon/grad_gen.h"
 #include "normuon/layout.h"
@@ -231,6 +234,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("skipped", &StepResult::skipped)
       .def_readonly("reason", &StepResult::reason);
 
+#ifdef NORMUON_HAVE_FAST_CPU  // a build without oneDNN has none; optim.py then refuses CPU parameters on "fast"
   py::class_<FastCpuBackend>(m, "FastCpuBackend", "The fused multi-threaded CPU backend (docs/fast-cpu.md)")
       .def(py::init<const Layout&, const Options&, int>(), py::arg("layout"), py::arg("options"),
            py::arg("threads") = 0, py::keep_alive<1, 2>())
@@ -241,6 +245,7 @@ PYBIND11_MODULE(_C, m) {
       .def("step", &FastCpuBackend::step, py::arg("state"), py::arg("options"),
            py::call_guard<py::gil_scoped_release>())
       .def_static("unsupported_reason", &FastCpuBackend::unsupported_reason, py::arg("layout"), py::arg("options"));
+#endif
 
   m.def("cuda_unavailable_reason",
         [](int device) {
@@ -270,6 +275,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("grad_dtype") = "f32", py::arg("bf16_params") = false, py::keep_alive<1, 2>())
       .def_property_readonly("name", &FastCudaBackend::name)
       .def_property_readonly("launches_per_step", &FastCudaBackend::launches_per_step)
+      .def_property_readonly(
+          "stream", [](const FastCudaBackend& b) { return reinterpret_cast<uintptr_t>(b.stream()); },
+          "The cudaStream_t handle work goes to (an int, like torch.cuda.Stream.cuda_stream)")
       .def_property_readonly("graph_kernel_nodes", &FastCudaBackend::graph_kernel_nodes)
       .def("describe", &FastCudaBackend::describe)
       .def("step", &FastCudaBackend::step, py::arg("state"), py::arg("options"), py::call_guard<py::gil_scoped_release>())

@@ -16,6 +16,16 @@ std::string unavailable_reason(int device) {
   if (count == 0) return "no CUDA device is visible";
   if (device < 0 || device >= count)
     return "CUDA device " + std::to_string(device) + " requested, " + std::to_string(count) + " visible";
+  // The kernels are built for sm_90 and later (CMAKE_CUDA_ARCHITECTURES, PTX of compute_90): say so
+  // here rather than fail at the first launch with "no kernel image".
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+    cudaGetLastError();
+    return "cannot read the properties of CUDA device " + std::to_string(device);
+  }
+  if (prop.major < 9)
+    return std::string(prop.name) + " is sm_" + std::to_string(prop.major) + std::to_string(prop.minor) +
+           "; the CUDA backend is built for sm_90 and later";
   return "";
 }
 

@@ -57,7 +57,9 @@ class DistributedNorMuonAdamW(torch.optim.Optimizer):
 
     Preconditions: every rank builds it over the same model (same names, shapes, dtypes, values) and
     calls step() with the same gradients (already all-reduced). step, state_dict, export_state,
-    import_state and load_state_dict are collective: every rank calls them, in the same order.
+    import_state and load_state_dict are collective: every rank calls them, in the same order. NCCL: call
+    torch.cuda.set_device(local_rank) first and keep parameters and gradients on that GPU; under an
+    NCCL-only group the constructor is collective too (it makes a Gloo group for the pickled state).
     """
 
     def __init__(self, params, *args, process_group=None, shard_adamw=False, **kwargs):
@@ -77,13 +79,24 @@ class DistributedNorMuonAdamW(torch.optim.Optimizer):
         self._ctor_args, self._ctor_kwargs = args, kwargs
 
         # The single-process optimizer routes, groups and checks everything exactly as one process would;
-        # only its plan is kept (its flat buffers are freed again).
-        plan = self._single_process(None)
-        groups = [dict(g) for g in plan.param_groups]
+        # only its plan is kept (its flat buffers are freed again). CUDA tensors get empty CPU stand-ins:
+        # the plan depends on names, shapes and dtypes only, and must not take a full state on the GPU.
+        real = {}
+
+        def stand_in(t):
+            if t.device.type != "cuda" or t.layout != torch.strided:
+                return t  # CPU tensors as they are; anything odd reaches NorMuonAdamW's own checks
+            s = torch.empty(t.shape, dtype=t.dtype)
+            real[id(s)] = t
+            return s
+
+        plan = self._single_process(stand_in)
+        groups = [dict(g, params=[real.get(id(t), t) for t in g["params"]]) for g in plan.param_groups]
         self._params = []
         for e in plan._entries:  # manifest order
             p = _Param()
-            p.index, p.name, p.tensor, p.algorithm, p.group = e.index, e.name, e.tensor, e.algorithm, e.group
+            p.index, p.name, p.algorithm, p.group = e.index, e.name, e.algorithm, e.group
+            p.tensor = real.get(id(e.tensor), e.tensor)
             p.shape, p.dtype = e.shape, e.dtype
             if p.algorithm == "normuon":
                 p.cost = newton_schulz_flops(e.shape[0], e.shape[1], groups[p.group]["ns_steps"])
@@ -91,6 +104,9 @@ class DistributedNorMuonAdamW(torch.optim.Optimizer):
                 p.cost = p.tensor.numel()
             self._params.append(p)
         del plan
+        devices = sorted({str(p.tensor.device) for p in self._params})
+        if len(devices) > 1:  # what the plan said before the stand-ins hid it
+            raise ValueError(f"NorMuonAdamW needs every parameter on one device; got {', '.join(devices)}")
         self._assign()
         super().__init__(groups, {})
         self._built = True
@@ -122,11 +138,22 @@ class DistributedNorMuonAdamW(torch.optim.Optimizer):
         self._owned_by = [[p for p in self._params if p.owner == r] for r in range(self.world_size)]
         self._exchange_numel = max((sum(p.tensor.numel() for p in ps) for ps in self._owned_by), default=0)
         self._device = self._params[0].tensor.device  # NorMuonAdamW keeps all parameters on one device
-        self._comm_device = _comm_device(process_group)
+        dist_backend = str(dist.get_backend(process_group)).lower()
+        self._comm_device = _comm_device(dist_backend, self._device)
         self._pack = torch.zeros(self._exchange_numel, device=self._device)
         self._send = (self._pack if self._comm_device == self._device
                       else torch.zeros(self._exchange_numel, device=self._comm_device))
         self._recv = torch.zeros(self.world_size, self._exchange_numel, device=self._comm_device)
+        # Under NCCL, all_gather_into_tensor fills the flat buffer directly, with no list of views (torch >=
+        # 1.13); Gloo keeps the list form, which older Gloo builds need.
+        self._gather_into = (self._comm_device.type == "cuda" and "nccl" in dist_backend
+                             and hasattr(dist, "all_gather_into_tensor"))
+        self._object_group = _object_group(process_group, dist_backend)
+        # The NaN/Inf verdict: the parameters this rank answers for, their indices on the device.
+        self._answers = [p for p in self._params if p.owner == self.rank or (p.owner is None and self.rank == 0)]
+        self._answer_index = torch.tensor([p.index for p in self._answers], dtype=torch.int64, device=self._device)
+        self._none_bad = torch.tensor(len(self._params), dtype=torch.int64, device=self._device)
+        self._finite = torch.ones((), dtype=torch.bool, device=self._device)
         self.comm_stats = dict(steps=0, collectives=0, bytes_sent=0, bytes_received=0)
         self.last_step_comm = dict(collectives=0, bytes_sent=0, bytes_received=0)
         self.last_step_seconds = dict(local=0.0, exchange=0.0)
@@ -197,7 +224,7 @@ class DistributedNorMuonAdamW(torch.optim.Optimizer):
         # it to its local optimizer, which gives the same verdict and message.
         bad = len(self._params)
         if self.world_size > 1:
-            flag = torch.tensor([self._first_nonfinite()], dtype=torch.int64, device=self._comm_device)
+            flag = self._first_nonfinite().reshape(1).to(self._comm_device, copy=True)  # all_reduce writes in place
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group)
             self._count(8, 8)
             bad = int(flag.item())
@@ -212,8 +239,10 @@ class DistributedNorMuonAdamW(torch.optim.Optimizer):
         if local.last_skip_reason is not None:  # one rank, skip_step: nothing changed
             self.last_skip_reason = local.last_skip_reason
             return loss
+        self._wait_for_device()
         exchange_start = time.perf_counter()
         self._exchange()
+        self._wait_for_device()
         done = time.perf_counter()
         # The group counters of one process: a group advances when any of its parameters had a gradient.
         for gi, members in enumerate(self._group_members):
@@ -239,13 +268,20 @@ class DistributedNorMuonAdamW(torch.optim.Optimizer):
                 raise RuntimeError(f"parameter '{p.name}' has a sparse gradient, which NorMuonAdamW does not support")
 
     def _first_nonfinite(self):
-        """What this rank answers for: what it owns, and (rank 0) what every rank steps; the local
-        optimizer scans its gradients again, so each extra rank scanning shared ones would be a waste."""
-        for p in self._params:
-            if (p.owner == self.rank or (p.owner is None and self.rank == 0)) and p.tensor.grad is not None:
-                if not torch.isfinite(p.tensor.grad).all():
-                    return p.index
-        return len(self._params)
+        """The manifest index of the first gradient with a NaN/Inf among those this rank answers for (what
+        it owns, and on rank 0 what every rank steps; the local optimizer scans its gradients again, so each
+        extra rank scanning shared ones would be a waste), else len(params): a 0-d int64 tensor, reduced on
+        the device so that CUDA waits once, at the collective's .item(), not once per gradient."""
+        if not self._answers:
+            return self._none_bad
+        finite = torch.stack([self._finite if p.tensor.grad is None
+                              else torch.isfinite(p.tensor.grad).all().to(self._device) for p in self._answers])
+        return torch.where(finite, self._none_bad, self._answer_index).min()
+
+    def _wait_for_device(self):
+        """CUDA work is queued: wait for it, so that last_step_seconds times the work, not the enqueueing."""
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()
 
     def _nonfinite_message(self, p):
         """The single-process message (core/src/step_prologue.cpp); every rank has the same gradient."""
@@ -265,7 +301,10 @@ class DistributedNorMuonAdamW(torch.optim.Optimizer):
             at += n
         if self._send is not self._pack:
             self._send.copy_(self._pack)
-        dist.all_gather(list(self._recv.unbind(0)), self._send, group=self.process_group)
+        if self._gather_into:
+            dist.all_gather_into_tensor(self._recv.view(-1), self._send, group=self.process_group)
+        else:
+            dist.all_gather(list(self._recv.unbind(0)), self._send, group=self.process_group)
         numel_bytes = self._exchange_numel * 4
         self._count(numel_bytes, (self.world_size - 1) * numel_bytes)
         recv = self._recv.to(self._device)
@@ -287,23 +326,24 @@ class DistributedNorMuonAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------ state
 
-    def _single_process(self, tensors, backend="reference"):
+    def _single_process(self, replace, backend="reference", cls=NorMuonAdamW):
         """The NorMuonAdamW one process would build (by default on the reference backend: no workspace),
-        over the model's tensors or, given {id: tensor}, over stand-ins for them."""
-        params = self._ctor_params if tensors is None else _swapped(self._ctor_params, tensors)
+        over stand-ins for the model's tensors: replace(tensor) -> tensor."""
+        params = _swapped(self._ctor_params, replace)
         with warnings.catch_warnings():
             if getattr(self, "_built", False):  # its warnings (unnamed matrices) were given at construction
                 warnings.simplefilter("ignore")
-            return NorMuonAdamW(params, *self._ctor_args, backend=backend, threads=self._threads,
-                                nonfinite=self.nonfinite, **self._ctor_kwargs)
+            return cls(params, *self._ctor_args, backend=backend, threads=self._threads,
+                       nonfinite=self.nonfinite, **self._ctor_kwargs)
 
     def _my_state(self):
         """{name: state tensors} of what this rank answers for: what it owns, plus (rank 0) what every rank
-        steps."""
+        steps. On the CPU: pickled CUDA tensors would be restored on the sender's GPU by every receiver."""
         sd = self._local.state_dict()
         names = [n for g in sd["param_groups"] for n in g["names"]]
-        keep = {p.name for p in self._params if p.owner == self.rank or (p.owner is None and self.rank == 0)}
-        return {n: sd["state"][i] for i, n in enumerate(names) if n in keep}
+        keep = {p.name for p in self._answers}
+        return {n: {k: v.detach().cpu() for k, v in sd["state"][i].items()}
+                for i, n in enumerate(names) if n in keep}
 
     def _full_state_dict(self, by_name):
         """The single-process state dict (NorMuonAdamW.state_dict's structure and numbering)."""
@@ -321,10 +361,10 @@ class DistributedNorMuonAdamW(torch.optim.Optimizer):
         """Collective. The state dict a single-process NorMuonAdamW would return (every rank gets it), so
         torch.save of it on rank 0 loads at any world size, or in one process."""
         parts = [None] * self.world_size
-        dist.all_gather_object(parts, self._my_state(), group=self.process_group)
+        dist.all_gather_object(parts, self._my_state(), group=self._object_group)
         merged = {}
-        for part in parts:
-            merged.update(part)
+        for part in parts:  # on the parameters' device, as NorMuonAdamW.state_dict returns it
+            merged.update({n: {k: v.to(self._device) for k, v in s.items()} for n, s in part.items()})
         return self._full_state_dict(merged)
 
     def export_state(self, path):
@@ -332,20 +372,22 @@ class DistributedNorMuonAdamW(torch.optim.Optimizer):
         checksummed); any world size, one process or `normuon run --load` reads it back."""
         parts = [None] * self.world_size if self.rank == 0 else None
         leader = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-        dist.gather_object(self._my_state(), parts, dst=leader, group=self.process_group)
+        dist.gather_object(self._my_state(), parts, dst=leader, group=self._object_group)
         error = [None]
         if self.rank == 0:
             try:
                 merged = {}
                 for part in parts:
                     merged.update(part)
-                # Built on this run's backend so that the file names the backend that made the state.
-                writer = self._single_process(None, backend=self._backend_choice)
+                # A reference optimizer over CPU copies (no second full state on the GPU, no workspace) that
+                # names the backend that made the state; the file is the same bytes as the run's own writer.
+                writer = self._single_process(lambda t: t.detach().cpu(), cls=_StateWriter)
+                writer.ran_on = self.backend
                 writer.load_state_dict(self._full_state_dict(merged))
                 writer.export_state(path)
             except Exception as exc:  # told to every rank below, so none carries on alone
                 error = [f"{type(exc).__name__}: {exc}"]
-        dist.broadcast_object_list(error, src=leader, group=self.process_group)
+        dist.broadcast_object_list(error, src=leader, group=self._object_group)
         if error[0] is not None:
             raise RuntimeError(f"export_state({path!s}) failed on rank 0: {error[0]}")
 
@@ -365,15 +407,16 @@ class DistributedNorMuonAdamW(torch.optim.Optimizer):
         that it worked, then takes this rank's part."""
         error = None
         try:
-            stand_ins = {id(p.tensor): p.tensor.detach().clone() for p in self._params}
-            single = self._single_process(stand_ins)
+            # CPU copies: the layout does not depend on the device, and copy_ moves the values back.
+            stand_ins = {id(p.tensor): p.tensor.detach().to("cpu", copy=True) for p in self._params}
+            single = self._single_process(lambda t: stand_ins[id(t)])
             load(single)
             full = single.state_dict()
         except Exception as exc:
             error = exc
         verdicts = [None] * self.world_size
         dist.all_gather_object(verdicts, None if error is None else f"{type(error).__name__}: {error}",
-                               group=self.process_group)
+                               group=self._object_group)
         if error is not None:
             raise error
         for rank, verdict in enumerate(verdicts):
@@ -404,11 +447,46 @@ class DistributedNorMuonAdamW(torch.optim.Optimizer):
             for p in self._params:
                 p.tensor.detach().copy_(stand_ins[id(p.tensor)])
 
-def _comm_device(process_group):
-    """NCCL moves CUDA tensors only: the packed buffers live on this rank's GPU there."""
-    if dist.get_backend(process_group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+class _StateWriter(NorMuonAdamW):
+    """The state file writer of export_state: a CPU reference optimizer whose file names the backend that ran
+    the steps (the header records it; the values do not depend on it)."""
+
+    ran_on = None
+
+    @property
+    def backend(self):
+        return self.ran_on
+
+
+def _comm_device(dist_backend, device):
+    """Where the collectives' buffers live. NCCL moves CUDA tensors only: the parameters' GPU, which must be
+    this rank's current device (NCCL's communicator is bound to it); CPU parameters under a plain "nccl"
+    group go through the current device. Gloo (also the CPU half of "cpu:gloo,cuda:nccl") moves CPU ones."""
+    if "nccl" not in dist_backend:
+        return torch.device("cpu")
+    if device.type == "cuda":
+        current = torch.cuda.current_device()
+        if device.index != current:
+            raise RuntimeError(f"DistributedNorMuonAdamW: the parameters are on {device}, but this rank's current "
+                               f"CUDA device is cuda:{current}; NCCL needs each rank's GPU to be its current device: "
+                               "call torch.cuda.set_device(local_rank) on every rank before init_process_group "
+                               "and before building the model")
+        return device
+    if "gloo" in dist_backend:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _object_group(process_group, dist_backend):
+    """The group for the pickled state and verdicts (state_dict, export_state, loading). A group with NCCL
+    only would stage every rank's pickle on each GPU: a Gloo side group over the world moves them on the
+    CPU. new_group is collective over the whole world, so it is made only when this group spans it (every
+    rank builds this optimizer then); a smaller NCCL-only group carries the objects itself."""
+    if "nccl" not in dist_backend or "gloo" in dist_backend or not dist.is_gloo_available():
+        return process_group
+    if process_group is not None and dist.get_world_size(process_group) != dist.get_world_size():
+        return process_group
+    return dist.new_group(backend="gloo")
 
 
 def _listed(params):
@@ -417,25 +495,26 @@ def _listed(params):
         return [params]
     out = []
     for item in params:
-        if isinstance(item, dict) and not isinstance(item.get("params"), torch.Tensor):
+        if isinstance(item, dict) and "params" in item and not isinstance(item["params"], torch.Tensor):
             item = dict(item, params=list(item["params"]))
         out.append(item)
     return out
 
 
-def _swapped(params, tensors):
-    """The constructor's params with each tensor replaced by tensors[id(tensor)]."""
+def _swapped(params, replace):
+    """The constructor's params with each tensor t replaced by replace(t); anything else is left for
+    NorMuonAdamW to judge."""
 
     def swap(x):
         if isinstance(x, torch.Tensor):
-            return tensors[id(x)]
-        if isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], str):
-            return (x[0], tensors[id(x[1])])
+            return replace(x)
+        if isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor):
+            return (x[0], replace(x[1]))
         return x
 
     out = []
     for item in params:
-        if isinstance(item, dict):
+        if isinstance(item, dict) and "params" in item:
             ps = item["params"]
             item = dict(item, params=swap(ps) if isinstance(ps, torch.Tensor) else [swap(x) for x in ps])
         else:

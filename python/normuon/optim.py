@@ -29,6 +29,8 @@ NORMUON_KNOBS = NORMUON_FIELDS[6:]                  # everything after lr .. ns_
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 ADAMW_PREFIXED = tuple("adamw_" + k for k in ADAMW_KEYS)  # AdamW values inside an "auto" group
 FIXED_FIELDS = ("reduce_axis",)  # it decides the shape of the NorMuon second moment (the layout)
+# The fast CUDA backend plans its Newton-Schulz GEMMs from these at construction (docs/fast-cuda.md).
+CUDA_FIXED_FIELDS = ("ns_precision", "ns_coefficients", "ns_steps", "ns_eps")
 
 _ENUMS = {
     "ns_coefficients": ("quintic", "polar_express"),
@@ -184,7 +186,8 @@ class NorMuonAdamW(torch.optim.Optimizer):
         super().__init__(groups, {})
         self._built = True
         self._hypers = [self._validated(i, g) for i, g in enumerate(self.param_groups)]  # checked values
-        self._fixed = [{k: h.get(k) for k in FIXED_FIELDS} for h in self._hypers]
+        self._fixed = [{k: h.get(k) for k in FIXED_FIELDS + CUDA_FIXED_FIELDS} for h in self._hypers]
+        self._fixed_keys = FIXED_FIELDS  # plus CUDA_FIXED_FIELDS once the fast CUDA backend is built
         self._allocate(threads)
         for e in entries:  # live views, for inspection as with torch's optimizers
             self.state[e.tensor] = self._state_views(e)
@@ -333,6 +336,12 @@ class NorMuonAdamW(torch.optim.Optimizer):
         if self._choice == "reference":
             self._reference = reference.ReferenceBackend()
         else:
+            if not hasattr(_C, "FastCpuBackend"):  # _C built without oneDNN (-DNORMUON_BUILD_FAST_CPU=OFF)
+                raise RuntimeError(f"backend '{self._choice}' on the CPU needs the fast CPU backend, which this build "
+                                   "of normuon._C does not have (configured without oneDNN, "
+                                   "-DNORMUON_BUILD_FAST_CPU=OFF); no fallback to the reference: put the parameters "
+                                   "on a CUDA device (the fast CUDA backend), ask for backend='reference', or rebuild "
+                                   "with oneDNN")
             reason = _C.FastCpuBackend.unsupported_reason(self._layout, self._options)
             if reason:
                 raise ValueError(f"backend '{self._choice}' cannot serve this request: {reason} (no fallback to "
@@ -351,14 +360,19 @@ class NorMuonAdamW(torch.optim.Optimizer):
             self._device_flat = {k: torch.from_numpy(getattr(self._flat, k)).to(self._device)
                                  for k in ("params", "grads", "momentum", "row_var", "exp_avg", "exp_avg_sq")}
             return self._device_flat
+        if not hasattr(_C, "FastCudaBackend"):  # _C built without CUDA (-DNORMUON_BUILD_CUDA=OFF)
+            raise ValueError(f"backend '{self._choice}' on {self._device}: {_C.cuda_unavailable_reason(index)} (no "
+                             "fallback to the CPU or the reference; ask for backend='reference' explicitly)")
         reason = _C.FastCudaBackend.unsupported_reason(self._layout, self._options, index)
         if reason:
             raise ValueError(f"backend '{self._choice}' on {self._device} cannot serve this request: {reason} (no "
                              "fallback to the CPU or the reference; ask for backend='reference' explicitly)")
         backend = _C.FastCudaBackend(self._layout, self._options, device=index,
                                      stream=torch.cuda.current_stream(self._device).cuda_stream)
-        backend.upload(self._flat)  # masters, zero state, flags, steps
+        with torch.cuda.device(self._device):
+            backend.upload(self._flat)  # masters, zero state, flags, steps
         self._cuda_backend = backend
+        self._fixed_keys = FIXED_FIELDS + CUDA_FIXED_FIELDS
         self._device_flat = {k: _device_view(backend, ptr, n, typestr, self._device)
                              for k, (ptr, n, typestr) in backend.buffers().items()}
         return self._device_flat
@@ -417,11 +431,12 @@ class NorMuonAdamW(torch.optim.Optimizer):
             raise ValueError(f"nonfinite={self.nonfinite!r}: choose error | skip_step")
         hypers = [self._validated(i, g) for i, g in enumerate(self.param_groups)]
         for i, h in enumerate(hypers):
-            for k in FIXED_FIELDS:
+            for k in self._fixed_keys:
                 if k in h and h[k] != self._fixed[i][k]:
                     raise ValueError(f"param_groups[{i}] ('{self.param_groups[i]['name']}'): {k} was "
-                                     f"{self._fixed[i][k]!r} when the optimizer was built and decides its layout; "
-                                     f"it cannot become {h[k]!r}")
+                                     f"{self._fixed[i][k]!r} when the optimizer was built and decides its "
+                                     f"{'layout' if k in FIXED_FIELDS else 'CUDA Newton-Schulz plan'}; it cannot "
+                                     f"become {h[k]!r}")
         self._hypers = hypers
         if _C is not None:
             self._push_options()
@@ -513,18 +528,20 @@ class NorMuonAdamW(torch.optim.Optimizer):
         """One fused step on the caller's current stream (the gradient copies above were queued there).
         finish_step waits for it: a NaN/Inf gradient raises (or skips) like on the CPU, nothing changed."""
         backend = self._cuda_backend
-        backend.set_stream(torch.cuda.current_stream(self._device).cuda_stream)
-        self._device_flat["has_grad"].copy_(torch.from_numpy(self._has_grad))
-        backend.set_options(self._options, self._group_steps())  # host-exact bias corrections
-        backend.enqueue_step()
-        result = backend.finish_step(self._options)
+        with torch.cuda.device(self._device):  # the stream handle and copies belong to the parameters' device
+            backend.set_stream(torch.cuda.current_stream(self._device).cuda_stream)
+            self._device_flat["has_grad"].copy_(torch.from_numpy(self._has_grad))
+            backend.set_options(self._options, self._group_steps())  # host-exact bias corrections
+            backend.enqueue_step()
+            result = backend.finish_step(self._options)
         return result.reason if result.skipped else None
 
     def _to_host(self):
         """CUDA: the device's flat state into the host FlatState (before writing a state file)."""
         if self._cuda_backend is not None:
-            self._cuda_backend.set_stream(torch.cuda.current_stream(self._device).cuda_stream)
-            self._cuda_backend.download(self._flat)
+            with torch.cuda.device(self._device):
+                self._cuda_backend.set_stream(torch.cuda.current_stream(self._device).cuda_stream)
+                self._cuda_backend.download(self._flat)
         elif self._device_flat is not None:
             for k, t in self._device_flat.items():
                 torch.from_numpy(getattr(self._flat, k)).copy_(t)
@@ -532,8 +549,9 @@ class NorMuonAdamW(torch.optim.Optimizer):
     def _to_device(self):
         """CUDA: the host FlatState (just loaded from a file) onto the device."""
         if self._cuda_backend is not None:
-            self._cuda_backend.set_stream(torch.cuda.current_stream(self._device).cuda_stream)
-            self._cuda_backend.upload(self._flat)
+            with torch.cuda.device(self._device):
+                self._cuda_backend.set_stream(torch.cuda.current_stream(self._device).cuda_stream)
+                self._cuda_backend.upload(self._flat)
         elif self._device_flat is not None:
             for k, t in self._device_flat.items():
                 t.copy_(torch.from_numpy(getattr(self._flat, k)))
@@ -637,10 +655,10 @@ class NorMuonAdamW(torch.optim.Optimizer):
             new = {k: v for k, v in sg.items() if k != "params"}
             new["params"], new["name"], new["names"] = g["params"], g["name"], g["names"]
             self._validated(i, new)
-            for k in FIXED_FIELDS:
+            for k in self._fixed_keys:
                 if k in new and new[k] != g[k]:
                     raise ValueError(f"{where}: {k} is {new[k]!r} in the state dict but {g[k]!r} here (it decides "
-                                     "the layout)")
+                                     f"the {'layout' if k in FIXED_FIELDS else 'CUDA Newton-Schulz plan'})")
             new_groups.append(new)
             for idx, t in zip(sg["params"], g["params"]):
                 e = by_tensor[id(t)]
@@ -693,6 +711,16 @@ class NorMuonAdamW(torch.optim.Optimizer):
         self._need_native("import_state")
         self._to_host()  # load_state is all or nothing: on an error the host copy must still be the live state
         saved = _C.load_state(os.fspath(path), self._flat)
+        for i, g in enumerate(self.param_groups):  # what the CUDA plan fixed must match before anything moves
+            if g["algorithm"] != "normuon":
+                continue
+            h = saved.hyper(i)
+            bad = [k for k in self._fixed_keys if k in h and check_value(k, h[k]) != self._fixed[i][k]]
+            if bad:
+                self._to_host()  # the host copy back to the live (device) state: nothing changed
+                raise ValueError(f"{os.fspath(path)}: group '{g['name']}' was saved with "
+                                 + ", ".join(f"{k}={h[k]!r}" for k in bad) + ", but this optimizer was built with "
+                                 + ", ".join(f"{k}={self._fixed[i][k]!r}" for k in bad))
         self._to_device()
         for i, g in enumerate(self.param_groups):
             h = saved.hyper(i)

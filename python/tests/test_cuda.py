@@ -81,6 +81,12 @@ def test_state_is_on_the_device_and_files_cross_to_the_cpu(tmp_path):
     for a, b in zip(gpu.parameters(), cpu.parameters()):
         assert torch.equal(a.detach().cpu(), b.detach())
     assert [g["step"] for g in opt_cpu.param_groups] == [3, 3]
+    gpu_state, cpu_state = opt.state_dict()["state"], opt_cpu.state_dict()["state"]
+    assert gpu_state.keys() == cpu_state.keys()
+    for i in gpu_state:  # every state tensor crossed, not just the parameters
+        assert gpu_state[i].keys() == cpu_state[i].keys()
+        for k in gpu_state[i]:
+            assert torch.equal(gpu_state[i][k].cpu(), cpu_state[i][k]), (i, k)
     # and back: the CPU optimizer's file loads on the GPU
     opt_cpu.export_state(path)
     opt.import_state(path)
@@ -100,6 +106,47 @@ def test_nan_gradient_raises_and_changes_nothing():
         opt.step()
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, gpu.parameters()))
     assert [g["step"] for g in opt.param_groups] == [1, 1]
+    _grads(gpu, 3)  # the error is reported once; the next clean step runs
+    opt.step()
+    assert [g["step"] for g in opt.param_groups] == [2, 2]
+
+
+@needs_gpu
+def test_skip_step_and_missing_gradients_match_the_cpu():
+    cpu, gpu = _model("cpu"), _model("cuda")
+    opt_cpu = normuon.NorMuonAdamW(cpu.named_parameters(), nonfinite="skip_step")
+    opt_gpu = normuon.NorMuonAdamW(gpu.named_parameters(), nonfinite="skip_step")
+    for step in range(1, 5):
+        for model in (cpu, gpu):
+            _grads(model, step)
+            model.tall.weight.grad = None if step % 2 else model.tall.weight.grad  # no gradient: untouched
+            if step == 3:
+                model.head.weight.grad[0, 0] = float("inf")  # the whole step is skipped
+        opt_cpu.step()
+        opt_gpu.step()
+        assert (opt_cpu.last_skip_reason is None) == (opt_gpu.last_skip_reason is None)
+    assert opt_gpu.last_skip_reason is None
+    for (name, a), b in zip(cpu.named_parameters(), gpu.parameters()):
+        assert torch.allclose(a.detach(), b.detach().cpu(), rtol=0, atol=1e-3), name
+    assert [g["step"] for g in opt_gpu.param_groups] == [g["step"] for g in opt_cpu.param_groups]
+
+
+@needs_gpu
+def test_load_state_dict_on_cuda_resumes_exactly():
+    a, b = _model("cuda"), _model("cuda")
+    opt_a = normuon.NorMuonAdamW(a.named_parameters())
+    opt_b = normuon.NorMuonAdamW(b.named_parameters())
+    for step in range(1, 3):
+        _grads(a, step)
+        opt_a.step()
+    b.load_state_dict(a.state_dict())
+    opt_b.load_state_dict(opt_a.state_dict())
+    for step in range(3, 5):
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            _grads(model, step)
+            opt.step()
+    for x, y in zip(a.parameters(), b.parameters()):
+        assert torch.equal(x.detach(), y.detach())
 
 
 @needs_gpu
@@ -115,6 +162,7 @@ def test_runs_on_the_current_stream():
         with torch.cuda.stream(side):
             _grads(gpu, step)
             opt.step()
+            assert opt._cuda_backend.stream == side.cuda_stream  # the step went to the caller's stream
         torch.cuda.current_stream().wait_stream(side)
     for a, b in zip(gpu.parameters(), reference_model.parameters()):
         assert torch.equal(a.detach(), b.detach())
@@ -128,7 +176,12 @@ def test_bf16_parameters_keep_fp32_masters():
         _grads(gpu, step)
         opt.step()
     sd = opt.state_dict()
-    masters = [s["master_param"] for s in sd["state"].values()]
-    assert masters and all(m.dtype == torch.float32 and m.is_cuda for m in masters)
-    for p, m in zip(gpu.parameters(), masters):
-        assert torch.equal(p.detach(), m.to(torch.bfloat16))
+    params = dict(gpu.named_parameters())
+    checked = 0
+    for g in sd["param_groups"]:  # state is numbered in param-group order, not model order
+        for i, name in zip(g["params"], g["names"]):
+            m = sd["state"][i]["master_param"]
+            assert m.dtype == torch.float32 and m.is_cuda, name
+            assert torch.equal(params[name].detach(), m.to(torch.bfloat16)), name
+            checked += 1
+    assert checked == len(params)

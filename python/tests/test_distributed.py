@@ -20,7 +20,8 @@ from torch import nn  # noqa: E402
 
 import normuon  # noqa: E402
 from conftest import fill_grads, make_model, params_of, require_native  # noqa: E402
-from normuon.distributed import DistributedNorMuonAdamW, assign_owners, newton_schulz_flops  # noqa: E402
+from normuon.distributed import (DistributedNorMuonAdamW, _comm_device, _object_group,  # noqa: E402
+                                 assign_owners, newton_schulz_flops)
 
 STEPS = 4
 VARIANTS = {
@@ -162,6 +163,23 @@ def job_two_matrices(with_adamw, shard, world, rank, out):
     return record(model, opt)
 
 
+def job_side_group(world, rank, out):
+    """The objects (state, verdicts) over a Gloo group of their own, as under NCCL: save at step 3, resume
+    in a new optimizer, 2 more steps."""
+    model, opt, _ = build("fast_fp32", True)
+    opt._object_group = _object_group(None, "nccl")  # what an NCCL-only world gets
+    assert dist.get_backend(opt._object_group) == "gloo" and opt._object_group is not opt.process_group
+    train(model, opt, None, 1, 3)
+    path = os.path.join(out, f"state-side-w{world}.safetensors")
+    opt.export_state(path)
+    saved = dict(params=params_of(model), state=opt.state_dict())
+    model, opt, _ = build("fast_fp32", True, seed=99)
+    opt._object_group = _object_group(None, "nccl")
+    opt.import_state(path)
+    train(model, opt, None, 4, 5)
+    return dict(saved=saved, final=record(model, opt))
+
+
 def jobs_for(world):
     """The jobs of one launch, run in this order (world 3 reads what world 2 wrote)."""
     jobs = {f"train:{v}": partial(job_train, v) for v in VARIANTS}
@@ -174,7 +192,8 @@ def jobs_for(world):
                      "resume_sd": job_resume_sd,
                      "two": partial(job_two_matrices, True, False),
                      "two_bare": partial(job_two_matrices, False, True),
-                     "bad_load": job_bad_load})
+                     "bad_load": job_bad_load,
+                     "side_group": job_side_group})
     return jobs
 
 
@@ -292,6 +311,13 @@ def test_save_resume_and_reshard(runs):
     assert header["backend"] == "fast-cpu"
 
 
+def test_objects_over_a_side_group(runs):
+    want_saved, want_final = single("fast_fp32", last=3), single("fast_fp32", last=5)
+    for results in runs[3]:
+        assert_same(results["side_group"]["saved"], want_saved)
+        assert_same(results["side_group"]["final"], want_final)
+
+
 def test_bad_state_file_is_refused_everywhere(runs):
     errors = {results["bad_load"]["error"] for results in runs[3]}
     assert len(errors) == 1 and errors != {None}
@@ -340,6 +366,23 @@ def test_owner_assignment_rule():
         assert max(loads) <= 1.10 * sum(costs) / world
 
 
+def test_comm_device_follows_the_parameters(monkeypatch):
+    """NCCL: the parameters' GPU, which must be the current device; Gloo (or the CPU half of a mixed group):
+    the CPU. Checked without a GPU: torch.device objects need none, the current device is patched."""
+    cpu, gpu0, gpu1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert _comm_device("gloo", cpu) == cpu and _comm_device("gloo", gpu0) == cpu
+    assert _comm_device("cpu:gloo,cuda:nccl", cpu) == cpu
+    assert _comm_device("nccl", gpu1) == gpu1 and _comm_device("cpu:gloo,cuda:nccl", gpu1) == gpu1
+    assert _comm_device("nccl", cpu) == gpu1  # CPU parameters under NCCL alone: the current device
+    for backend in ("nccl", "cpu:gloo,cuda:nccl"):
+        with pytest.raises(RuntimeError, match=r"cuda:0.*cuda:1.*torch\.cuda\.set_device\(local_rank\)"):
+            _comm_device(backend, gpu0)
+    # Only an NCCL-only group needs a side group for the pickled objects.
+    for backend in ("gloo", "cpu:gloo,cuda:nccl"):
+        assert _object_group(None, backend) is None
+
+
 def test_needs_a_process_group():
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
@@ -373,3 +416,19 @@ def test_world_of_one(tmp_path):
     assert_same(after, want_after)
     assert (error, skip) == (want_error, want_skip) and "blocks.1.attn.weight" in error
     assert got["comm"]["collectives"] == 0 and all(r["owner"] in (0, "all") for r in got["owners"])
+
+
+def test_bad_parameters_get_the_single_process_errors(tmp_path):
+    """The plan over stand-ins still reports what NorMuonAdamW reports."""
+    require_native()
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method="file://" + str(tmp_path / "store"), rank=0, world_size=1)
+    try:
+        for params, error, match in (([("w", 3)], TypeError, "not a torch.Tensor"),
+                                     ([{"names": ["w"]}], ValueError, "not a dict with 'params'"),
+                                     ([], ValueError, "empty parameter list")):
+            with pytest.raises(error, match=match):
+                DistributedNorMuonAdamW(params)
+    finally:
+        dist.destroy_process_group()
