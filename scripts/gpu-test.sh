@@ -293,7 +293,7 @@ fi
 step ctest "${ctest_args[@]}"
 result=$(outcome "$step_rc")
 if ((step_rc == 0)) && [ -z "$gpu_reason" ] && grep -q '\*\*\*Skipped' "$step_log"; then
-  result="failed (a test skipped on a GPU machine: $(grep '\*\*\*Skipped' "$step_log" | awk '{print $4}' | tr '\n' ' '))"
+  result="failed (a test skipped on a GPU machine: $(grep '\*\*\*Skipped' "$step_log" | awk '{print $4}' | paste -sd' ' -))"
 fi
 record ctest "$result" "$step_time" "${ctest_args[*]}"
 
