@@ -35,6 +35,7 @@
 #include "normuon/state_file.h"
 #include "normuon/step_prologue.h"
 #include "step_plan.h"
+#include "cuda_test_models.h"
 #ifdef NORMUON_TEST_HAVE_REFERENCE
 #include "reference_backend.h"
 #endif
@@ -43,6 +44,7 @@
 #endif
 
 using namespace normuon;
+using namespace normuon::test;
 
 // Skips the whole suite, before any case runs, where there is no GPU to test on.
 int main(int argc, char* argv[]) {
@@ -139,70 +141,7 @@ std::vector<uint16_t> device_params_bf16(FastCudaBackend& backend) {
 }
 
 // gpt2-124m with only its first `layers` blocks: every matrix shape and the embeddings.
-Manifest gpt2_layers(int layers) {
-  Manifest full = preset_manifest("gpt2-124m"), m;
-  for (const auto& p : full.params) {
-    const auto pos = p.name.find(".h.");
-    if (pos != std::string::npos && std::stoi(p.name.substr(pos + 3)) >= layers) continue;
-    m.params.push_back(p);
-  }
-  return m;
-}
-
-// Role: matrix for 2-D, bias otherwise, unless given.
-void add_param(Manifest& m, const std::string& name, std::vector<int64_t> shape, const std::string& group = "",
-               std::optional<Role> role = std::nullopt) {
-  ParamSpec p;
-  p.name = name;
-  p.shape = std::move(shape);
-  p.role = role ? *role : p.shape.size() == 2 ? Role::matrix : Role::bias;
-  p.group = group;
-  m.params.push_back(p);
-}
-
-// Odd shapes (as in test_cuda_plan.cpp): 1 x n, n x 1, primes, tall and wide, several chunks and
-// statistics tasks per matrix, 0-element parameters, a bucket shared by two NorMuon groups.
-Manifest odd_manifest() {
-  Manifest m;
-  add_param(m, "row", {1, 37});
-  add_param(m, "col", {37, 1});
-  add_param(m, "prime", {37, 53});
-  add_param(m, "tall", {97, 13});
-  add_param(m, "wide", {3, 600});
-  add_param(m, "big", {200, 300});
-  add_param(m, "empty", {0, 8});
-  add_param(m, "empty_t", {8, 0});
-  add_param(m, "a", {16, 24});
-  add_param(m, "b", {16, 24}, "fp32");
-  add_param(m, "tall2", {97, 13}, "fp32");
-  add_param(m, "idle", {16, 24});
-  add_param(m, "emb", {50, 16}, "", Role::embedding);
-  add_param(m, "vec", {70000}, "adam2");
-  add_param(m, "bias", {24});
-  add_param(m, "scalar", {}, "", Role::other);
-  add_param(m, "empty_bias", {0});
-  add_param(m, "cube", {2, 3, 5}, "adam2", Role::other);
-  return m;
-}
-
-// reduce_axis=longer_dim in the default NorMuon group, a second NorMuon group in fp32 (per-row
-// statistics), a second AdamW group, weight decay everywhere.
-Options odd_options() {
-  Options o;
-  o.set("normuon.reduce_axis=longer_dim");
-  GroupOptions fp32;
-  fp32.name = "fp32";
-  fp32.algorithm = Algorithm::normuon;
-  fp32.normuon.ns_precision = NsPrecision::fp32;
-  o.groups.push_back(fp32);
-  GroupOptions adam2;
-  adam2.name = "adam2";
-  adam2.algorithm = Algorithm::adamw;
-  adam2.adamw.lr = 1e-3;
-  o.groups.push_back(adam2);
-  o.set("weight_decay=0.1");
-  return o;
-}
+Manifest gpt2_layers(int layers) { return first_layers("gpt2-124m", layers); }
 
 Options with(const std::string& assignment) {
   Options o;
