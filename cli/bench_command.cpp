@@ -27,6 +27,7 @@
 
 #include "alloc_counter.h"
 #include "args.h"
+#include "bench_report.h"
 #include "model_args.h"
 #include "commands.h"
 #include "normuon/grad_gen.h"
@@ -47,25 +48,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 #ifdef NORMUON_BENCH_HAVE_FAST
-
-double ms_between(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double, std::milli>(b - a).count();
-}
-
-struct Summary {
-  double median = 0, min = 0, max = 0;
-};
-
-Summary summarise(std::vector<double> v) {
-  Summary s;
-  if (v.empty()) return s;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  s.median = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-  s.min = v.front();
-  s.max = v.back();
-  return s;
-}
 
 // "model name (family F, model M)" of the first processor in /proc/cpuinfo (virtual machines often
 // report a bare "AMD EPYC"; the family tells the generation).
@@ -95,24 +77,6 @@ std::string load_average() {
   return one + " " + five + " " + fifteen;
 }
 
-std::string utc_now() {
-  const std::time_t now = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&now, &tm);
-  char buf[64];
-  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M UTC", &tm);
-  return buf;
-}
-
-std::string with_commas(int64_t x) {
-  std::string digits = std::to_string(x < 0 ? -x : x), out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return x < 0 ? "-" + out : out;
-}
-
 std::string format(const char* fmt, double x) {
   char buf[64];
   std::snprintf(buf, sizeof buf, fmt, x);
@@ -123,24 +87,6 @@ double process_cpu_ms() {
   timespec ts{};
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
   return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) * 1e-6;
-}
-
-std::string ms_cell(const Summary& s) {
-  char buf[96];
-  std::snprintf(buf, sizeof buf, "%.3f [%.3f - %.3f]", s.median, s.min, s.max);
-  return buf;
-}
-
-std::string ratio_cell(double reference, double fast) {
-  if (!(fast > 0) || !(reference > 0)) return "-";
-  return format("%.2fx", reference / fast);
-}
-
-std::string csv_field(const std::string& s) {
-  if (s.find_first_of(",\"\n") == std::string::npos) return s;
-  std::string out = "\"";
-  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
-  return out + "\"";
 }
 
 // ATen operator calls, counted by a RecordFunction callback (FUNCTION scope: every dispatched c10/ATen

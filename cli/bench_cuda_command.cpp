@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "args.h"
+#include "bench_report.h"
 #include "commands.h"
 #include "model_args.h"
 #include "normuon/grad_gen.h"
@@ -120,27 +121,6 @@ See docs/bench-cuda.md.)";
 
 #ifdef NORMUON_BENCH_HAVE_CUDA
 
-double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
-  return std::chrono::duration<double, std::milli>(b - a).count();
-}
-
-struct Summary {
-  double median = 0, min = 0, max = 0;
-  size_t n = 0;
-};
-
-Summary summarise(std::vector<double> v) {
-  Summary s;
-  s.n = v.size();
-  if (v.empty()) return s;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  s.median = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-  s.min = v.front();
-  s.max = v.back();
-  return s;
-}
-
 std::string vformat(const char* fmt, va_list args) {
   va_list copy;
   va_copy(copy, args);
@@ -173,24 +153,6 @@ __attribute__((format(printf, 1, 2))) void say(const char* f, ...) {
   g_log += s;
 }
 
-std::string with_commas(int64_t x) {
-  std::string digits = std::to_string(x < 0 ? -x : x), out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return x < 0 ? "-" + out : out;
-}
-
-std::string utc_now(const char* format) {
-  const std::time_t now = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&now, &tm);
-  char buf[64];
-  std::strftime(buf, sizeof buf, format, &tm);
-  return buf;
-}
-
 // The command line as a shell would take it back (arguments with odd characters single-quoted).
 std::string command_line(const Argv& args) {
   std::string out = "normuon bench-cuda";
@@ -206,23 +168,6 @@ std::string command_line(const Argv& args) {
     out += '\'';
   }
   return out;
-}
-
-std::string csv_field(const std::string& s) {
-  if (s.find_first_of(",\"\n") == std::string::npos) return s;
-  std::string out = "\"";
-  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
-  return out + "\"";
-}
-
-std::string ms_cell(const Summary& s) {
-  if (s.n == 0) return "-";
-  return fmt("%.3f [%.3f - %.3f]", s.median, s.min, s.max);
-}
-
-std::string ratio_cell(double num, double den) {
-  if (!(num > 0) || !(den > 0)) return "-";
-  return fmt("%.2fx", num / den);
 }
 
 const char* met(bool ok) { return ok ? "met" : "NOT met"; }

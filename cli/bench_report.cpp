@@ -1,0 +1,64 @@
+#include "bench_report.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <ctime>
+
+namespace normuon::cli {
+
+double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+Summary summarise(std::vector<double> v) {
+  Summary s;
+  s.n = v.size();
+  if (v.empty()) return s;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  s.median = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  s.min = v.front();
+  s.max = v.back();
+  return s;
+}
+
+std::string ms_cell(const Summary& s) {
+  if (s.n == 0) return "-";
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "%.3f [%.3f - %.3f]", s.median, s.min, s.max);
+  return buf;
+}
+
+std::string ratio_cell(double num, double den) {
+  if (!(num > 0) || !(den > 0)) return "-";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.2fx", num / den);
+  return buf;
+}
+
+std::string with_commas(int64_t x) {
+  std::string digits = std::to_string(x < 0 ? -x : x), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return x < 0 ? "-" + out : out;
+}
+
+std::string csv_field(const std::string& s) {
+  if (s.find_first_of(",\"\n") == std::string::npos) return s;
+  std::string out = "\"";
+  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out + "\"";
+}
+
+std::string utc_now(const char* format) {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char buf[64];
+  std::strftime(buf, sizeof buf, format, &tm);
+  return buf;
+}
+
+}  // namespace normuon::cli
