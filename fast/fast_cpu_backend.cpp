@@ -4,7 +4,6 @@
 
 #include <chrono>
 #include <cmath>
-#include <map>
 #include <sstream>
 #include <stdexcept>
 
@@ -51,18 +50,9 @@ FastCpuBackend::FastCpuBackend(const Layout& layout, const Options& options, int
     : layout_(layout), threads_(threads > 0 ? threads : omp_get_num_procs()) {
   const std::string reason = unsupported_reason(layout, options);
   if (!reason.empty()) throw std::invalid_argument("fast-cpu backend: " + reason);
-  // Newton-Schulz batches: the matrices of one shape bucket that share a group (and so the NS knobs).
+  batches_ = newton_schulz_batches(layout);
   std::vector<fast::NsBatchShape> shapes;
   size_t max_batch = 0;
-  for (const auto& bucket : layout.buckets) {
-    std::map<int, size_t> batch_of_group;
-    for (int e : bucket.entries) {
-      const int group = layout.entries[e].group;
-      auto [it, inserted] = batch_of_group.emplace(group, batches_.size());
-      if (inserted) batches_.push_back({group, bucket.rows, bucket.cols, {}});
-      batches_[it->second].entries.push_back(e);
-    }
-  }
   for (const auto& b : batches_) {
     shapes.push_back({b.rows, b.cols, static_cast<int64_t>(b.entries.size())});
     max_batch = std::max(max_batch, b.entries.size());

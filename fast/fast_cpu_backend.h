@@ -42,11 +42,6 @@ class FastCpuBackend : public Backend {
   static std::string unsupported_reason(const Layout& layout, const Options& options);
 
  private:
-  struct NsBatch {
-    int group;
-    int64_t rows, cols;
-    std::vector<int> entries;
-  };
   struct Chunk {  // a piece of one parameter for the multi-tensor passes
     int entry;
     int64_t begin, size;

@@ -116,6 +116,20 @@ Layout Layout::build(const Manifest& manifest, const Options& options) {
   return layout;
 }
 
+std::vector<NsBatch> newton_schulz_batches(const Layout& layout) {
+  std::vector<NsBatch> batches;
+  for (const auto& bucket : layout.buckets) {
+    std::map<int, size_t> batch_of_group;
+    for (int e : bucket.entries) {
+      const int group = layout.entries[e].group;
+      auto [it, inserted] = batch_of_group.emplace(group, batches.size());
+      if (inserted) batches.push_back({group, bucket.rows, bucket.cols, {}});
+      batches[it->second].entries.push_back(e);
+    }
+  }
+  return batches;
+}
+
 int Layout::find(const std::string& name) const {
   for (int i = 0; i < static_cast<int>(entries.size()); ++i)
     if (entries[i].name == name) return i;

@@ -2,6 +2,7 @@
 
 #include <cuda_bf16.h>
 
+#include <cstring>
 #include <stdexcept>
 #include <vector>
 
@@ -18,6 +19,16 @@ template <typename T>
 void to_host(T* dst, const DeviceBuffer<T>& src, int64_t count, cudaStream_t stream) {
   if (count != src.size()) throw std::logic_error("device state: buffer size mismatch");
   if (count > 0) NORMUON_CUDA_CHECK(cudaMemcpyAsync(dst, src.data(), src.bytes(), cudaMemcpyDeviceToHost, stream));
+}
+
+// x rounded to bf16 (to nearest even, as the kernels round), as raw bits.
+std::vector<uint16_t> bf16_bits(const float* x, int64_t n) {
+  std::vector<uint16_t> bits(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const __nv_bfloat16 b = __float2bfloat16_rn(x[i]);
+    std::memcpy(&bits[static_cast<size_t>(i)], &b, sizeof(uint16_t));
+  }
+  return bits;
 }
 
 }  // namespace
@@ -57,25 +68,17 @@ void DeviceFlatState::upload(const FlatState& host, cudaStream_t stream) {
   to_device(exp_avg_sq, host.exp_avg_sq.data(), l.adam_floats, stream);
   to_device(has_grad, host.has_grad.data(), static_cast<int64_t>(host.has_grad.size()), stream);
   to_device(group_steps, host.group_steps.data(), static_cast<int64_t>(host.group_steps.size()), stream);
-  std::vector<uint16_t> bf16;  // only for bf16 gradients
+  // Host staging of the bf16 buffers; both live until the synchronisation below.
+  std::vector<uint16_t> grads_staged, params_staged;
   if (grad_type_ == GradType::f32) {
     to_device(grads_f32, host.grads.data(), l.param_floats, stream);
   } else {
-    bf16.resize(static_cast<size_t>(l.param_floats));
-    for (int64_t i = 0; i < l.param_floats; ++i) {
-      const __nv_bfloat16 x = __float2bfloat16_rn(host.grads[i]);
-      bf16[i] = *reinterpret_cast<const uint16_t*>(&x);
-    }
-    to_device(grads_bf16, bf16.data(), l.param_floats, stream);
+    grads_staged = bf16_bits(host.grads.data(), l.param_floats);
+    to_device(grads_bf16, grads_staged.data(), l.param_floats, stream);
   }
   if (params_bf16.size() > 0) {  // keep the bf16 copy consistent with the uploaded master copy
-    std::vector<uint16_t> copy(static_cast<size_t>(l.param_floats));
-    for (int64_t i = 0; i < l.param_floats; ++i) {
-      const __nv_bfloat16 x = __float2bfloat16_rn(host.params[i]);
-      copy[i] = *reinterpret_cast<const uint16_t*>(&x);
-    }
-    to_device(params_bf16, copy.data(), l.param_floats, stream);
-    NORMUON_CUDA_CHECK(cudaStreamSynchronize(stream));  // `copy` dies here
+    params_staged = bf16_bits(host.params.data(), l.param_floats);
+    to_device(params_bf16, params_staged.data(), l.param_floats, stream);
   }
   NORMUON_CUDA_CHECK(cudaStreamSynchronize(stream));
 }

@@ -1,7 +1,6 @@
 #include "step_plan.h"
 
 #include <limits>
-#include <map>
 #include <stdexcept>
 
 #include "normuon/ns_coefficients.h"
@@ -43,18 +42,15 @@ StepPlan StepPlan::build(const Layout& layout, const Options& options) {
   if (!reason.empty()) throw std::invalid_argument(reason);
   StepPlan plan;
   std::vector<int> batch_of_entry(layout.entries.size(), -1), index_of_entry(layout.entries.size(), -1);
-  for (const auto& bucket : layout.buckets) {
-    std::map<int, int> batch_of_group;
-    for (int e : bucket.entries) {
-      const int group = layout.entries[e].group;
-      auto [it, inserted] = batch_of_group.emplace(group, static_cast<int>(plan.batches.size()));
-      if (inserted) {
-        const NorMuonHyper& h = options.groups[group].normuon;
-        plan.batches.push_back({bucket.rows, bucket.cols, 0, h.ns_precision, h.ns_coefficients, h.ns_steps, h.ns_eps});
-        plan.batch_group.push_back(group);
-      }
-      batch_of_entry[e] = it->second;
-      index_of_entry[e] = static_cast<int>(plan.batches[it->second].count++);
+  for (const NsBatch& batch : newton_schulz_batches(layout)) {
+    const NorMuonHyper& h = options.groups[batch.group].normuon;
+    const int b = static_cast<int>(plan.batches.size());
+    plan.batches.push_back({batch.rows, batch.cols, static_cast<int64_t>(batch.entries.size()), h.ns_precision,
+                            h.ns_coefficients, h.ns_steps, h.ns_eps});
+    plan.batch_group.push_back(batch.group);
+    for (size_t k = 0; k < batch.entries.size(); ++k) {
+      batch_of_entry[batch.entries[k]] = b;
+      index_of_entry[batch.entries[k]] = static_cast<int>(k);
     }
   }
   for (int i = 0; i < static_cast<int>(layout.entries.size()); ++i) {

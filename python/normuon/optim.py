@@ -487,6 +487,11 @@ class NorMuonAdamW(torch.optim.Optimizer):
     def _set_group_steps(self, steps):
         if self._cuda_backend is not None:
             self._device_flat["group_steps"].copy_(torch.tensor(steps, dtype=torch.int64))
+        self._mirror_group_steps(steps)
+
+    def _mirror_group_steps(self, steps):
+        """The host's copies of the step counters: the host FlatState (or the reference's list), and
+        group['step']. After a CUDA step the device already holds them."""
         if self._flat is not None:
             self._flat.group_steps = steps
         else:
@@ -516,7 +521,7 @@ class NorMuonAdamW(torch.optim.Optimizer):
         else:
             steps = self._group_steps()
             skipped = self._reference.step(self._entries, hypers, steps, self.nonfinite)
-        self._set_group_steps(steps)
+        self._mirror_group_steps(steps)
         self.last_skip_reason = skipped
         if skipped is None:
             for e in self._entries:
@@ -531,7 +536,8 @@ class NorMuonAdamW(torch.optim.Optimizer):
         with torch.cuda.device(self._device):  # the stream handle and copies belong to the parameters' device
             backend.set_stream(torch.cuda.current_stream(self._device).cuda_stream)
             self._device_flat["has_grad"].copy_(torch.from_numpy(self._has_grad))
-            backend.set_options(self._options, self._group_steps())  # host-exact bias corrections
+            # The host mirror of the counters (no device read): host-exact bias corrections.
+            backend.set_options(self._options, list(self._flat.group_steps))
             backend.enqueue_step()
             result = backend.finish_step(self._options)
         return result.reason if result.skipped else None

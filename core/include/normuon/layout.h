@@ -66,6 +66,16 @@ struct Layout {
   std::string describe() const;             // human-readable routing table and buckets
 };
 
+// The Newton-Schulz batches every fast backend runs: the NorMuon matrices of one shape bucket that share
+// a group (and so the Newton-Schulz knobs). Buckets in layout order; within a bucket, groups in order of
+// first appearance, entries in manifest order.
+struct NsBatch {
+  int group = 0;
+  int64_t rows = 0, cols = 0;
+  std::vector<int> entries;  // layout entry indices
+};
+std::vector<NsBatch> newton_schulz_batches(const Layout& layout);
+
 uint64_t fnv1a64(const void* data, size_t size, uint64_t seed = 1469598103934665603ull);
 
 }  // namespace normuon
