@@ -13,6 +13,7 @@
 #include <string>
 
 #include "comparator.h"
+#include "knob_variants.h"
 #include "fast_cpu_backend.h"
 #include "normuon/grad_gen.h"
 #include "normuon/presets.h"
@@ -208,25 +209,9 @@ BOOST_AUTO_TEST_CASE(fast_matches_reference_on_tiny_50_steps) {
 }
 
 BOOST_AUTO_TEST_CASE(fast_matches_reference_on_tiny_for_every_knob) {
-  const std::vector<std::vector<std::string>> variants = {
-      {"normuon.nesterov=false"},
-      {"normuon.reduce_axis=longer_dim"},
-      {"normuon.lr_scale=spectral"},
-      {"normuon.lr_scale=rms_matching"},
-      {"normuon.weight_decay_mode=cautious", "normuon.weight_decay=0.1"},
-      {"normuon.weight_decay_mode=none", "normuon.weight_decay=0.1"},
-      {"normuon.ns_coefficients=polar_express"},
-      {"normuon.ns_precision=fp32"},
-      {"normuon.eps_placement=clamp"},
-      {"weight_decay=0.1"},
-  };
-  for (const auto& sets : variants) {
-    Options options;
+  for (const auto& sets : test::knob_variants()) {
     std::string label;
-    for (const auto& kv : sets) {
-      options.set(kv);
-      label += (label.empty() ? "" : " ") + kv;
-    }
+    const Options options = test::options_with(sets, label);
     BOOST_TEST_CONTEXT(label) {
       const Layout layout = Layout::build(preset_manifest("tiny"), options);
       const Run run = cross_check(layout, options, CompareMode::resync, 10);

@@ -36,6 +36,7 @@
 #include "normuon/step_prologue.h"
 #include "step_plan.h"
 #include "cuda_test_models.h"
+#include "knob_variants.h"
 #ifdef NORMUON_TEST_HAVE_REFERENCE
 #include "reference_backend.h"
 #endif
@@ -325,29 +326,14 @@ BOOST_AUTO_TEST_CASE(matches_reference_on_tiny_20_steps) {
 }
 
 BOOST_AUTO_TEST_CASE(matches_reference_on_tiny_for_every_knob) {
-  const std::vector<std::vector<std::string>> variants = {
-      {"normuon.nesterov=false"},
-      {"normuon.reduce_axis=longer_dim"},
-      {"normuon.lr_scale=spectral"},
-      {"normuon.lr_scale=rms_matching"},
-      {"normuon.weight_decay_mode=cautious", "normuon.weight_decay=0.1"},
-      {"normuon.weight_decay_mode=none", "normuon.weight_decay=0.1"},
-      {"normuon.ns_coefficients=polar_express"},
-      // An even ns_steps leaves the Newton-Schulz output in the input buffer; 1 is a single iteration.
-      {"normuon.ns_steps=4"},
-      {"normuon.ns_steps=1"},
-      {"normuon.ns_coefficients=polar_express", "normuon.ns_steps=4"},
-      {"normuon.ns_precision=fp32"},
-      {"normuon.eps_placement=clamp"},
-      {"weight_decay=0.1"},
-  };
+  std::vector<KnobVariant> variants = knob_variants();
+  // An even ns_steps leaves the Newton-Schulz output in the input buffer; 1 is a single iteration.
+  variants.insert(variants.end(), {{"normuon.ns_steps=4"},
+                                   {"normuon.ns_steps=1"},
+                                   {"normuon.ns_coefficients=polar_express", "normuon.ns_steps=4"}});
   for (const auto& sets : variants) {
-    Options options;
     std::string label;
-    for (const auto& kv : sets) {
-      options.set(kv);
-      label += (label.empty() ? "" : " ") + kv;
-    }
+    const Options options = options_with(sets, label);
     BOOST_TEST_CONTEXT(label) {
       const Layout layout = Layout::build(preset_manifest("tiny"), options);
       const RunSummary s = cross_check(layout, options, CompareMode::resync, 10);
