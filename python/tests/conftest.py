@@ -28,6 +28,14 @@ def native():
     require_native()
 
 
+@pytest.fixture(params=["fast", "reference"])
+def backend(request):
+    """Each test that takes `backend` runs on both backends; "fast" needs the native module."""
+    if request.param == "fast":
+        require_native()
+    return request.param
+
+
 def cli_path():
     """The `normuon` tool from the build (CTest passes NORMUON_CLI), or skip."""
     path = os.environ.get("NORMUON_CLI", "")

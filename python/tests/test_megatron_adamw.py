@@ -13,15 +13,6 @@ from normuon import reference  # noqa: E402
 from normuon.megatron import MegatronAdamW, MegatronNorMuon  # noqa: E402
 
 
-@pytest.fixture(params=["fast", "reference"])
-def backend(request):
-    if request.param == "fast":
-        from conftest import require_native
-
-        require_native()
-    return request.param
-
-
 SHAPES = [(6, 5), (17,), (0,), (4, 3, 2), ()]
 
 

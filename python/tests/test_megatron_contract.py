@@ -23,15 +23,6 @@ from normuon.megatron import MegatronNorMuon, init_state_fn  # noqa: E402
 import normuon.megatron as nm  # noqa: E402
 
 
-@pytest.fixture(params=["fast", "reference"])
-def backend(request):
-    if request.param == "fast":
-        from conftest import require_native
-
-        require_native()
-    return request.param
-
-
 SHAPES = [(16, 8), (8, 16), (12, 12), (24, 4)]
 
 

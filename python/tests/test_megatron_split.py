@@ -14,15 +14,6 @@ from normuon import reference  # noqa: E402
 from normuon.megatron import MegatronNorMuon, init_state_fn  # noqa: E402
 
 
-@pytest.fixture(params=["fast", "reference"])
-def backend(request):
-    if request.param == "fast":
-        from conftest import require_native
-
-        require_native()
-    return request.param
-
-
 MATMUL_PREC = {"reference": "medium", "fast": "highest"}  # bf16 / fp32 Newton-Schulz
 NS_PRECISION = {"reference": "bf16", "fast": "fp32"}
 HYPERS = dict(lr=1e-2, weight_decay=0.1, momentum=0.9, beta2=0.95, eps=1e-8)

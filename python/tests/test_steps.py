@@ -8,15 +8,6 @@ import normuon  # noqa: E402
 from conftest import fill_grads, make_model, params_of  # noqa: E402
 
 
-@pytest.fixture(params=["fast", "reference"])
-def backend(request):
-    if request.param == "fast":
-        from conftest import require_native
-
-        require_native()
-    return request.param
-
-
 def test_lambda_lr_schedule_takes_effect(backend):
     """LambdaLR changes lr in every group each step; the run equals one where lr and weight_decay are set
     by hand to the same values, and differs from a constant-lr run."""
