@@ -213,10 +213,10 @@ void check_plan(const Layout& layout, const Options& options, const StepPlan& pl
       check_cover(stats[k], plan.matrices[k].stat_len, "statistics of matrix " + std::to_string(k), stat_problems);
     BOOST_TEST(stat_problems.none(), stat_problems.str());
 
-    // ---- launches: the Newton-Schulz ones are 2 + 3 * ns_steps per batch that has work
+    // ---- launches: the Newton-Schulz ones are 2 + 6 * ns_steps per batch that has work
     int64_t ns = 0;
     for (const auto& shape : plan.batches)
-      if (shape.count > 0 && shape.rows * shape.cols > 0) ns += 2 + 3 * shape.steps;
+      if (shape.count > 0 && shape.rows * shape.cols > 0) ns += 2 + 6 * shape.steps;
     BOOST_TEST(plan.newton_schulz_launches() == ns);
     BOOST_TEST(plan.elementwise_launches() >= 1);
     BOOST_TEST(plan.elementwise_launches() <= 7);
@@ -251,8 +251,8 @@ BOOST_AUTO_TEST_CASE(plan_of_gpt2_124m_has_the_expected_size) {
   BOOST_TEST(plan.batches.size() == 4u);
   for (const auto& b : plan.batches) BOOST_TEST(b.count == 12);
   BOOST_TEST(plan.matrices.size() == 48u);
-  BOOST_TEST(plan.newton_schulz_launches() == 4 * (2 + 3 * 5));
-  BOOST_TEST(launches(plan) == 75);
+  BOOST_TEST(plan.newton_schulz_launches() == 4 * (2 + 6 * 5));
+  BOOST_TEST(launches(plan) == 135);
 }
 
 BOOST_AUTO_TEST_CASE(plan_of_odd_shapes_and_groups) {
@@ -295,11 +295,11 @@ BOOST_AUTO_TEST_CASE(plan_of_odd_shapes_and_groups) {
   }
   BOOST_TEST(batches_16x24 == 2);
   BOOST_TEST(batches_97x13 == 2);
-  // Batches of the 0-element shapes launch nothing; every other batch launches 2 + 3 * 5.
+  // Batches of the 0-element shapes launch nothing; every other batch launches 2 + 6 * 5.
   int64_t working = 0;
   for (const auto& b : plan.batches) working += b.rows * b.cols > 0;
   BOOST_TEST(plan.batches.size() == layout.buckets.size() + 2);
-  BOOST_TEST(plan.newton_schulz_launches() == working * (2 + 3 * 5));
+  BOOST_TEST(plan.newton_schulz_launches() == working * (2 + 6 * 5));
   // Chunks of the big parameters: 60000 and 70000 elements.
   auto chunks_of = [&](const std::vector<cuda::Chunk>& chunks, const std::string& name) {
     const int e = layout.find(name);
@@ -338,7 +338,7 @@ BOOST_AUTO_TEST_CASE(plan_of_a_model_without_normuon_or_adamw) {
   const StepPlan p2 = StepPlan::build(l2, options);
   check_plan(l2, options, p2, "normuon only");
   BOOST_TEST(p2.elementwise_launches() == 6);  // no AdamW pass
-  BOOST_TEST(p2.newton_schulz_launches() == 17);
+  BOOST_TEST(p2.newton_schulz_launches() == 2 + 6 * 5);
 }
 
 BOOST_AUTO_TEST_CASE(launches_grow_with_shape_buckets_not_parameters) {
@@ -363,7 +363,7 @@ BOOST_AUTO_TEST_CASE(launches_grow_with_shape_buckets_not_parameters) {
   polar.set("normuon.ns_steps=3");
   const StepPlan p2 = StepPlan::build(Layout::build(first_layers("gpt2-124m", 2), polar), polar);
   const StepPlan p12 = StepPlan::build(Layout::build(first_layers("gpt2-124m", 12), polar), polar);
-  BOOST_TEST(p2.newton_schulz_launches() == 4 * (2 + 3 * 3));
+  BOOST_TEST(p2.newton_schulz_launches() == 4 * (2 + 6 * 3));
   BOOST_TEST(launches(p2) == launches(p12));
 }
 

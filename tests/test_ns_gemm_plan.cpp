@@ -1,6 +1,6 @@
 // The Newton-Schulz GEMM plan (fast/cuda/ns_gemm_plan.h) that the CUDA backend hands to cuBLASLt, run
-// on the CPU: a double-precision emulator of cuBLASLt's strided-batched column-major matmul executes
-// the plan's GEMMs on buffers laid out as the backend lays them out, and the result must match a direct
+// on the CPU: the emulator of cuBLASLt's strided-batched column-major matmul (lt_matmul_emulation.h),
+// in double, executes the plan's GEMMs on buffers laid out as the backend lays them out, and the result must match a direct
 // row-major implementation of the spec's iteration. No GPU needed.
 #define BOOST_TEST_MODULE ns_gemm_plan
 #include <boost/test/unit_test.hpp>
@@ -15,9 +15,13 @@
 #include <utility>
 #include <vector>
 
+#include "lt_matmul_emulation.h"
 #include "ns_gemm_plan.h"
 
 using namespace normuon::cuda;
+using normuon::test::LayoutError;
+using normuon::test::LtBuffer;
+using normuon::test::lt_matmul;
 
 namespace {
 
@@ -25,82 +29,6 @@ constexpr double kA = 3.4445, kB = -4.7750, kC = 2.0315;
 constexpr int kSteps = 3;
 constexpr int64_t kCount = 3;
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
-// A plan the emulator refuses (a cuBLASLt dimension rule or a buffer bound broken).
-struct LayoutError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-// The backend's buffers for one batch: two ping-pong X buffers (kCount row-major rows x cols matrices,
-// x_stride apart) and the s x s Gram and B buffers (gram_stride apart). Unwritten elements are NaN.
-struct Memory {
-  int64_t x_stride = 0, gram_stride = 0;
-  std::vector<double> x[2], gram, b;
-
-  int64_t size_of(const double* p) const {
-    for (const std::vector<double>* v : {&x[0], &x[1], &gram, &b})
-      if (v->data() == p) return static_cast<int64_t>(v->size());
-    throw std::logic_error("pointer outside the batch's buffers");
-  }
-};
-
-void require(bool ok, const std::string& what) {
-  if (!ok) throw LayoutError(what);
-}
-
-// One layout as cuBLASLt is told it: sane sizes, batch entries that do not overlap, inside the buffer.
-void check_layout(const char* name, const NsMatrixSpec& m, int64_t stride, int64_t buffer_size) {
-  const std::string n = name;
-  require(m.rows >= 1 && m.cols >= 1, n + ": empty matrix");
-  require(m.ld >= m.rows, n + ": ld < rows");
-  const int64_t extent = m.ld * (m.cols - 1) + m.rows;
-  require(extent <= stride, n + ": batch entries overlap (extent > stride)");
-  require((kCount - 1) * stride + extent <= buffer_size, n + ": past the end of its buffer");
-}
-
-// cuBLASLt's strided-batched matmul, column-major, in double: D = alpha op(A) op(B) + beta C for each
-// of kCount batch entries, D with C's layout (as the backend plans it). beta = 0 does not read C.
-void lt_matmul(const NsGemmSpec& g, const Memory& mem, const NsGemmPointers<double*>& p, double alpha,
-               double beta) {
-  const int64_t sa = ns_batch_stride(g.a.operand, mem.x_stride, mem.gram_stride);
-  const int64_t sb = ns_batch_stride(g.b.operand, mem.x_stride, mem.gram_stride);
-  const int64_t sc = ns_batch_stride(g.c.operand, mem.x_stride, mem.gram_stride);
-  check_layout("A", g.a, sa, mem.size_of(p.a));
-  check_layout("B", g.b, sb, mem.size_of(p.b));
-  check_layout("C", g.c, sc, mem.size_of(p.c));
-  check_layout("D", g.c, sc, mem.size_of(p.d));
-  // op(A) is m x k, op(B) is k x n.
-  const int64_t m = g.trans_a ? g.a.cols : g.a.rows;
-  const int64_t k = g.trans_a ? g.a.rows : g.a.cols;
-  const int64_t kb = g.trans_b ? g.b.cols : g.b.rows;
-  const int64_t n = g.trans_b ? g.b.rows : g.b.cols;
-  require(k == kb, "op(A) has " + std::to_string(k) + " columns, op(B) " + std::to_string(kb) + " rows");
-  require(g.c.rows == m && g.c.cols == n, "C is " + std::to_string(g.c.rows) + "x" + std::to_string(g.c.cols) +
-                                              ", op(A) op(B) " + std::to_string(m) + "x" + std::to_string(n));
-  require(p.d != p.a && p.d != p.b, "D overwrites an input of the same GEMM");
-
-  std::vector<double> out(static_cast<size_t>(m * n));
-  for (int64_t q = 0; q < kCount; ++q) {
-    const double* a = p.a + q * sa;
-    const double* b = p.b + q * sb;
-    const double* c = p.c + q * sc;
-    double* d = p.d + q * sc;
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t i = 0; i < m; ++i) {
-        double sum = 0;
-        for (int64_t t = 0; t < k; ++t) {
-          const double av = g.trans_a ? a[t + i * g.a.ld] : a[i + t * g.a.ld];
-          const double bv = g.trans_b ? b[j + t * g.b.ld] : b[t + j * g.b.ld];
-          sum += av * bv;
-        }
-        double v = alpha * sum;
-        if (beta != 0) v += beta * c[i + j * g.c.ld];
-        out[static_cast<size_t>(i + j * m)] = v;
-      }
-    for (int64_t j = 0; j < n; ++j)  // written after the reads: C and D may be the same buffer
-      for (int64_t i = 0; i < m; ++i) d[i + j * g.c.ld] = out[static_cast<size_t>(i + j * m)];
-  }
-}
 
 // kCount random row-major rows x cols matrices, x_stride apart, NaN in the padding.
 std::vector<double> random_batch(int64_t rows, int64_t cols, int64_t x_stride, unsigned seed) {
@@ -112,23 +40,32 @@ std::vector<double> random_batch(int64_t rows, int64_t cols, int64_t x_stride, u
   return x;
 }
 
-// kSteps iterations through the plan, as BatchedNewtonSchulz::run issues them; returns the output buffer.
+// dst = coef * src (+ add) over the n elements of each of the kCount matrices, stride apart: the
+// elementwise steps of an iteration (ns_kernels.cuh, ns_combine), in double. Padding stays untouched.
+void combine(std::vector<double>& dst, const std::vector<double>& src, const std::vector<double>* add, double coef,
+             int64_t n, int64_t stride) {
+  for (int64_t q = 0; q < kCount; ++q)
+    for (int64_t e = q * stride; e < q * stride + n; ++e)
+      dst[static_cast<size_t>(e)] = coef * src[static_cast<size_t>(e)] + (add ? (*add)[static_cast<size_t>(e)] : 0.0);
+}
+
+// kSteps iterations through the plan, in the order of run_newton_schulz (ns_kernels.cuh); X in place.
 std::vector<double> run_plan(const NsGemmPlan& plan, const std::vector<double>& input, int64_t x_stride,
                              int64_t gram_stride) {
-  Memory mem;
-  mem.x_stride = x_stride;
-  mem.gram_stride = gram_stride;
-  mem.x[0] = input;
-  mem.x[1].assign(input.size(), kNaN);
-  mem.gram.assign(static_cast<size_t>(kCount * gram_stride), kNaN);
-  mem.b.assign(mem.gram.size(), kNaN);
+  std::vector<double> x = input, u(input.size(), kNaN);
+  std::vector<double> gram(static_cast<size_t>(kCount * gram_stride), kNaN), b(gram.size(), kNaN), t(gram.size(), kNaN);
+  auto whole = [](std::vector<double>& v) { return LtBuffer<double>{v.data(), static_cast<int64_t>(v.size())}; };
+  const NsBuffers<LtBuffer<double>> buf{whole(x), whole(gram), whole(b), whole(t), whole(u)};
+  const int64_t n = plan.s * plan.l, nn = plan.s * plan.s;
   for (int k = 0; k < kSteps; ++k) {
-    const NsBuffers<double*> buf{mem.x[k % 2].data(), mem.x[(k + 1) % 2].data(), mem.gram.data(), mem.b.data()};
-    lt_matmul(plan.gram, mem, ns_gemm_pointers(plan.gram, buf), 1.0, 0.0);    // A = X X^T
-    lt_matmul(plan.square, mem, ns_gemm_pointers(plan.square, buf), kC, kB);  // B = c A A + b A
-    lt_matmul(plan.apply, mem, ns_gemm_pointers(plan.apply, buf), 1.0, kA);   // X' = B X + a X
+    lt_matmul<double>(plan.gram, buf, kCount, x_stride, gram_stride);  // A = X X^T
+    combine(b, gram, nullptr, kC, nn, gram_stride);                   // C = c A
+    lt_matmul<double>(plan.square, buf, kCount, x_stride, gram_stride);  // T = C A
+    combine(b, gram, &t, kB, nn, gram_stride);                          // B = b A + T
+    lt_matmul<double>(plan.apply, buf, kCount, x_stride, gram_stride);   // U = B X
+    combine(x, x, &u, kA, n, x_stride);                                 // X = a X + U
   }
-  return mem.x[kSteps % 2];
+  return x;
 }
 
 using RowMajor = std::vector<double>;  // r x c, element (i, j) at i * c + j
@@ -221,10 +158,10 @@ BOOST_AUTO_TEST_CASE(plan_orientation_and_sizes) {
       BOOST_TEST(p.tall == (rows > cols));
       BOOST_TEST(p.s == std::min(rows, cols));
       BOOST_TEST(p.l == std::max(rows, cols));
-      // D takes C's layout and batch stride: both must be X buffers or both s x s buffers.
-      for (const NsGemmSpec* g : {&p.gram, &p.square, &p.apply})
-        BOOST_TEST((g->c.operand == NsOperand::x) == (g->d == NsOperand::x));
-      BOOST_TEST((p.gram.d == NsOperand::gram && p.square.d == NsOperand::b && p.apply.d == NsOperand::x));
+      BOOST_TEST((p.gram.d.operand == NsOperand::gram && p.square.d.operand == NsOperand::t &&
+                  p.apply.d.operand == NsOperand::u));
+      // The square GEMM is (c A) A, as the reference's `(c * A) @ A`: C (in the B buffer) on the left.
+      BOOST_TEST((p.square.a.operand == NsOperand::b && p.square.b.operand == NsOperand::gram));
     }
   }
   BOOST_CHECK_THROW(ns_gemm_plan(0, 3), std::invalid_argument);
@@ -259,15 +196,17 @@ BOOST_AUTO_TEST_CASE(wrong_plans_are_detected) {
        [](NsGemmPlan& p) { std::swap(p.apply.a, p.apply.b); }},
       {"gram trans_a flipped", {{3, 5}, {5, 3}, {4, 4}, {1, 7}, {7, 1}, {17, 40}, {40, 17}, {64, 64}},
        [](NsGemmPlan& p) { p.gram.trans_a = !p.gram.trans_a; }},
-      {"apply C read from B", {{3, 5}, {5, 3}, {4, 4}, {64, 64}},
-       [](NsGemmPlan& p) { p.apply.c.operand = NsOperand::b; }},
+      {"apply writes over X", {{3, 5}, {5, 3}, {4, 4}, {64, 64}},
+       [](NsGemmPlan& p) { p.apply.d.operand = NsOperand::x; }},
+      {"apply reads T instead of B", {{3, 5}, {5, 3}, {4, 4}, {17, 40}},
+       [](NsGemmPlan& p) { (p.apply.a.operand == NsOperand::b ? p.apply.a : p.apply.b).operand = NsOperand::t; }},
       {"apply ld one too large", {{3, 5}, {5, 3}, {17, 40}, {40, 17}},
        [](NsGemmPlan& p) {
          NsMatrixSpec& x = p.apply.a.operand == NsOperand::x ? p.apply.a : p.apply.b;
          x.ld += 1;
-         p.apply.c.ld += 1;
+         p.apply.d.ld += 1;
        }},
-      {"square writes over A", {{1, 1}, {4, 4}}, [](NsGemmPlan& p) { p.square.d = NsOperand::gram; }},
+      {"square writes over A", {{1, 1}, {4, 4}}, [](NsGemmPlan& p) { p.square.d.operand = NsOperand::gram; }},
   };
   for (const Mutation& m : mutations)
     for (const auto& [rows, cols] : m.shapes) {

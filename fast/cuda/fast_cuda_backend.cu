@@ -1,6 +1,5 @@
 #include "fast_cuda_backend.h"
 
-#include <cmath>
 #include <sstream>
 #include <stdexcept>
 
@@ -36,36 +35,6 @@ DeviceBuffer<T> to_device(const std::vector<T>& host) {
   DeviceBuffer<T> buffer(static_cast<int64_t>(host.size()));
   if (!host.empty()) NORMUON_CUDA_CHECK(cudaMemcpy(buffer.data(), host.data(), buffer.bytes(), cudaMemcpyHostToDevice));
   return buffer;
-}
-
-cuda::GroupScalars group_scalars(const GroupOptions& g) {
-  cuda::GroupScalars s{};
-  const NorMuonHyper& h = g.normuon;
-  s.w1 = static_cast<float>(1 - h.beta1);
-  s.beta1 = static_cast<float>(h.beta1);
-  s.nesterov = h.nesterov;
-  s.w2 = static_cast<float>(1 - h.beta2);
-  s.eps_add = h.eps_placement == EpsPlacement::add;
-  s.denom_eps = static_cast<float>(h.denom_eps);
-  s.renorm_eps = static_cast<float>(h.renorm_eps);
-  s.wd_mode = h.weight_decay_mode == WeightDecayMode::decoupled ? 0
-              : h.weight_decay_mode == WeightDecayMode::cautious ? 1
-                                                                  : 2;
-  s.decay = h.weight_decay != 0 && s.wd_mode != 2;
-  s.decay_factor = static_cast<float>(1 - h.lr * h.weight_decay);
-  s.lr_wd = static_cast<float>(h.lr * h.weight_decay);
-  s.neg_lr = static_cast<float>(-h.lr);
-  const AdamWHyper& a = g.adamw;
-  s.adam_decay = a.weight_decay != 0;
-  s.adam_decay_factor = static_cast<float>(1 - a.lr * a.weight_decay);
-  s.adam_w1 = static_cast<float>(1 - a.beta1);
-  s.adam_beta2 = static_cast<float>(a.beta2);
-  s.adam_one_minus_beta2 = static_cast<float>(1 - a.beta2);
-  s.adam_eps = static_cast<float>(a.eps);
-  s.adam_lr = a.lr;
-  s.adam_beta1_d = a.beta1;
-  s.adam_beta2_d = a.beta2;
-  return s;
 }
 
 const char* kPhaseNames[] = {"normuon.momentum", "normuon.newton_schulz", "normuon.normalisation", "normuon.update",
@@ -104,10 +73,8 @@ FastCudaBackend::FastCudaBackend(const Layout& layout, const Options& options, c
     const int64_t at = ns_->stride(batch) * plan.matrix_index[m] * static_cast<int64_t>(info.ns_bf16 ? 2 : 4);  // bytes
     info.ns_input = static_cast<char*>(ns_->input(batch)) + at;
     info.ns_output = static_cast<const char*>(ns_->output(batch)) + at;
-    matrix_rows_.push_back(info.rows);
-    matrix_cols_.push_back(info.cols);
-    matrix_group_.push_back(info.group);
   }
+  host_matrices_ = plan.matrices;
   n_matrices_ = static_cast<int>(plan.matrices.size());
   n_scan_chunks_ = static_cast<int>(plan.scan_chunks.size());
   n_normuon_chunks_ = static_cast<int>(plan.normuon_chunks.size());
@@ -125,8 +92,6 @@ FastCudaBackend::FastCudaBackend(const Layout& layout, const Options& options, c
   inv_scale_ = DeviceBuffer<float>(layout.stat_floats);
   status_ = DeviceBuffer<cuda::StepStatus>(1);
   NORMUON_CUDA_CHECK(cudaMemset(status_.data(), 0xff, sizeof(cuda::StepStatus)));  // nothing bad reported
-  host_groups_.resize(layout.group_names.size());
-  host_matrix_scalars_.resize(plan.matrices.size());
 
   cuda::StepBuffers& b = buffers_;
   b.params = device_->params.data();
@@ -208,20 +173,10 @@ void FastCudaBackend::set_options(const Options& options, const std::vector<int6
                                   "after the backend was built; build a new backend for it");
   }
   const DeviceScope scope(device_index_);
-  for (size_t g = 0; g < host_groups_.size(); ++g) {
-    cuda::GroupScalars& s = host_groups_[g];
-    s = group_scalars(options.groups[g]);
-    if (group_steps) {  // the reference's arithmetic (fast/fast_cpu_backend.cpp does the same)
-      const AdamWHyper& h = options.groups[g].adamw;
-      const double t = static_cast<double>((*group_steps)[g] + 1);
-      s.bias_from_host = 1;
-      s.adam_bc2_sqrt = static_cast<float>(std::sqrt(1 - std::pow(h.beta2, t)));
-      s.adam_neg_step_size = static_cast<float>(-(h.lr / (1 - std::pow(h.beta1, t))));
-    }
-  }
-  for (int m = 0; m < n_matrices_; ++m)
-    host_matrix_scalars_[m] = {0.0f, static_cast<float>(lr_scale_factor(options.groups[matrix_group_[m]].normuon.lr_scale,
-                                                                         matrix_rows_[m], matrix_cols_[m]))};
+  host_groups_.clear();
+  for (size_t g = 0; g < options.groups.size(); ++g)
+    host_groups_.push_back(cuda::group_scalars(options.groups[g], group_steps ? &(*group_steps)[g] : nullptr));
+  host_matrix_scalars_ = cuda::matrix_scalars(host_matrices_, options);
   // From pageable memory: the copy is staged before the call returns, so the host vectors may change.
   NORMUON_CUDA_CHECK(cudaMemcpyAsync(groups_.data(), host_groups_.data(), groups_.bytes(), cudaMemcpyHostToDevice, stream_));
   if (n_matrices_ > 0)
@@ -286,17 +241,7 @@ StepResult FastCudaBackend::finish_step(const Options& options) {
   if (status.reported_bad == cuda::kNoBadGradient) return {};
   // Reported: clear it for the next steps (on the stream, ahead of anything enqueued later).
   NORMUON_CUDA_CHECK(cudaMemsetAsync(status_.data(), 0xff, sizeof status, stream_));
-  // Say what begin_step (core/src/step_prologue.cpp) says, so every backend reports the same.
-  const int entry = static_cast<int>(status.reported_bad >> cuda::kBadElementBits);
-  const int64_t element = static_cast<int64_t>(status.reported_bad & ((1ull << cuda::kBadElementBits) - 1));
-  const LayoutEntry& e = layout_.entries.at(entry);
-  const float value = status.reported_value;
-  const int64_t group_step = status.reported_step - 1;
-  std::ostringstream msg;
-  msg << "step " << group_step + 1 << ": gradient of '" << e.name << "' holds " << value << " at element " << element;
-  if (options.nonfinite == NonFinitePolicy::error)
-    throw std::runtime_error(msg.str() + " (nothing was changed; set nonfinite=skip_step to skip such steps)");
-  return StepResult{true, msg.str() + "; step skipped"};
+  return cuda::step_result(status, layout_, options);
 }
 
 StepResult FastCudaBackend::step(FlatState& state, const Options& options) {

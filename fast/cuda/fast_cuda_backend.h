@@ -103,7 +103,7 @@ class FastCudaBackend : public Backend {
     double eps;
   };
   std::vector<NsKnobs> batch_knobs_;
-  std::vector<int> matrix_rows_, matrix_cols_, matrix_group_;  // host copies, for the lr_scale factor
+  std::vector<cuda::MatrixInfo> host_matrices_;  // for the lr_scale factors
   int n_matrices_ = 0, n_scan_chunks_ = 0, n_normuon_chunks_ = 0, n_adamw_chunks_ = 0, n_stat_tasks_ = 0;
   cuda::DeviceBuffer<cuda::Chunk> scan_chunks_, normuon_chunks_, adamw_chunks_;
   cuda::DeviceBuffer<cuda::StatTask> stat_tasks_;

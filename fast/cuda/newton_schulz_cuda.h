@@ -1,8 +1,8 @@
 // Batched Newton-Schulz on the GPU: the matrices of one (shape, group) batch are orthogonalised
 // together, bf16 operands with fp32 accumulation through cuBLASLt strided-batched GEMMs (true fp32 in
 // fp32 precision, never TF32). Wide and tall matrices both iterate on the wide orientation without a
-// materialised transpose (the GEMMs read the row-major data as the transposed column-major matrix),
-// and the `b*A + c*A@A` and `a*X + B@X` forms run as GEMM alpha/beta epilogues.
+// materialised transpose (the GEMMs read the row-major data as the transposed column-major matrix).
+// The coefficients enter through elementwise kernels that round as the spec does (ns_gemm_plan.h).
 //
 // Everything (buffers, cuBLASLt handle, workspace, algorithm choices) is set up in the constructor;
 // run() enqueues work on the stream only: no allocation, no synchronisation, capturable in a CUDA graph.
@@ -41,7 +41,8 @@ class BatchedNewtonSchulz {
   // A batch's input and output: `count` row-major rows x cols matrices, stride(b) elements apart,
   // __nv_bfloat16 in bf16 precision and float in fp32. The caller writes P(U) (values already
   // rounded to the working precision) into input(b) before run(b); run(b) leaves O, the orthogonalised
-  // matrices in the same layout and type, in output(b). Both pointers are fixed for the object's life.
+  // matrices in the same layout and type, in output(b) (today the same buffer: the run is in place).
+  // Both pointers are fixed for the object's life.
   void* input(int b);
   const void* output(int b) const;
   int64_t stride(int b) const;

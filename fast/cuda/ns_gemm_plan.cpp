@@ -17,15 +17,15 @@ NsGemmPlan ns_gemm_plan(int64_t rows, int64_t cols) {
   const int64_t s = p.s, l = p.l;
   const NsMatrixSpec gram{s, s, s, NsOperand::gram};
   const NsMatrixSpec bmat{s, s, s, NsOperand::b};
-  p.square = {false, false, gram, gram, gram, NsOperand::b};  // B = c A A + b A
+  p.square = {false, false, bmat, gram, {s, s, s, NsOperand::t}};  // T = C A (C in the B buffer)
   if (!p.tall) {
     const NsMatrixSpec z{l, s, l, NsOperand::x};  // Z = X^T, column-major l x s
-    p.gram = {true, false, z, z, gram, NsOperand::gram};  // A = Z^T Z
-    p.apply = {false, true, z, bmat, z, NsOperand::x};    // Z' = Z B^T + a Z
+    p.gram = {true, false, z, z, gram};                          // A = Z^T Z
+    p.apply = {false, true, z, bmat, {l, s, l, NsOperand::u}};  // U^T = Z B^T
   } else {
     const NsMatrixSpec w{s, l, s, NsOperand::x};  // W = X, column-major s x l
-    p.gram = {false, true, w, w, gram, NsOperand::gram};  // A = W W^T
-    p.apply = {false, false, bmat, w, w, NsOperand::x};   // W' = B W + a W
+    p.gram = {false, true, w, w, gram};                           // A = W W^T
+    p.apply = {false, false, bmat, w, {s, l, s, NsOperand::u}};  // U = B W
   }
   return p;
 }

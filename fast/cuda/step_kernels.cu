@@ -1,302 +1,38 @@
-// The fused step's kernels. Compiled with -fmad=false: every fma below is written out where the
-// reference's ATen op has one (as in fast/cpu_kernels.cpp), and nothing else is contracted, so the
-// momentum and AdamW passes round exactly like the reference. Reductions are trees in a fixed order
-// (no floating-point atomics): two runs give the same bits.
+// The fused step's launchers: the kernels and passes of step_kernels.cuh on a CUDA stream.
 #include "step_kernels.h"
 
-#include <cuda_bf16.h>
-
 #include "cuda_check.h"
+#include "step_kernels.cuh"
+#include "stream_launch.cuh"
 
 namespace normuon::cuda {
-namespace {
-
-constexpr int kBlock = 256;
-constexpr int kIlp = 4;  // elements in flight per thread in the multi-tensor passes
-
-__device__ __forceinline__ bool step_skipped(const StepStatus* status) {
-  return status->first_bad != kNoBadGradient;
-}
-
-// torch's lerp (ATen Lerp.h): the weight decides which end anchors the fma.
-__device__ __forceinline__ float lerp(float a, float b, float w) {
-  return fabsf(w) < 0.5f ? fmaf(w, b - a, a) : fmaf(w - 1.0f, b - a, b);
-}
-
-__device__ __forceinline__ float load_grad(const void* grads, GradType type, int64_t i) {
-  return type == GradType::f32 ? static_cast<const float*>(grads)[i]
-                               : __bfloat162float(static_cast<const __nv_bfloat16*>(grads)[i]);
-}
-
-__device__ __forceinline__ float load_ns(const void* data, bool bf16, int64_t i) {
-  return bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(data)[i]) : static_cast<const float*>(data)[i];
-}
-
-__device__ __forceinline__ void store_ns(void* data, bool bf16, int64_t i, float x) {
-  if (bf16) static_cast<__nv_bfloat16*>(data)[i] = __float2bfloat16_rn(x);  // P(U): round to nearest even
-  else static_cast<float*>(data)[i] = x;
-}
-
-__device__ __forceinline__ void store_param(const StepBuffers& b, int64_t i, float p) {
-  b.params[i] = p;
-  if (b.params_bf16) reinterpret_cast<__nv_bfloat16*>(b.params_bf16)[i] = __float2bfloat16_rn(p);
-}
-
-// Sum over the block in a fixed tree order; every thread gets the result.
-__device__ double block_sum(double x, double* shared) {
-  shared[threadIdx.x] = x;
-  __syncthreads();
-  for (int half = blockDim.x / 2; half > 0; half /= 2) {
-    if (threadIdx.x < half) shared[threadIdx.x] += shared[threadIdx.x + half];
-    __syncthreads();
-  }
-  const double total = shared[0];
-  __syncthreads();
-  return total;
-}
-
-__global__ void scan_gradients_kernel(StepBuffers b, const Chunk* chunks) {
-  const Chunk c = chunks[blockIdx.x];
-  if (!b.has_grad[c.entry]) return;
-  const int64_t base = b.entries[c.entry].offset + c.begin;
-  unsigned long long first = kNoBadGradient;
-  for (int i = threadIdx.x; i < c.size; i += blockDim.x)
-    if (!isfinite(load_grad(b.grads, b.grad_type, base + i))) {
-      first = (static_cast<unsigned long long>(c.entry) << kBadElementBits) | static_cast<unsigned long long>(c.begin + i);
-      break;  // later elements of this thread have larger indices
-    }
-  for (int offset = 16; offset > 0; offset /= 2) first = min(first, __shfl_down_sync(0xffffffffu, first, offset));
-  // A minimum is the same whatever order the warps arrive in: the atomic keeps the result deterministic.
-  if ((threadIdx.x & 31) == 0 && first != kNoBadGradient) atomicMin(&b.status->first_bad, first);
-}
-
-__global__ void advance_steps_kernel(StepBuffers b) {
-  StepStatus& status = *b.status;
-  if (status.first_bad != kNoBadGradient) {
-    // Keep the first bad step until the host reads it: its parameter, element, value and step number.
-    if (threadIdx.x == 0 && status.reported_bad == kNoBadGradient) {
-      const int entry = static_cast<int>(status.first_bad >> kBadElementBits);
-      const int64_t element = static_cast<int64_t>(status.first_bad & ((1ull << kBadElementBits) - 1));
-      status.reported_bad = status.first_bad;
-      status.reported_step = b.group_steps[b.entries[entry].group] + 1;
-      status.reported_value = load_grad(b.grads, b.grad_type, b.entries[entry].offset + element);
-    }
-    return;
-  }
-  for (int g = threadIdx.x; g < b.n_groups; g += blockDim.x) {
-    bool any = false;
-    for (int e = 0; e < b.n_entries && !any; ++e) any = b.entries[e].group == g && b.has_grad[e];
-    if (!any) continue;
-    const double t = static_cast<double>(++b.group_steps[g]);
-    GroupScalars& s = b.groups[g];
-    if (s.bias_from_host) {  // valid for this one step: later steps (replays) derive their own
-      s.bias_from_host = 0;
-      continue;
-    }
-    s.adam_bc2_sqrt = static_cast<float>(sqrt(1.0 - pow(s.adam_beta2_d, t)));
-    s.adam_neg_step_size = static_cast<float>(-(s.adam_lr / (1.0 - pow(s.adam_beta1_d, t))));
-  }
-}
-
-__global__ void momentum_kernel(StepBuffers b, const Chunk* chunks) {
-  if (step_skipped(b.status)) return;
-  const Chunk c = chunks[blockIdx.x];
-  if (!b.has_grad[c.entry]) return;
-  const EntryInfo e = b.entries[c.entry];
-  const MatrixInfo m = b.matrices[e.matrix];
-  const GroupScalars s = b.groups[e.group];
-  const int64_t base = e.offset + c.begin;
-  for (int i0 = threadIdx.x; i0 < c.size; i0 += kBlock * kIlp) {
-    float g[kIlp], M[kIlp];
-#pragma unroll
-    for (int k = 0; k < kIlp; ++k) {
-      const int i = i0 + k * kBlock;
-      if (i < c.size) {
-        g[k] = load_grad(b.grads, b.grad_type, base + i);
-        M[k] = b.momentum[base + i];
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kIlp; ++k) {
-      const int i = i0 + k * kBlock;
-      if (i < c.size) {
-        const float mk = lerp(M[k], g[k], s.w1);
-        b.momentum[base + i] = mk;
-        store_ns(m.ns_input, m.ns_bf16, c.begin + i, s.nesterov ? lerp(g[k], mk, s.beta1) : mk);
-      }
-    }
-  }
-}
-
-__global__ void statistics_kernel(StepBuffers b, const StatTask* tasks) {
-  if (step_skipped(b.status)) return;
-  const StatTask task = tasks[blockIdx.x];
-  const MatrixInfo m = b.matrices[task.matrix];
-  if (!b.has_grad[m.entry]) return;
-  const bool bf16 = m.ns_bf16;
-  if (m.stats_per_row) {  // one warp per row, lanes stride the columns
-    const int row = task.first + static_cast<int>(threadIdx.x / 32);
-    if (row >= m.rows) return;
-    double sum = 0;
-    for (int j = threadIdx.x % 32; j < m.cols; j += 32) {
-      const double o = load_ns(m.ns_output, bf16, static_cast<int64_t>(row) * m.cols + j);
-      sum += o * o;
-    }
-    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_down_sync(0xffffffffu, sum, offset);
-    if (threadIdx.x % 32 == 0) b.stat_sums[m.stat_offset + row] = sum;
-  } else {  // one thread per column, walking down the rows (coalesced across the warp)
-    const int col = task.first + static_cast<int>(threadIdx.x);
-    if (col >= m.cols) return;
-    double sum = 0;
-    for (int i = 0; i < m.rows; ++i) {
-      const double o = load_ns(m.ns_output, bf16, static_cast<int64_t>(i) * m.cols + col);
-      sum += o * o;
-    }
-    b.stat_sums[m.stat_offset + col] = sum;
-  }
-}
-
-__global__ void finalize_kernel(StepBuffers b) {
-  __shared__ double shared[kBlock];
-  if (step_skipped(b.status)) return;
-  const MatrixInfo m = b.matrices[blockIdx.x];
-  if (!b.has_grad[m.entry]) return;
-  const GroupScalars s = b.groups[m.group];
-  const double other_len = m.stats_per_row ? m.cols : m.rows;  // the axis each statistic averages over
-  double total = 0, normalised = 0;
-  for (int64_t k = threadIdx.x; k < m.stat_len; k += blockDim.x) {
-    const int64_t at = m.stat_offset + k;
-    const double sum = b.stat_sums[at];
-    const float v = lerp(b.row_var[at], static_cast<float>(sum / other_len), s.w2);
-    b.row_var[at] = v;
-    // clamp_min keeps a NaN (fmaxf would not): written as a compare, like std::max in the CPU kernel.
-    const float inv = s.eps_add ? 1.0f / (sqrtf(v) + s.denom_eps) : 1.0f / sqrtf(v < s.denom_eps ? s.denom_eps : v);
-    b.inv_scale[at] = inv;
-    total += sum;
-    // ||O * s||^2 = sum_k s_k^2 * (sum of squares along k): no second pass over O.
-    normalised += static_cast<double>(inv) * static_cast<double>(inv) * sum;
-  }
-  total = block_sum(total, shared);
-  normalised = block_sum(normalised, shared);
-  if (threadIdx.x == 0) {
-    const float nu = static_cast<float>(sqrt(total));
-    b.matrix_scalars[blockIdx.x].ratio = nu / (static_cast<float>(sqrt(normalised)) + s.renorm_eps);
-  }
-}
-
-__global__ void normuon_update_kernel(StepBuffers b, const Chunk* chunks) {
-  if (step_skipped(b.status)) return;
-  const Chunk c = chunks[blockIdx.x];
-  if (!b.has_grad[c.entry]) return;
-  const EntryInfo e = b.entries[c.entry];
-  const MatrixInfo m = b.matrices[e.matrix];
-  const GroupScalars s = b.groups[e.group];
-  const MatrixScalars ms = b.matrix_scalars[e.matrix];
-  const float* inv_scale = b.inv_scale + m.stat_offset;
-  const uint32_t cols = static_cast<uint32_t>(m.cols);
-  for (int i0 = threadIdx.x; i0 < c.size; i0 += kBlock * kIlp) {
-    float o[kIlp], p[kIlp], scale[kIlp];
-#pragma unroll
-    for (int k = 0; k < kIlp; ++k) {
-      const int i = i0 + k * kBlock;
-      if (i < c.size) {
-        const uint32_t idx = static_cast<uint32_t>(c.begin + i);  // a matrix has < 2^32 elements
-        const uint32_t row = idx / cols;
-        o[k] = load_ns(m.ns_output, m.ns_bf16, idx);
-        p[k] = b.params[m.offset + idx];
-        scale[k] = inv_scale[m.stats_per_row ? row : idx - row * cols];
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kIlp; ++k) {
-      const int i = i0 + k * kBlock;
-      if (i < c.size) {
-        const float u = ((o[k] * scale[k]) * ms.ratio) * ms.kappa;
-        float pk = p[k];
-        if (s.decay) {
-          if (s.wd_mode == 0) pk = pk * s.decay_factor;
-          else if (s.wd_mode == 1) pk = pk - (pk * (u * pk >= 0.0f ? 1.0f : 0.0f)) * s.lr_wd;
-        }
-        store_param(b, m.offset + c.begin + i, fmaf(s.neg_lr, u, pk));
-      }
-    }
-  }
-}
-
-__global__ void adamw_kernel(StepBuffers b, const Chunk* chunks) {
-  if (step_skipped(b.status)) return;
-  const Chunk c = chunks[blockIdx.x];
-  if (!b.has_grad[c.entry]) return;
-  const EntryInfo e = b.entries[c.entry];
-  const GroupScalars s = b.groups[e.group];
-  const int64_t base = e.offset + c.begin, adam_base = e.adam_offset + c.begin;
-  for (int i0 = threadIdx.x; i0 < c.size; i0 += kBlock * kIlp) {
-    float g[kIlp], p[kIlp], m[kIlp], v[kIlp];
-#pragma unroll
-    for (int k = 0; k < kIlp; ++k) {
-      const int i = i0 + k * kBlock;
-      if (i < c.size) {
-        g[k] = load_grad(b.grads, b.grad_type, base + i);
-        p[k] = b.params[base + i];
-        m[k] = b.exp_avg[adam_base + i];
-        v[k] = b.exp_avg_sq[adam_base + i];
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kIlp; ++k) {
-      const int i = i0 + k * kBlock;
-      if (i < c.size) {
-        const float pk = s.adam_decay ? p[k] * s.adam_decay_factor : p[k];         // param.mul_(1 - lr*wd)
-        const float mk = lerp(m[k], g[k], s.adam_w1);                               // exp_avg.lerp_(g, 1 - beta1)
-        const float vk = fmaf(s.adam_one_minus_beta2 * g[k], g[k], v[k] * s.adam_beta2);  // mul_(b2).addcmul_(g, g, 1-b2)
-        const float denom = sqrtf(vk) / s.adam_bc2_sqrt + s.adam_eps;              // (sqrt(v) / bc2_sqrt).add_(eps)
-        store_param(b, base + i, pk + (s.adam_neg_step_size * mk) / denom);         // addcdiv_(m, denom, -step_size)
-        b.exp_avg[adam_base + i] = mk;
-        b.exp_avg_sq[adam_base + i] = vk;
-      }
-    }
-  }
-}
-
-// One block of kBlock threads per work item (chunk, task or matrix); an empty pass launches nothing.
-template <typename... Params, typename... Args>
-void launch_per_item(void (*kernel)(Params...), int n_items, cudaStream_t stream, Args... args) {
-  if (n_items == 0) return;
-  kernel<<<n_items, kBlock, 0, stream>>>(args...);
-  NORMUON_CUDA_CHECK_LAUNCH();
-}
-
-}  // namespace
-
-static_assert(kStatRowsPerTask * 32 == kBlock && kStatColsPerTask == kBlock, "one statistics task per block");
 
 void launch_scan_gradients(const StepBuffers& b, const Chunk* chunks, int n_chunks, cudaStream_t stream) {
-  launch_per_item(scan_gradients_kernel, n_chunks, stream, b, chunks);
+  step_device::scan_gradients(StreamLaunch{stream}, b, chunks, n_chunks);
 }
 
 void launch_advance_steps(const StepBuffers& b, cudaStream_t stream) {
-  advance_steps_kernel<<<1, 32, 0, stream>>>(b);
-  NORMUON_CUDA_CHECK_LAUNCH();
+  step_device::advance_steps(StreamLaunch{stream}, b);
 }
 
 void launch_momentum(const StepBuffers& b, const Chunk* chunks, int n_chunks, cudaStream_t stream) {
-  launch_per_item(momentum_kernel, n_chunks, stream, b, chunks);
+  step_device::momentum(StreamLaunch{stream}, b, chunks, n_chunks);
 }
 
 void launch_statistics(const StepBuffers& b, const StatTask* tasks, int n_tasks, cudaStream_t stream) {
-  launch_per_item(statistics_kernel, n_tasks, stream, b, tasks);
+  step_device::statistics(StreamLaunch{stream}, b, tasks, n_tasks);
 }
 
 void launch_finalize(const StepBuffers& b, int n_matrices, cudaStream_t stream) {
-  launch_per_item(finalize_kernel, n_matrices, stream, b);
+  step_device::finalize(StreamLaunch{stream}, b, n_matrices);
 }
 
 void launch_normuon_update(const StepBuffers& b, const Chunk* chunks, int n_chunks, cudaStream_t stream) {
-  launch_per_item(normuon_update_kernel, n_chunks, stream, b, chunks);
+  step_device::normuon_update(StreamLaunch{stream}, b, chunks, n_chunks);
 }
 
 void launch_adamw(const StepBuffers& b, const Chunk* chunks, int n_chunks, cudaStream_t stream) {
-  launch_per_item(adamw_kernel, n_chunks, stream, b, chunks);
+  step_device::adamw(StreamLaunch{stream}, b, chunks, n_chunks);
 }
 
 }  // namespace normuon::cuda

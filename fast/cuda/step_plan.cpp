@@ -1,9 +1,12 @@
 #include "step_plan.h"
 
+#include <cmath>
 #include <limits>
+#include <sstream>
 #include <stdexcept>
 
 #include "normuon/ns_coefficients.h"
+#include "ns_batch_geometry.h"
 
 namespace normuon::cuda {
 namespace {
@@ -85,6 +88,62 @@ StepPlan StepPlan::build(const Layout& layout, const Options& options) {
   return plan;
 }
 
+GroupScalars group_scalars(const GroupOptions& g, const int64_t* steps_taken) {
+  GroupScalars s{};
+  const NorMuonHyper& h = g.normuon;
+  s.w1 = static_cast<float>(1 - h.beta1);
+  s.beta1 = static_cast<float>(h.beta1);
+  s.nesterov = h.nesterov;
+  s.w2 = static_cast<float>(1 - h.beta2);
+  s.eps_add = h.eps_placement == EpsPlacement::add;
+  s.denom_eps = static_cast<float>(h.denom_eps);
+  s.renorm_eps = static_cast<float>(h.renorm_eps);
+  s.wd_mode = h.weight_decay_mode == WeightDecayMode::decoupled ? 0
+              : h.weight_decay_mode == WeightDecayMode::cautious ? 1
+                                                                  : 2;
+  s.decay = h.weight_decay != 0 && s.wd_mode != 2;
+  s.decay_factor = static_cast<float>(1 - h.lr * h.weight_decay);
+  s.lr_wd = static_cast<float>(h.lr * h.weight_decay);
+  s.neg_lr = static_cast<float>(-h.lr);
+  const AdamWHyper& a = g.adamw;
+  s.adam_decay = a.weight_decay != 0;
+  s.adam_decay_factor = static_cast<float>(1 - a.lr * a.weight_decay);
+  s.adam_w1 = static_cast<float>(1 - a.beta1);
+  s.adam_beta2 = static_cast<float>(a.beta2);
+  s.adam_one_minus_beta2 = static_cast<float>(1 - a.beta2);
+  s.adam_eps = static_cast<float>(a.eps);
+  s.adam_lr = a.lr;
+  s.adam_beta1_d = a.beta1;
+  s.adam_beta2_d = a.beta2;
+  if (steps_taken) {  // the reference's arithmetic (fast/fast_cpu_backend.cpp does the same)
+    const double t = static_cast<double>(*steps_taken + 1);
+    s.bias_from_host = 1;
+    s.adam_bc2_sqrt = static_cast<float>(std::sqrt(1 - std::pow(a.beta2, t)));
+    s.adam_neg_step_size = static_cast<float>(-(a.lr / (1 - std::pow(a.beta1, t))));
+  }
+  return s;
+}
+
+std::vector<MatrixScalars> matrix_scalars(const std::vector<MatrixInfo>& matrices, const Options& options) {
+  std::vector<MatrixScalars> out;
+  out.reserve(matrices.size());
+  for (const MatrixInfo& m : matrices)
+    out.push_back({0.0f, static_cast<float>(lr_scale_factor(options.groups.at(m.group).normuon.lr_scale, m.rows, m.cols))});
+  return out;
+}
+
+StepResult step_result(const StepStatus& status, const Layout& layout, const Options& options) {
+  if (status.reported_bad == kNoBadGradient) return {};
+  const int entry = static_cast<int>(status.reported_bad >> kBadElementBits);
+  const int64_t element = static_cast<int64_t>(status.reported_bad & ((1ull << kBadElementBits) - 1));
+  std::ostringstream msg;
+  msg << "step " << status.reported_step << ": gradient of '" << layout.entries.at(entry).name << "' holds "
+      << status.reported_value << " at element " << element;
+  if (options.nonfinite == NonFinitePolicy::error)
+    throw std::runtime_error(msg.str() + " (nothing was changed; set nonfinite=skip_step to skip such steps)");
+  return StepResult{true, msg.str() + "; step skipped"};
+}
+
 int64_t StepPlan::elementwise_launches() const {
   return 1 /* step counters */ + !scan_chunks.empty() + !normuon_chunks.empty() /* momentum */ + !stat_tasks.empty() +
          !matrices.empty() /* finalize */ + !normuon_chunks.empty() /* update */ + !adamw_chunks.empty();
@@ -93,7 +152,7 @@ int64_t StepPlan::elementwise_launches() const {
 int64_t StepPlan::newton_schulz_launches() const {
   int64_t n = 0;
   for (const auto& b : batches)
-    if (b.count > 0 && b.rows * b.cols > 0) n += 2 + 3 * b.steps;
+    if (b.count > 0 && b.rows * b.cols > 0) n += ns_launches(b.steps);
   return n;
 }
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "newton_schulz_cuda.h"
+#include "normuon/backend.h"
 #include "normuon/layout.h"
 #include "normuon/options.h"
 #include "step_tables.h"
@@ -33,9 +34,22 @@ struct StepPlan {
 
   // Kernel launches of one step besides Newton-Schulz's own (empty passes launch nothing).
   int64_t elementwise_launches() const;
-  // Newton-Schulz launches of one step: 2 + 3 * ns_steps per non-empty batch.
+  // Newton-Schulz launches of one step: ns_launches(ns_steps) = 2 + 6 * ns_steps per non-empty batch.
   int64_t newton_schulz_launches() const;
 };
+
+// The per-group scalars the kernels read, from a group's options. With `steps_taken` (the group's step
+// counter before the step), also the next step's AdamW bias corrections, computed on the host exactly as
+// the reference computes them (bias_from_host = 1); without, the step-counter kernel derives them.
+GroupScalars group_scalars(const GroupOptions& group, const int64_t* steps_taken = nullptr);
+
+// Per matrix (the plan's order): the lr_scale factor of its group's rule; the ratio is the device's.
+std::vector<MatrixScalars> matrix_scalars(const std::vector<MatrixInfo>& matrices, const Options& options);
+
+// What a step's status says, as begin_step (core/src/step_prologue.cpp) says it, so every backend
+// reports a NaN/Inf gradient the same way: {} when none was reported; a skipped step under
+// nonfinite=skip_step; std::runtime_error under nonfinite=error.
+StepResult step_result(const StepStatus& status, const Layout& layout, const Options& options);
 
 // Why the plan cannot be built, or empty.
 std::string plan_unsupported_reason(const Layout& layout, const Options& options);

@@ -8,6 +8,9 @@
 
 namespace normuon::cuda {
 
+// Threads per block of the step's kernels (one block per chunk, statistics task or matrix).
+constexpr int kStepThreads = 256;
+
 // A piece of one parameter for the multi-tensor passes: <= kChunkElements elements of entry `entry`.
 constexpr int64_t kChunkElements = 16384;
 struct Chunk {
@@ -39,6 +42,7 @@ struct MatrixInfo {
 // A statistics work item: a few rows (per-row statistics) or columns (per-column) of one matrix.
 constexpr int kStatRowsPerTask = 8;     // one warp per row, 8 warps per block
 constexpr int kStatColsPerTask = 256;   // one thread per column
+static_assert(kStatRowsPerTask * 32 == kStepThreads && kStatColsPerTask == kStepThreads, "one task per block");
 struct StatTask {
   int32_t matrix;
   int32_t first;  // first row or column of the task

@@ -1,0 +1,45 @@
+#include "ns_batch_geometry.h"
+
+#include <algorithm>
+#include <climits>
+#include <stdexcept>
+#include <string>
+
+namespace normuon::cuda {
+namespace {
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+NsSlicing slicing(int64_t n, int64_t count) {
+  NsSlicing s;
+  s.n = n;
+  s.stride = round_up(n, kNsStrideAlign);
+  const int64_t groups = ceil_div(n, kNsVec);
+  const int64_t slices = std::clamp<int64_t>(ceil_div(n, kNsElementsPerSlice), 1, kNsMaxSlices);
+  s.groups_per_slice = ceil_div(groups, slices);
+  const int64_t used = ceil_div(groups, s.groups_per_slice);  // no empty slice
+  if (count * used > INT32_MAX) throw std::invalid_argument("too many blocks");
+  s.slices = static_cast<int>(used);
+  return s;
+}
+
+}  // namespace
+
+NsBatchGeometry ns_batch_geometry(const NsBatchShape& shape) {
+  NsBatchGeometry g;
+  g.empty = shape.count == 0 || shape.rows == 0 || shape.cols == 0;
+  if (g.empty) return g;
+  g.plan = ns_gemm_plan(shape.rows, shape.cols);
+  try {
+    if (shape.count > INT32_MAX || g.plan.l > INT32_MAX) throw std::invalid_argument("too large");
+    g.x = slicing(shape.rows * shape.cols, shape.count);
+    g.gram = slicing(g.plan.s * g.plan.s, shape.count);
+  } catch (const std::invalid_argument&) {
+    throw std::invalid_argument("Newton-Schulz batch too large: " + std::to_string(shape.count) + " x " +
+                                std::to_string(shape.rows) + "x" + std::to_string(shape.cols));
+  }
+  return g;
+}
+
+}  // namespace normuon::cuda

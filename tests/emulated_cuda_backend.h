@@ -1,0 +1,57 @@
+// The fused CUDA step on the host, for the tests of machines without a GPU: the device code of fast/cuda
+// (step_kernels.cuh, ns_norm_kernels.cuh) runs on the SIMT emulator (tests/simt), the Newton-Schulz
+// GEMMs run through the cuBLASLt emulation (lt_matmul_emulation.h) on the layouts of the plan, the
+// tables come from StepPlan and the Newton-Schulz buffers from ns_batch_geometry, and the launches
+// follow FastCudaBackend::enqueue_step. The device buffers are the FlatState's own (kernels write into
+// it in place, which also shows that a skipped step writes nothing).
+//
+// What this cannot check: cuBLASLt itself (its summation order), the CUDA runtime calls of the backend
+// (copies, streams, events, graph capture) and real concurrency.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "normuon/backend.h"
+#include "normuon/flat_state.h"
+#include "normuon/layout.h"
+#include "normuon/options.h"
+#include "step_kernels.h"
+
+namespace normuon::test {
+
+class EmulatedCudaBackend : public Backend {
+ public:
+  struct Config {
+    cuda::GradType grad_type = cuda::GradType::f32;  // bf16: gradients are rounded to bf16 before the step
+    bool bf16_params = false;                         // keep a bf16 copy of the parameters (params_bf16())
+  };
+
+  EmulatedCudaBackend(const Layout& layout, const Options& options, Config config);
+  EmulatedCudaBackend(const Layout& layout, const Options& options) : EmulatedCudaBackend(layout, options, Config{}) {}
+  ~EmulatedCudaBackend() override;
+
+  std::string name() const override { return "fast-cuda-emulated"; }
+  // As FastCudaBackend::step: AdamW bias corrections from the host, then enqueue and finish.
+  StepResult step(FlatState& state, const Options& options) override;
+
+  // The two halves, as the CUDA backend has them. enqueue_step runs the launches on `state`; with
+  // host_bias = false the step-counter kernel derives the bias corrections itself, as in a replayed CUDA
+  // graph. finish_step reads (and clears) the sticky step status.
+  void enqueue_step(FlatState& state, const Options& options, bool host_bias);
+  StepResult finish_step(const Options& options);
+
+  // Kernel launches and GEMMs of the last enqueue_step, as counted while it ran.
+  int64_t launches_last_step() const { return launches_last_step_; }
+  const std::vector<uint16_t>& params_bf16() const { return params_bf16_; }
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  std::vector<uint16_t> params_bf16_;
+  int64_t launches_last_step_ = 0;
+};
+
+}  // namespace normuon::test

@@ -1,0 +1,304 @@
+// The fused CUDA step's device code, run on the host (emulated_cuda_backend.h): the kernels of
+// fast/cuda on the SIMT emulator and the Newton-Schulz GEMMs through the cuBLASLt emulation, checked
+// against the reference like test_fast_cuda checks the real backend. No GPU needed: these run on every
+// machine, and on a GPU machine test_fast_cuda then checks what this cannot (cuBLASLt, the CUDA
+// runtime calls, graphs, concurrency).
+//
+// Cases: the comparator's tolerances on every knob (momentum and AdamW exact, Newton-Schulz within the
+// bf16/fp32 bounds), odd shapes and groups in both compare modes, independence from the order threads
+// and blocks run in, the device-derived AdamW bias corrections of a graph replay, NaN/Inf gradients
+// (reported as every backend reports them, nothing written, the status sticking until finish_step),
+// bf16 gradients and the bf16 parameter copy, and the launch count of the plan.
+#define BOOST_TEST_MODULE cuda_emulated
+#include <boost/test/unit_test.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "comparator.h"
+#include "cuda_test_models.h"
+#include "emulated_cuda_backend.h"
+#include "knob_variants.h"
+#include "normuon/grad_gen.h"
+#include "normuon/step_prologue.h"
+#include "reference_backend.h"
+#include "simt.h"
+#include "step_plan.h"
+
+using namespace normuon;
+using namespace normuon::test;
+
+namespace {
+
+const GradientGenerator kGenerator{1234, 7};  // one parameter in 7 misses its gradient each step
+const GradientGenerator kEveryGradient{1234, 0};
+
+// A GPT-2-shaped model small enough for the emulator: embeddings, per-layer norms and biases, the four
+// matrix shapes of a block (wide and tall), an untied head.
+Manifest mini_gpt() {
+  Manifest m;
+  add_param(m, "wte", {256, 64}, "", Role::embedding);
+  add_param(m, "wpe", {32, 64}, "", Role::embedding);
+  for (int l = 0; l < 2; ++l) {
+    const std::string p = "h." + std::to_string(l) + ".";
+    add_param(m, p + "ln_1.weight", {64}, "", Role::norm);
+    add_param(m, p + "attn.c_attn.weight", {64, 192});
+    add_param(m, p + "attn.c_attn.bias", {192});
+    add_param(m, p + "attn.c_proj.weight", {64, 64});
+    add_param(m, p + "ln_2.weight", {64}, "", Role::norm);
+    add_param(m, p + "mlp.c_fc.weight", {64, 256});
+    add_param(m, p + "mlp.c_proj.weight", {256, 64});
+  }
+  add_param(m, "ln_f.weight", {64}, "", Role::norm);
+  add_param(m, "lm_head.weight", {256, 64}, "", Role::head);
+  return m;
+}
+
+RunSummary cross_check(const Layout& layout, const Options& options, CompareMode mode, int64_t steps) {
+  EmulatedCudaBackend candidate(layout, options);
+  ReferenceBackend reference;
+  FlatState ref_state(layout), cand_state(layout);
+  kGenerator.fill_params(ref_state);
+  Comparator::sync(ref_state, cand_state);
+  Comparator comparator(layout, options, kGenerator, mode);
+  for (int64_t step = 1; step <= steps; ++step) comparator.step(reference, ref_state, candidate, cand_state, step);
+  return comparator.summary();
+}
+
+const KindSummary& kind(const RunSummary& s, TensorKind k) { return s.kinds[static_cast<int>(k)]; }
+
+void log_summary(const std::string& label, const RunSummary& s) {
+  BOOST_TEST_MESSAGE(label << ": " << verdict_line(s));
+  BOOST_TEST_MESSAGE(label << ": normuon_param update error " << kind(s, TensorKind::normuon_param).worst_update_rel
+                           << "; row_var normwise " << kind(s, TensorKind::row_var).worst_normwise
+                           << "; bit-identical: momentum " << kind(s, TensorKind::momentum).bit_identical << "/"
+                           << kind(s, TensorKind::momentum).tensors << ", adamw_param "
+                           << kind(s, TensorKind::adamw_param).bit_identical << "/"
+                           << kind(s, TensorKind::adamw_param).tensors);
+}
+
+// The first difference in what a step writes (parameters, optimizer state, group steps), or "".
+std::string first_difference(const FlatState& expected, const FlatState& actual) {
+  const struct {
+    const char* name;
+    const AlignedBuffer& e;
+    const AlignedBuffer& a;
+  } buffers[] = {{"params", expected.params, actual.params},
+                 {"momentum", expected.momentum, actual.momentum},
+                 {"row_var", expected.row_var, actual.row_var},
+                 {"exp_avg", expected.exp_avg, actual.exp_avg},
+                 {"exp_avg_sq", expected.exp_avg_sq, actual.exp_avg_sq}};
+  for (const auto& b : buffers)
+    for (int64_t i = 0; i < b.e.size(); ++i)
+      if (std::memcmp(&b.e.data()[i], &b.a.data()[i], sizeof(float)) != 0) {
+        std::ostringstream out;
+        out.precision(9);
+        out << b.name << "[" << i << "]: expected " << b.e[i] << ", actual " << b.a[i];
+        return out.str();
+      }
+  if (expected.group_steps != actual.group_steps) return "group steps differ";
+  return "";
+}
+
+// `steps` steps of a fresh emulated backend from the generator's initial parameters.
+FlatState run_emulated(const Layout& layout, const Options& options, int64_t steps, bool host_bias = true,
+                       EmulatedCudaBackend::Config config = {}) {
+  EmulatedCudaBackend backend(layout, options, config);
+  FlatState state(layout);
+  kGenerator.fill_params(state);
+  for (int64_t s = 1; s <= steps; ++s) {
+    kGenerator.fill_gradients(state, s);
+    backend.enqueue_step(state, options, host_bias);
+    BOOST_REQUIRE(!backend.finish_step(options).skipped);
+  }
+  return state;
+}
+
+// What begin_step (core) says about a state's gradients: the message every backend must give.
+std::string prologue_message(const FlatState& state, const Options& options) {
+  FlatState copy = state;
+  try {
+    const auto result = begin_step(copy, options);
+    return result ? result->reason : "";
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+}
+
+// Round to nearest even, as __float2bfloat16_rn, written out independently of cuda_bf16.h.
+uint16_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float round_bf16(float x) {
+  const uint32_t u = static_cast<uint32_t>(bf16_bits(x)) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+struct ScheduleScope {  // the emulator's default order again at the end of a case
+  explicit ScheduleScope(simt::Schedule s) { simt::set_schedule(s); }
+  ~ScheduleScope() { simt::set_schedule(simt::Schedule::forward); }
+};
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(matches_reference_on_every_knob) {
+  std::vector<KnobVariant> variants = knob_variants();
+  variants.insert(variants.begin(), KnobVariant{});  // the defaults
+  // An even ns_steps leaves the Newton-Schulz output in the input buffer; 1 is a single iteration.
+  variants.insert(variants.end(), {{"normuon.ns_steps=4"},
+                                   {"normuon.ns_steps=1"},
+                                   {"normuon.ns_coefficients=polar_express", "normuon.ns_steps=4"}});
+  for (const auto& sets : variants) {
+    std::string label;
+    const Options options = options_with(sets, label);
+    BOOST_TEST_CONTEXT(label) {
+      const Layout layout = Layout::build(mini_gpt(), options);
+      const RunSummary s = cross_check(layout, options, CompareMode::resync, 4);
+      log_summary("mini " + label + ", 4 steps resync", s);
+      BOOST_TEST(s.passed(), verdict_line(s));
+      BOOST_TEST(s.steps == 4);
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(matches_reference_on_odd_shapes_and_groups) {
+  const Options options = odd_options();
+  const Layout layout = Layout::build(odd_manifest(), options);
+  for (const CompareMode mode : {CompareMode::resync, CompareMode::free_running}) {
+    BOOST_TEST_CONTEXT(to_string(mode)) {
+      const RunSummary s = cross_check(layout, options, mode, 5);
+      log_summary(std::string("odd shapes, 5 steps ") + to_string(mode), s);
+      BOOST_TEST(s.passed(), verdict_line(s));
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(results_do_not_depend_on_the_order_threads_and_blocks_run_in) {
+  const Options options = odd_options();
+  const Layout layout = Layout::build(odd_manifest(), options);
+  const FlatState forward = run_emulated(layout, options, 3);
+  const ScheduleScope reverse(simt::Schedule::reverse);
+  const FlatState backward = run_emulated(layout, options, 3);
+  BOOST_TEST(first_difference(forward, backward) == "");
+}
+
+// A replayed CUDA graph has no host input: the step-counter kernel derives the AdamW bias corrections.
+// On the host its pow is the host's, so any difference is a formula that differs from the host's.
+BOOST_AUTO_TEST_CASE(device_derived_bias_corrections_equal_the_host_ones) {
+  const Options options = odd_options();
+  const Layout layout = Layout::build(odd_manifest(), options);
+  const FlatState host = run_emulated(layout, options, 4, true);
+  const FlatState device = run_emulated(layout, options, 4, false);
+  BOOST_TEST(first_difference(host, device) == "");
+}
+
+BOOST_AUTO_TEST_CASE(nonfinite_gradients_change_nothing_and_are_reported_like_every_backend) {
+  const Layout layout = Layout::build(odd_manifest(), odd_options());
+  const float bad_values[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()};
+  for (const char* where : {"prime", "vec", "scalar"})
+    for (const float bad : bad_values) {
+      BOOST_TEST_CONTEXT(where << " holds " << bad) {
+        Options options = odd_options();
+        EmulatedCudaBackend backend(layout, options);
+        FlatState state(layout);
+        kEveryGradient.fill_params(state);
+        kEveryGradient.fill_gradients(state, 1);
+        BOOST_REQUIRE(!backend.step(state, options).skipped);
+        kEveryGradient.fill_gradients(state, 2);
+        const int entry = layout.find(where);
+        const int64_t element = layout.entries[entry].numel / 2;
+        state.grad(entry)[element] = bad;
+        state.grad(entry)[layout.entries[entry].numel - 1] = bad;  // a later one: the first is reported
+        const FlatState before = state;
+
+        options.nonfinite = NonFinitePolicy::error;
+        const std::string expected = prologue_message(state, options);
+        BOOST_TEST(expected.find("element " + std::to_string(element)) != std::string::npos);
+        try {
+          backend.step(state, options);
+          BOOST_ERROR("no error for a non-finite gradient");
+        } catch (const std::runtime_error& e) {
+          BOOST_TEST(std::string(e.what()) == expected);
+        }
+        BOOST_TEST(first_difference(before, state) == "");
+
+        options.nonfinite = NonFinitePolicy::skip_step;
+        const StepResult skipped = backend.step(state, options);
+        BOOST_TEST(skipped.skipped);
+        BOOST_TEST(skipped.reason == prologue_message(state, options));
+        BOOST_TEST(first_difference(before, state) == "");
+      }
+    }
+}
+
+BOOST_AUTO_TEST_CASE(nonfinite_status_sticks_until_finish_step) {
+  Options options = odd_options();
+  options.nonfinite = NonFinitePolicy::skip_step;
+  const Layout layout = Layout::build(odd_manifest(), options);
+  EmulatedCudaBackend backend(layout, options);
+  FlatState state(layout);
+  kEveryGradient.fill_params(state);
+  kEveryGradient.fill_gradients(state, 1);
+  const int entry = layout.find("big");
+  state.grad(entry)[12345] = -std::numeric_limits<float>::infinity();
+  const std::string expected = prologue_message(state, options);
+  backend.enqueue_step(state, options, false);  // skipped
+  for (int64_t s = 2; s <= 3; ++s) {             // two good steps, enqueued before anyone looks
+    kEveryGradient.fill_gradients(state, s);
+    backend.enqueue_step(state, options, false);
+  }
+  const StepResult result = backend.finish_step(options);
+  BOOST_TEST(result.skipped);
+  BOOST_TEST(result.reason == expected);
+  BOOST_TEST(state.group_steps[static_cast<size_t>(layout.entries[entry].group)] == 2);  // the good steps ran
+  BOOST_TEST(!backend.finish_step(options).skipped);  // read once
+}
+
+BOOST_AUTO_TEST_CASE(bf16_gradients_equal_prerounded_fp32_gradients_and_the_bf16_copy_is_rounded) {
+  const Options options = odd_options();
+  const Layout layout = Layout::build(odd_manifest(), options);
+  EmulatedCudaBackend::Config bf16;
+  bf16.grad_type = cuda::GradType::bf16;
+  bf16.bf16_params = true;
+  EmulatedCudaBackend with_bf16(layout, options, bf16), with_f32(layout, options);
+  FlatState a(layout), b(layout);
+  kGenerator.fill_params(a);
+  kGenerator.fill_params(b);
+  for (int64_t s = 1; s <= 3; ++s) {
+    kGenerator.fill_gradients(a, s);
+    kGenerator.fill_gradients(b, s);
+    for (int64_t i = 0; i < b.grads.size(); ++i) b.grads[i] = round_bf16(b.grads[i]);
+    with_bf16.step(a, options);
+    with_f32.step(b, options);
+  }
+  BOOST_TEST(first_difference(b, a) == "");
+  const std::vector<uint16_t>& copy = with_bf16.params_bf16();
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < a.params.size(); ++i) wrong += copy[static_cast<size_t>(i)] != bf16_bits(a.params[i]);
+  BOOST_TEST(wrong == 0);
+}
+
+BOOST_AUTO_TEST_CASE(launches_counted_while_running_equal_the_plans_count) {
+  for (const bool odd : {false, true}) {
+    const Options options = odd ? odd_options() : Options{};
+    const Layout layout = Layout::build(odd ? odd_manifest() : mini_gpt(), options);
+    const cuda::StepPlan plan = cuda::StepPlan::build(layout, options);
+    EmulatedCudaBackend backend(layout, options);
+    FlatState state(layout);
+    kGenerator.fill_params(state);
+    kGenerator.fill_gradients(state, 1);
+    backend.step(state, options);
+    BOOST_TEST(backend.launches_last_step() == plan.elementwise_launches() + plan.newton_schulz_launches());
+  }
+}
