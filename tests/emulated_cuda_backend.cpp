@@ -16,32 +16,26 @@
 namespace normuon::test {
 namespace {
 
-// One Newton-Schulz batch's buffers, as BatchedNewtonSchulz has them: X, the s x s buffers A, C/B and T,
-// and the X-shaped U, `count` matrices each at the geometry's strides.
-template <typename T>
-struct NsBuffersOf {
-  std::vector<T> x, gram, b, t, u;
+// A device allocation of BatchedNewtonSchulz: bytes that a batch reads as bf16 or fp32. Device memory is
+// not cleared: every bit set (NaN in bf16 and fp32) makes a read of an element nobody wrote show up in
+// the results.
+struct DeviceBytes {
+  std::vector<float> storage;  // float-aligned; bf16 batches read it as twice as many halves
 
-  void allocate(const cuda::NsBatchGeometry& g, int64_t count) {
-    for (std::vector<T>* v : {&x, &u}) v->resize(static_cast<size_t>(count * g.x.stride));
-    for (std::vector<T>* v : {&gram, &b, &t}) v->resize(static_cast<size_t>(count * g.gram.stride));
-    // Device memory is not cleared: NaN everywhere (all bits set, in bf16 and fp32) makes any read of an
-    // element nobody wrote, padding included, show up in the results.
-    for (std::vector<T>* v : {&x, &gram, &b, &t, &u})
-      std::memset(static_cast<void*>(v->data()), 0xff, v->size() * sizeof(T));
+  explicit DeviceBytes(int64_t floats = 0) : storage(static_cast<size_t>(floats)) {
+    std::memset(static_cast<void*>(storage.data()), 0xff, storage.size() * sizeof(float));
+  }
+  template <typename T>
+  LtBuffer<T> as() {
+    return {reinterpret_cast<T*>(storage.data()),
+            static_cast<int64_t>(storage.size() * sizeof(float) / sizeof(T))};
   }
 };
-
-template <typename T>
-LtBuffer<T> whole(std::vector<T>& v) {
-  return {v.data(), static_cast<int64_t>(v.size())};
-}
 
 struct NsBatch {
   cuda::NsBatchShape shape;
   cuda::NsBatchGeometry geometry;
-  NsBuffersOf<__nv_bfloat16> bf16;
-  NsBuffersOf<float> f32;
+  DeviceBytes x;  // the batch's own: P(U) in, O out
 };
 
 }  // namespace
@@ -51,7 +45,10 @@ struct EmulatedCudaBackend::Impl {
   Config config;
   cuda::StepPlan plan;
   std::vector<NsBatch> batches;
-  std::vector<double> partials;  // the norm kernels' partial sums, shared by the batches
+  // Shared by the batches and sized for the largest, as BatchedNewtonSchulz allocates them: A, C/B, T
+  // (s x s) and U (X-shaped), and the norm kernels' partial sums.
+  DeviceBytes gram, bmat, tmat, umat;
+  std::vector<double> partials;
   std::vector<cuda::GroupScalars> groups;
   std::vector<cuda::MatrixScalars> matrix_scalars;
   std::vector<double> stat_sums;
@@ -62,25 +59,30 @@ struct EmulatedCudaBackend::Impl {
 
   Impl(const Layout& l, const Options& options, Config c)
       : layout(l), config(c), plan(cuda::StepPlan::build(l, options)) {
-    size_t max_partials = 0;
+    int64_t max_gram = 0, max_x = 0, max_partials = 0;  // elements
     for (const cuda::NsBatchShape& shape : plan.batches) {
       NsBatch& b = batches.emplace_back();
       b.shape = shape;
       b.geometry = cuda::ns_batch_geometry(shape);
       if (b.geometry.empty) continue;
-      if (shape.precision == NsPrecision::bf16)
-        b.bf16.allocate(b.geometry, shape.count);
-      else
-        b.f32.allocate(b.geometry, shape.count);
-      max_partials = std::max(max_partials, static_cast<size_t>(shape.count * b.geometry.x.slices));
+      const int64_t x_elements = shape.count * b.geometry.x.stride;
+      b.x = DeviceBytes(shape.precision == NsPrecision::bf16 ? (x_elements + 1) / 2 : x_elements);
+      max_gram = std::max(max_gram, shape.count * b.geometry.gram.stride);
+      max_x = std::max(max_x, x_elements);
+      max_partials = std::max(max_partials, shape.count * b.geometry.x.slices);
     }
-    partials.resize(max_partials);
+    gram = DeviceBytes(max_gram);
+    bmat = DeviceBytes(max_gram);
+    tmat = DeviceBytes(max_gram);
+    umat = DeviceBytes(max_x);
+    partials.resize(static_cast<size_t>(max_partials));
     // Each matrix reads and writes its slot of its batch's buffers (as FastCudaBackend points them).
     for (size_t m = 0; m < plan.matrices.size(); ++m) {
       cuda::MatrixInfo& info = plan.matrices[m];
       NsBatch& b = batches[static_cast<size_t>(plan.matrix_batch[m])];
       const int64_t at = b.geometry.x.stride * plan.matrix_index[m];
-      info.ns_input = info.ns_bf16 ? static_cast<void*>(b.bf16.x.data() + at) : static_cast<void*>(b.f32.x.data() + at);
+      info.ns_input = info.ns_bf16 ? static_cast<void*>(b.x.as<__nv_bfloat16>().data + at)
+                                   : static_cast<void*>(b.x.as<float>().data + at);
       info.ns_output = info.ns_input;  // in place
     }
     stat_sums.resize(static_cast<size_t>(layout.stat_floats));
@@ -91,17 +93,17 @@ struct EmulatedCudaBackend::Impl {
 
   // BatchedNewtonSchulz::run on the host: the same run_newton_schulz, the GEMMs emulated.
   template <typename T>
-  void run_batch(NsBatch& b, NsBuffersOf<T>& m) {
+  void run_batch(NsBatch& b) {
     const cuda::NsBatchGeometry& g = b.geometry;
-    const cuda::NsBuffers<LtBuffer<T>> whole_buffers{whole(m.x), whole(m.gram), whole(m.b), whole(m.t), whole(m.u)};
+    const cuda::NsBuffers<LtBuffer<T>> whole{b.x.as<T>(), gram.as<T>(), bmat.as<T>(), tmat.as<T>(), umat.as<T>()};
     auto gemm = [&](cuda::ns_device::NsGemm which) {
       const cuda::NsGemmSpec& spec = which == cuda::ns_device::NsGemm::gram     ? g.plan.gram
                                      : which == cuda::ns_device::NsGemm::square ? g.plan.square
                                                                                  : g.plan.apply;
-      lt_matmul<float>(spec, whole_buffers, b.shape.count, g.x.stride, g.gram.stride);
+      lt_matmul<float>(spec, whole, b.shape.count, g.x.stride, g.gram.stride);
       ++gemms;
     };
-    const cuda::NsBuffers<T*> buf{m.x.data(), m.gram.data(), m.b.data(), m.t.data(), m.u.data()};
+    const cuda::NsBuffers<T*> buf{whole.x.data, whole.gram.data, whole.b.data, whole.t.data, whole.u.data};
     cuda::ns_device::run_newton_schulz<T>(simt::Launch{}, gemm, buf, b.shape, g, partials.data());
   }
 };
@@ -161,9 +163,9 @@ void EmulatedCudaBackend::enqueue_step(FlatState& state, const Options& options,
   for (NsBatch& batch : im.batches) {
     if (batch.geometry.empty) continue;
     if (batch.shape.precision == NsPrecision::bf16)
-      im.run_batch(batch, batch.bf16);
+      im.run_batch<__nv_bfloat16>(batch);
     else
-      im.run_batch(batch, batch.f32);
+      im.run_batch<float>(batch);
   }
   cuda::step_device::statistics(launch, b, p.stat_tasks.data(), static_cast<int>(p.stat_tasks.size()));
   cuda::step_device::finalize(launch, b, static_cast<int>(p.matrices.size()));
@@ -180,6 +182,12 @@ StepResult EmulatedCudaBackend::finish_step(const Options& options) {
 }
 
 StepResult EmulatedCudaBackend::step(FlatState& state, const Options& options) {
+  // As DeviceFlatState::upload: the bf16 copy starts from the parameters (entries without a gradient
+  // keep it; the kernels rewrite the others).
+  for (size_t i = 0; i < params_bf16_.size(); ++i) {
+    const __nv_bfloat16 h = __float2bfloat16_rn(state.params[static_cast<int64_t>(i)]);
+    std::memcpy(&params_bf16_[i], &h, sizeof h);
+  }
   enqueue_step(state, options, true);
   return finish_step(options);
 }

@@ -1,5 +1,5 @@
 // The fused CUDA step on the host, for the tests of machines without a GPU: the device code of fast/cuda
-// (step_kernels.cuh, ns_norm_kernels.cuh) runs on the SIMT emulator (tests/simt), the Newton-Schulz
+// (step_kernels.cuh, ns_kernels.cuh) runs on the SIMT emulator (tests/simt), the Newton-Schulz
 // GEMMs run through the cuBLASLt emulation (lt_matmul_emulation.h) on the layouts of the plan, the
 // tables come from StepPlan and the Newton-Schulz buffers from ns_batch_geometry, and the launches
 // follow FastCudaBackend::enqueue_step. The device buffers are the FlatState's own (kernels write into

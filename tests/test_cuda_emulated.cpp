@@ -275,9 +275,11 @@ BOOST_AUTO_TEST_CASE(bf16_gradients_equal_prerounded_fp32_gradients_and_the_bf16
   FlatState a(layout), b(layout);
   kGenerator.fill_params(a);
   kGenerator.fill_params(b);
+  const int idle = layout.find("idle");  // never has a gradient: its bf16 copy comes from the upload
   for (int64_t s = 1; s <= 3; ++s) {
     kGenerator.fill_gradients(a, s);
     kGenerator.fill_gradients(b, s);
+    a.has_grad[static_cast<size_t>(idle)] = b.has_grad[static_cast<size_t>(idle)] = 0;
     for (int64_t i = 0; i < b.grads.size(); ++i) b.grads[i] = round_bf16(b.grads[i]);
     with_bf16.step(a, options);
     with_f32.step(b, options);

@@ -48,6 +48,10 @@ __global__ void shuffle_after_exit_kernel(int* out) {
   out[threadIdx.x] = __shfl_down_sync(0xffffffffu, static_cast<int>(threadIdx.x), 1);
 }
 
+__global__ void partial_mask_kernel(int* out) {
+  out[threadIdx.x] = __shfl_down_sync(0xffffu, static_cast<int>(threadIdx.x), 1);  // not emulated
+}
+
 // A race: each thread reads its neighbour's slot without a barrier between the write and the read.
 __global__ void racy_kernel(int* out) {
   __shared__ int slots[64];
@@ -87,6 +91,7 @@ BOOST_AUTO_TEST_CASE(undefined_behaviour_is_an_error) {
   std::vector<int> out(32, 0);
   BOOST_CHECK_THROW(simt::launch(shuffle_after_exit_kernel, 1, 32, out.data()), simt::Error);
   BOOST_CHECK_THROW(simt::launch(indices_kernel, 1, 2048, out.data()), simt::Error);  // too many threads
+  BOOST_CHECK_THROW(simt::launch(partial_mask_kernel, 1, 32, out.data()), simt::Error);  // thrown inside a fiber
   // The emulator is usable again after an error.
   std::vector<int> ok(32, -1);
   simt::launch(indices_kernel, 1, 32, ok.data());

@@ -79,7 +79,12 @@ void sync_warp() {
 }
 
 void fiber_main() {
-  (*g_block.body)();
+  // An exception cannot unwind past the fiber's first frame: it becomes the launch's error.
+  try {
+    (*g_block.body)();
+  } catch (const std::exception& e) {
+    fail(e.what());
+  }
   // CUDA requires every thread of the block at each __syncthreads() and every lane at a full-mask
   // shuffle: exiting while others wait there is a divergent barrier.
   const int warp = warp_of(g_block.running);
