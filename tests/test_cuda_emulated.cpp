@@ -23,6 +23,7 @@
 #include "cuda_test_models.h"
 #include "emulated_cuda_backend.h"
 #include "knob_variants.h"
+#include "step_checks.h"
 #include "normuon/grad_gen.h"
 #include "normuon/step_prologue.h"
 #include "reference_backend.h"
@@ -69,41 +70,6 @@ RunSummary cross_check(const Layout& layout, const Options& options, CompareMode
   return comparator.summary();
 }
 
-const KindSummary& kind(const RunSummary& s, TensorKind k) { return s.kinds[static_cast<int>(k)]; }
-
-void log_summary(const std::string& label, const RunSummary& s) {
-  BOOST_TEST_MESSAGE(label << ": " << verdict_line(s));
-  BOOST_TEST_MESSAGE(label << ": normuon_param update error " << kind(s, TensorKind::normuon_param).worst_update_rel
-                           << "; row_var normwise " << kind(s, TensorKind::row_var).worst_normwise
-                           << "; bit-identical: momentum " << kind(s, TensorKind::momentum).bit_identical << "/"
-                           << kind(s, TensorKind::momentum).tensors << ", adamw_param "
-                           << kind(s, TensorKind::adamw_param).bit_identical << "/"
-                           << kind(s, TensorKind::adamw_param).tensors);
-}
-
-// The first difference in what a step writes (parameters, optimizer state, group steps), or "".
-std::string first_difference(const FlatState& expected, const FlatState& actual) {
-  const struct {
-    const char* name;
-    const AlignedBuffer& e;
-    const AlignedBuffer& a;
-  } buffers[] = {{"params", expected.params, actual.params},
-                 {"momentum", expected.momentum, actual.momentum},
-                 {"row_var", expected.row_var, actual.row_var},
-                 {"exp_avg", expected.exp_avg, actual.exp_avg},
-                 {"exp_avg_sq", expected.exp_avg_sq, actual.exp_avg_sq}};
-  for (const auto& b : buffers)
-    for (int64_t i = 0; i < b.e.size(); ++i)
-      if (std::memcmp(&b.e.data()[i], &b.a.data()[i], sizeof(float)) != 0) {
-        std::ostringstream out;
-        out.precision(9);
-        out << b.name << "[" << i << "]: expected " << b.e[i] << ", actual " << b.a[i];
-        return out.str();
-      }
-  if (expected.group_steps != actual.group_steps) return "group steps differ";
-  return "";
-}
-
 // `steps` steps of a fresh emulated backend from the generator's initial parameters.
 FlatState run_emulated(const Layout& layout, const Options& options, int64_t steps, bool host_bias = true,
                        EmulatedCudaBackend::Config config = {}) {
@@ -116,33 +82,6 @@ FlatState run_emulated(const Layout& layout, const Options& options, int64_t ste
     BOOST_REQUIRE(!backend.finish_step(options).skipped);
   }
   return state;
-}
-
-// What begin_step (core) says about a state's gradients: the message every backend must give.
-std::string prologue_message(const FlatState& state, const Options& options) {
-  FlatState copy = state;
-  try {
-    const auto result = begin_step(copy, options);
-    return result ? result->reason : "";
-  } catch (const std::runtime_error& e) {
-    return e.what();
-  }
-}
-
-// Round to nearest even, as __float2bfloat16_rn, written out independently of cuda_bf16.h.
-uint16_t bf16_bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-float round_bf16(float x) {
-  const uint32_t u = static_cast<uint32_t>(bf16_bits(x)) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
 }
 
 struct ScheduleScope {  // the emulator's default order again at the end of a case

@@ -37,6 +37,7 @@
 #include "step_plan.h"
 #include "cuda_test_models.h"
 #include "knob_variants.h"
+#include "step_checks.h"
 #ifdef NORMUON_TEST_HAVE_REFERENCE
 #include "reference_backend.h"
 #endif
@@ -75,31 +76,6 @@ bool same_bits(const float* a, const float* b, int64_t n) {
   return std::memcmp(a, b, sizeof(float) * static_cast<size_t>(n)) == 0;
 }
 
-// The first difference in what a step writes (parameters, optimizer state, group steps), or "".
-std::string first_difference(const FlatState& expected, const FlatState& actual) {
-  const struct {
-    const char* name;
-    const AlignedBuffer& e;
-    const AlignedBuffer& a;
-  } buffers[] = {{"params", expected.params, actual.params},
-                 {"momentum", expected.momentum, actual.momentum},
-                 {"row_var", expected.row_var, actual.row_var},
-                 {"exp_avg", expected.exp_avg, actual.exp_avg},
-                 {"exp_avg_sq", expected.exp_avg_sq, actual.exp_avg_sq}};
-  for (const auto& b : buffers) {
-    if (b.e.size() != b.a.size()) return std::string(b.name) + ": sizes differ";
-    for (int64_t i = 0; i < b.e.size(); ++i)
-      if (std::memcmp(&b.e.data()[i], &b.a.data()[i], sizeof(float)) != 0) {
-        std::ostringstream out;
-        out.precision(9);
-        out << b.name << "[" << i << "]: expected " << b.e[i] << ", actual " << b.a[i];
-        return out.str();
-      }
-  }
-  if (expected.group_steps != actual.group_steps) return "group steps differ";
-  return "";
-}
-
 // Gradients and has_grad of `host` into the backend's device state, on its stream (fp32 gradients).
 void upload_gradients(FastCudaBackend& backend, const FlatState& host) {
   cuda::DeviceFlatState& d = backend.device_state();
@@ -115,22 +91,6 @@ FlatState download(FastCudaBackend& backend, const Layout& layout) {
   FlatState s(layout);
   backend.device_state().download(s, backend.stream());
   return s;
-}
-
-// Round to nearest even, as __float2bfloat16_rn (finite values and infinities; NaN stays NaN).
-uint16_t bf16_bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-float round_bf16(float x) {
-  const uint32_t u = static_cast<uint32_t>(bf16_bits(x)) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
 }
 
 std::vector<uint16_t> device_params_bf16(FastCudaBackend& backend) {
@@ -162,17 +122,6 @@ FlatState run_cuda(const Layout& layout, const Options& options, int64_t steps, 
     backend.step(state, options);
   }
   return state;
-}
-
-// What begin_step (core) says about a state's gradients: the message every backend must give.
-std::string prologue_message(const FlatState& state, const Options& options) {
-  FlatState copy = state;
-  try {
-    const auto result = begin_step(copy, options);
-    return result ? result->reason : "";
-  } catch (const std::runtime_error& e) {
-    return e.what();
-  }
 }
 
 // The launches one step issues, counted from the layout and the options alone (not from StepPlan or the
@@ -226,18 +175,6 @@ struct UserStream {
   UserStream(const UserStream&) = delete;
   UserStream& operator=(const UserStream&) = delete;
 };
-
-const KindSummary& kind(const RunSummary& s, TensorKind k) { return s.kinds[static_cast<int>(k)]; }
-
-[[maybe_unused]] void log_summary(const std::string& label, const RunSummary& s) {
-  BOOST_TEST_MESSAGE(label << ": " << verdict_line(s));
-  BOOST_TEST_MESSAGE(label << ": normuon_param update error " << kind(s, TensorKind::normuon_param).worst_update_rel
-                           << "; row_var normwise " << kind(s, TensorKind::row_var).worst_normwise
-                           << "; exact kinds bit-identical: momentum "
-                           << kind(s, TensorKind::momentum).bit_identical << "/" << kind(s, TensorKind::momentum).tensors
-                           << ", adamw_param " << kind(s, TensorKind::adamw_param).bit_identical << "/"
-                           << kind(s, TensorKind::adamw_param).tensors);
-}
 
 }  // namespace
 

@@ -16,6 +16,16 @@ namespace {  // internal linkage: the library and the tests' emulation each get 
 
 __device__ __forceinline__ int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
 
+// Block blockIdx.x's share of a slicing: its matrix and its groups of kNsVec elements, [begin, end).
+struct SliceGroups {
+  int64_t matrix, begin, end;
+};
+__device__ __forceinline__ SliceGroups slice_groups(const NsSlicing& sl) {
+  const int64_t matrix = blockIdx.x / sl.slices, slice = blockIdx.x % sl.slices;
+  const int64_t begin = slice * sl.groups_per_slice;
+  return {matrix, begin, min(begin + sl.groups_per_slice, ceil_div(sl.n, kNsVec))};
+}
+
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(float x) { return x; }
 
@@ -76,15 +86,11 @@ __device__ double block_sum(double x) {
 template <typename T>
 __global__ void __launch_bounds__(kNsThreads)
     ns_norm_partials(const T* __restrict__ x, NsSlicing sl, double* __restrict__ partials) {
-  const int64_t matrix = blockIdx.x / sl.slices;
-  const int64_t slice = blockIdx.x % sl.slices;
-  const T* xm = x + matrix * sl.stride;
+  const SliceGroups my = slice_groups(sl);
+  const T* xm = x + my.matrix * sl.stride;
   const int64_t n = sl.n;
-  const int64_t groups = ceil_div(n, kNsVec);
-  const int64_t g_begin = slice * sl.groups_per_slice;
-  const int64_t g_end = min(g_begin + sl.groups_per_slice, groups);
   double acc = 0;
-  for (int64_t g = g_begin + threadIdx.x; g < g_end; g += kNsThreads) {
+  for (int64_t g = my.begin + threadIdx.x; g < my.end; g += kNsThreads) {
     const int64_t e = g * kNsVec;
     if (e + kNsVec <= n) {
       float v[kNsVec];
@@ -109,10 +115,9 @@ __global__ void __launch_bounds__(kNsThreads)
     ns_normalise(T* __restrict__ x, NsSlicing sl, const double* __restrict__ partials, float eps, float safety,
                  int polar) {
   __shared__ float denom_shared;
-  const int64_t matrix = blockIdx.x / sl.slices;
-  const int64_t slice = blockIdx.x % sl.slices;
+  const SliceGroups my = slice_groups(sl);
   if (threadIdx.x < 32) {
-    const double* pm = partials + matrix * sl.slices;
+    const double* pm = partials + my.matrix * sl.slices;
     double sq = 0;
     for (int i = threadIdx.x; i < sl.slices; i += 32) sq += pm[i];
     sq = warp_sum(sq);
@@ -127,12 +132,9 @@ __global__ void __launch_bounds__(kNsThreads)
   }
   __syncthreads();
   const float denom = denom_shared;
-  T* xm = x + matrix * sl.stride;
+  T* xm = x + my.matrix * sl.stride;
   const int64_t n = sl.n;
-  const int64_t groups = ceil_div(n, kNsVec);
-  const int64_t g_begin = slice * sl.groups_per_slice;
-  const int64_t g_end = min(g_begin + sl.groups_per_slice, groups);
-  for (int64_t g = g_begin + threadIdx.x; g < g_end; g += kNsThreads) {
+  for (int64_t g = my.begin + threadIdx.x; g < my.end; g += kNsThreads) {
     const int64_t e = g * kNsVec;
     if (e + kNsVec <= n) {
       float v[kNsVec];
@@ -152,15 +154,11 @@ __global__ void __launch_bounds__(kNsThreads)
 template <typename T>
 __global__ void __launch_bounds__(kNsThreads)
     ns_combine(T* d, const T* a, const T* __restrict__ t, NsSlicing sl, float coef) {
-  const int64_t matrix = blockIdx.x / sl.slices;
-  const int64_t slice = blockIdx.x % sl.slices;
-  const int64_t base = matrix * sl.stride;
+  const SliceGroups my = slice_groups(sl);
+  const int64_t base = my.matrix * sl.stride;
   const int64_t n = sl.n;
-  const int64_t groups = ceil_div(n, kNsVec);
-  const int64_t g_begin = slice * sl.groups_per_slice;
-  const int64_t g_end = min(g_begin + sl.groups_per_slice, groups);
   const T* tag = nullptr;
-  for (int64_t g = g_begin + threadIdx.x; g < g_end; g += kNsThreads) {
+  for (int64_t g = my.begin + threadIdx.x; g < my.end; g += kNsThreads) {
     const int64_t e = base + g * kNsVec;
     if (g * kNsVec + kNsVec <= n) {
       float v[kNsVec], w[kNsVec];
