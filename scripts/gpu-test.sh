@@ -19,7 +19,7 @@ usage: scripts/gpu-test.sh [options]
 
 Configures a build folder with the tests, the CUDA backend, the reference (the pip torch's libtorch),
 the Python module and, where oneDNN is found (here or staged), the fast CPU backend; builds it; then
-  1. ctest --output-on-failure -R "cuda|ns_gemm|python|selector|golden|compare"
+  1. ctest --output-on-failure -R "cuda|simt|ns_gemm|python|selector|golden|compare"
   2. pytest python/tests/test_cuda.py (the Python CUDA tests, run again to see that none was skipped)
   3. normuon compare --device cuda --preset tiny --steps 50
   4. normuon compare --device cuda --candidate reference --preset tiny --steps 10
@@ -41,7 +41,7 @@ options:
   --fast-cpu on|off   build the fast CPU backend (default: on when oneDNN's dnnl.hpp is found, here or staged)
   --jobs N            build jobs (default: nproc)
   --ctest-jobs N      tests run at once (default: 4)
-  --ctest-regex RE    which CTest tests (default: "cuda|ns_gemm|python|selector|golden|compare"; "." for all)
+  --ctest-regex RE    which CTest tests (default: "cuda|simt|ns_gemm|python|selector|golden|compare"; "." for all)
   --report FILE       the report (default: bench/results/gpu-tests-<device>-<date>.md; without a GPU
                       BUILD-DIR/gpu-tests-nogpu-<date>.md)
   --build-only        configure and build, run nothing (a later --skip-build run appends to the same report)
@@ -63,7 +63,7 @@ cuda_arch=""
 fast_cpu=""
 jobs=$(nproc 2>/dev/null || echo 4)
 ctest_jobs=4
-ctest_regex="cuda|ns_gemm|python|selector|golden|compare"
+ctest_regex="cuda|simt|ns_gemm|python|selector|golden|compare"
 report=""
 build_only=0
 skip_build=0
