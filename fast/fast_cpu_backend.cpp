@@ -8,7 +8,6 @@
 #include <stdexcept>
 
 #include "cpu_kernels.h"
-#include "normuon/ns_coefficients.h"
 #include "normuon/step_prologue.h"
 #include "newton_schulz.h"
 
@@ -35,15 +34,7 @@ class ThreadCount {
 }  // namespace
 
 std::string FastCpuBackend::unsupported_reason(const Layout& layout, const Options& options) {
-  if (options.groups.size() != layout.group_names.size())
-    return "the options define " + std::to_string(options.groups.size()) + " groups, the layout " +
-           std::to_string(layout.group_names.size());
-  for (const auto& g : options.groups)
-    if (g.algorithm == Algorithm::normuon && g.normuon.ns_coefficients == NsCoefficients::polar_express &&
-        g.normuon.ns_steps > kPolarExpressSteps)
-      return "group '" + g.name + "': Polar Express has 5 coefficient triples, ns_steps is " +
-             std::to_string(g.normuon.ns_steps);
-  return "";
+  return fused_step_unsupported_reason(layout, options);
 }
 
 FastCpuBackend::FastCpuBackend(const Layout& layout, const Options& options, int threads)

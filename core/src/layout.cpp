@@ -1,5 +1,7 @@
 #include "normuon/layout.h"
 
+#include "normuon/ns_coefficients.h"
+
 #include <cstdio>
 #include <map>
 #include <sstream>
@@ -156,6 +158,18 @@ std::string Layout::describe() const {
         << shape_to_string(e.shape) << "] group=" << group_names[e.group]
         << (e.algorithm == Algorithm::normuon ? (e.stats_per_row ? " stats=rows" : " stats=cols") : "") << "\n";
   return out.str();
+}
+
+std::string fused_step_unsupported_reason(const Layout& layout, const Options& options) {
+  if (options.groups.size() != layout.group_names.size())
+    return "the options define " + std::to_string(options.groups.size()) + " groups, the layout " +
+           std::to_string(layout.group_names.size());
+  for (const auto& g : options.groups)
+    if (g.algorithm == Algorithm::normuon && g.normuon.ns_coefficients == NsCoefficients::polar_express &&
+        g.normuon.ns_steps > kPolarExpressSteps)
+      return "group '" + g.name + "': Polar Express has 5 coefficient triples, ns_steps is " +
+             std::to_string(g.normuon.ns_steps);
+  return "";
 }
 
 }  // namespace normuon

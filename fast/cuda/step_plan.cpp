@@ -5,7 +5,6 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "normuon/ns_coefficients.h"
 #include "ns_batch_geometry.h"
 
 namespace normuon::cuda {
@@ -19,14 +18,7 @@ void add_chunks(std::vector<Chunk>& chunks, int entry, int64_t numel) {
 }  // namespace
 
 std::string plan_unsupported_reason(const Layout& layout, const Options& options) {
-  if (options.groups.size() != layout.group_names.size())
-    return "the options define " + std::to_string(options.groups.size()) + " groups, the layout " +
-           std::to_string(layout.group_names.size());
-  for (const auto& g : options.groups)
-    if (g.algorithm == Algorithm::normuon && g.normuon.ns_coefficients == NsCoefficients::polar_express &&
-        g.normuon.ns_steps > kPolarExpressSteps)
-      return "group '" + g.name + "': Polar Express has 5 coefficient triples, ns_steps is " +
-             std::to_string(g.normuon.ns_steps);
+  if (std::string reason = fused_step_unsupported_reason(layout, options); !reason.empty()) return reason;
   // The step status packs (entry, element) into 64 bits; chunk and task indices are 32-bit.
   if (layout.entries.size() >= (size_t{1} << (64 - kBadElementBits - 1)))
     return "too many parameters (" + std::to_string(layout.entries.size()) + ") for the step status word";

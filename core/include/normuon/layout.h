@@ -76,6 +76,11 @@ struct NsBatch {
 };
 std::vector<NsBatch> newton_schulz_batches(const Layout& layout);
 
+// Why these options cannot drive the fused backends' steps over this layout (a group count other than the
+// layout's, a Polar Express schedule longer than its 5 triples), or empty. The fused backends check it at
+// construction; the reference checks the same per step.
+std::string fused_step_unsupported_reason(const Layout& layout, const Options& options);
+
 uint64_t fnv1a64(const void* data, size_t size, uint64_t seed = 1469598103934665603ull);
 
 }  // namespace normuon
