@@ -208,26 +208,22 @@ std::string Divergence::describe() const {
   return s;
 }
 
+// One tensor is a summary of one.
 void KindSummary::add(const TensorRecord& r) {
-  if (tensors == 0) tolerance = r.tolerance;
-  ++tensors;
-  if (r.error.bit_identical) ++bit_identical;
-  if (!r.ok) ++failures;
-  if (r.error.normwise > worst_normwise || (std::isnan(r.error.normwise) && !std::isnan(worst_normwise))) {
-    worst_normwise = r.error.normwise;
-    worst_tensor = r.name;
-    worst_step = r.step;
-  }
-  if (r.ratio > worst_ratio) {
-    worst_ratio = r.ratio;
-    worst_ratio_tensor = r.name;
-    worst_ratio_step = r.step;
-    tolerance = r.tolerance;
-  }
-  worst_max_abs = std::max(worst_max_abs, r.error.max_abs);
-  worst_max_rel = std::max(worst_max_rel, r.error.max_rel);
-  worst_ulp = std::max(worst_ulp, r.error.max_ulp);
-  worst_update_rel = std::max(worst_update_rel, r.update_rel);
+  KindSummary one;
+  one.tensors = 1;
+  one.bit_identical = r.error.bit_identical ? 1 : 0;
+  one.failures = r.ok ? 0 : 1;
+  one.worst_normwise = r.error.normwise;
+  one.worst_max_abs = r.error.max_abs;
+  one.worst_max_rel = r.error.max_rel;
+  one.worst_ulp = r.error.max_ulp;
+  one.worst_update_rel = r.update_rel;
+  one.worst_tensor = one.worst_ratio_tensor = r.name;
+  one.worst_step = one.worst_ratio_step = r.step;
+  one.worst_ratio = r.ratio;
+  one.tolerance = r.tolerance;
+  merge(one);
 }
 
 void KindSummary::merge(const KindSummary& o) {
