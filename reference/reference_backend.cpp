@@ -6,7 +6,6 @@
 #include <chrono>
 #include <cmath>
 #include <optional>
-#include <sstream>
 #include <stdexcept>
 #include <type_traits>
 
@@ -243,12 +242,8 @@ std::optional<StepResult> begin_flat_step(const Layout& layout, const at::Tensor
       const at::Tensor bad = at::nonzero(at::logical_not(at::isfinite(g)));
       if (bad.size(0) == 0) continue;
       const int64_t element = bad[0][0].item<int64_t>();
-      std::ostringstream msg;
-      msg << "step " << group_steps[e.group] + 1 << ": gradient of '" << e.name << "' holds "
-          << g[element].item<float>() << " at element " << element;
-      if (options.nonfinite == NonFinitePolicy::error)
-        throw std::runtime_error(msg.str() + " (nothing was changed; set nonfinite=skip_step to skip such steps)");
-      return StepResult{true, msg.str() + "; step skipped"};
+      return nonfinite_gradient(e.name, g[element].item<float>(), element, group_steps[e.group] + 1,
+                                options.nonfinite);
     }
   }
   for (size_t g = 0; g < layout.group_names.size(); ++g)

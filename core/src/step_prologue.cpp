@@ -14,12 +14,8 @@ std::optional<StepResult> begin_step(FlatState& state, const Options& options) {
   const int bad = find_nonfinite_gradient(state, &element);
   if (bad >= 0) {
     const LayoutEntry& e = layout.entries[bad];
-    std::ostringstream msg;
-    msg << "step " << state.group_steps[e.group] + 1 << ": gradient of '" << e.name << "' holds "
-        << state.grad(bad)[element] << " at element " << element;
-    if (options.nonfinite == NonFinitePolicy::error)
-      throw std::runtime_error(msg.str() + " (nothing was changed; set nonfinite=skip_step to skip such steps)");
-    return StepResult{true, msg.str() + "; step skipped"};
+    return nonfinite_gradient(e.name, state.grad(bad)[element], element, state.group_steps[e.group] + 1,
+                              options.nonfinite);
   }
   for (size_t g = 0; g < layout.group_names.size(); ++g)
     for (size_t i = 0; i < layout.entries.size(); ++i)
@@ -28,6 +24,15 @@ std::optional<StepResult> begin_step(FlatState& state, const Options& options) {
         break;
       }
   return std::nullopt;
+}
+
+StepResult nonfinite_gradient(const std::string& param, float value, int64_t element, int64_t step,
+                              NonFinitePolicy policy) {
+  std::ostringstream msg;
+  msg << "step " << step << ": gradient of '" << param << "' holds " << value << " at element " << element;
+  if (policy == NonFinitePolicy::error)
+    throw std::runtime_error(msg.str() + " (nothing was changed; set nonfinite=skip_step to skip such steps)");
+  return StepResult{true, msg.str() + "; step skipped"};
 }
 
 }  // namespace normuon

@@ -2,9 +2,9 @@
 
 #include <cmath>
 #include <limits>
-#include <sstream>
 #include <stdexcept>
 
+#include "normuon/step_prologue.h"
 #include "ns_batch_geometry.h"
 
 namespace normuon::cuda {
@@ -128,12 +128,8 @@ StepResult step_result(const StepStatus& status, const Layout& layout, const Opt
   if (status.reported_bad == kNoBadGradient) return {};
   const int entry = static_cast<int>(status.reported_bad >> kBadElementBits);
   const int64_t element = static_cast<int64_t>(status.reported_bad & ((1ull << kBadElementBits) - 1));
-  std::ostringstream msg;
-  msg << "step " << status.reported_step << ": gradient of '" << layout.entries.at(entry).name << "' holds "
-      << status.reported_value << " at element " << element;
-  if (options.nonfinite == NonFinitePolicy::error)
-    throw std::runtime_error(msg.str() + " (nothing was changed; set nonfinite=skip_step to skip such steps)");
-  return StepResult{true, msg.str() + "; step skipped"};
+  return nonfinite_gradient(layout.entries.at(entry).name, status.reported_value, element, status.reported_step,
+                            options.nonfinite);
 }
 
 int64_t StepPlan::elementwise_launches() const {

@@ -3,7 +3,9 @@
 // that has at least one gradient (docs/spec.md section 5). Allocates nothing.
 #pragma once
 
+#include <cstdint>
 #include <optional>
+#include <string>
 
 #include "normuon/backend.h"
 
@@ -12,5 +14,11 @@ namespace normuon {
 // Throws std::runtime_error (nonfinite=error) or returns a skipped StepResult (nonfinite=skip_step)
 // naming the parameter, element and step; otherwise advances the group steps and returns nullopt.
 std::optional<StepResult> begin_step(FlatState& state, const Options& options);
+
+// A step that found a NaN/Inf gradient, in the words every backend uses: parameter, value, element and
+// the step number the step would have had. Throws std::runtime_error under nonfinite=error; returns the
+// skipped StepResult under nonfinite=skip_step.
+StepResult nonfinite_gradient(const std::string& param, float value, int64_t element, int64_t step,
+                              NonFinitePolicy policy);
 
 }  // namespace normuon
