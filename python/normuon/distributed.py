@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .optim import ADAMW_KEYS, NORMUON_FIELDS, NorMuonAdamW
+from .reference import nonfinite_gradient
 
 # Group keys that are bookkeeping, not hyper-parameters: never copied into the per-rank optimizer.
 _GROUP_BOOKKEEPING = ("params", "names", "name", "algorithm", "step")
@@ -229,10 +230,7 @@ class DistributedNorMuonAdamW(torch.optim.Optimizer):
             self._count(8, 8)
             bad = int(flag.item())
         if bad < len(self._params):
-            msg = self._nonfinite_message(self._params[bad])
-            if self.nonfinite == "error":
-                raise RuntimeError(msg + " (nothing was changed; set nonfinite=skip_step to skip such steps)")
-            self.last_skip_reason = msg + "; step skipped"
+            self.last_skip_reason = self._nonfinite(self._params[bad])  # raises under nonfinite='error'
             return loss
 
         local.step()
@@ -283,11 +281,11 @@ class DistributedNorMuonAdamW(torch.optim.Optimizer):
         if self._device.type == "cuda":
             torch.cuda.current_stream(self._device).synchronize()
 
-    def _nonfinite_message(self, p):
-        """The single-process message (core/src/step_prologue.cpp); every rank has the same gradient."""
+    def _nonfinite(self, p):
+        """The single-process outcome (core/src/step_prologue.cpp); every rank has the same gradient."""
         grad = p.tensor.grad.detach().to(torch.float32).reshape(-1)
         k = int((~torch.isfinite(grad)).nonzero()[0])
-        return f"step {self._steps[p.group] + 1}: gradient of '{p.name}' holds {float(grad[k])} at element {k}"
+        return nonfinite_gradient(p.name, float(grad[k]), k, self._steps[p.group] + 1, self.nonfinite)
 
     def _exchange(self):
         """Each rank packs the fp32 values of what it owns, one all_gather, everyone unpacks the rest (only

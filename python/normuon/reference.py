@@ -154,6 +154,15 @@ def adamw_update(p, g, m, v, h, t):
     p.addcdiv_(m, denom, value=-step_size)
 
 
+def nonfinite_gradient(name, value, element, step, nonfinite):
+    """A step that found a NaN/Inf gradient, in the words every backend uses (core's nonfinite_gradient):
+    raises RuntimeError under nonfinite='error', else returns the reason the step was skipped."""
+    msg = f"step {step}: gradient of '{name}' holds {value} at element {element}"
+    if nonfinite == "error":
+        raise RuntimeError(msg + " (nothing was changed; set nonfinite=skip_step to skip such steps)")
+    return msg + "; step skipped"
+
+
 def begin_step(entries, group_steps, nonfinite):
     """The shared step prologue (core/src/step_prologue.cpp): refuse or skip a step with a NaN/Inf gradient
     before anything changes, then advance the step of every group with at least one gradient.
@@ -166,11 +175,7 @@ def begin_step(entries, group_steps, nonfinite):
         bad = (~torch.isfinite(e.grad)).reshape(-1).nonzero()
         if bad.numel():
             k = int(bad[0])
-            value = float(e.grad.reshape(-1)[k])
-            msg = f"step {group_steps[e.group] + 1}: gradient of '{e.name}' holds {value} at element {k}"
-            if nonfinite == "error":
-                raise RuntimeError(msg + " (nothing was changed; set nonfinite=skip_step to skip such steps)")
-            return msg + "; step skipped"
+            return nonfinite_gradient(e.name, float(e.grad.reshape(-1)[k]), k, group_steps[e.group] + 1, nonfinite)
     for g in sorted({e.group for e in entries if e.has_grad}):
         group_steps[g] += 1
     return None
