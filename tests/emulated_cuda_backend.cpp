@@ -151,26 +151,22 @@ void EmulatedCudaBackend::enqueue_step(FlatState& state, const Options& options,
   b.inv_scale = im.inv_scale.data();
   b.status = &im.status;
 
-  // FastCudaBackend::enqueue_step's sequence.
   const int64_t launches_before = simt::launches();
   im.gemms = 0;
-  const simt::Launch launch;
+  im.status.first_bad = cuda::kNoBadGradient;  // as enqueue_step's memset
+  auto newton_schulz = [&] {
+    for (NsBatch& batch : im.batches) {
+      if (batch.geometry.empty) continue;
+      if (batch.shape.precision == NsPrecision::bf16)
+        im.run_batch<__nv_bfloat16>(batch);
+      else
+        im.run_batch<float>(batch);
+    }
+  };
   const cuda::StepPlan& p = im.plan;
-  im.status.first_bad = cuda::kNoBadGradient;
-  cuda::step_device::scan_gradients(launch, b, p.scan_chunks.data(), static_cast<int>(p.scan_chunks.size()));
-  cuda::step_device::advance_steps(launch, b);
-  cuda::step_device::momentum(launch, b, p.normuon_chunks.data(), static_cast<int>(p.normuon_chunks.size()));
-  for (NsBatch& batch : im.batches) {
-    if (batch.geometry.empty) continue;
-    if (batch.shape.precision == NsPrecision::bf16)
-      im.run_batch<__nv_bfloat16>(batch);
-    else
-      im.run_batch<float>(batch);
-  }
-  cuda::step_device::statistics(launch, b, p.stat_tasks.data(), static_cast<int>(p.stat_tasks.size()));
-  cuda::step_device::finalize(launch, b, static_cast<int>(p.matrices.size()));
-  cuda::step_device::normuon_update(launch, b, p.normuon_chunks.data(), static_cast<int>(p.normuon_chunks.size()));
-  cuda::step_device::adamw(launch, b, p.adamw_chunks.data(), static_cast<int>(p.adamw_chunks.size()));
+  cuda::step_device::run_step(simt::Launch{}, b, p.tables(p.scan_chunks.data(), p.normuon_chunks.data(),
+                                                          p.adamw_chunks.data(), p.stat_tasks.data()),
+                              newton_schulz, [](int) { return 0; });
   launches_last_step_ = simt::launches() - launches_before + im.gemms;
 }
 

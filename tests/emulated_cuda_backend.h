@@ -2,7 +2,7 @@
 // (step_kernels.cuh, ns_kernels.cuh) runs on the SIMT emulator (tests/simt), the Newton-Schulz
 // GEMMs run through the cuBLASLt emulation (lt_matmul_emulation.h) on the layouts of the plan, the
 // tables come from StepPlan and the Newton-Schulz buffers from ns_batch_geometry, and the launches
-// follow FastCudaBackend::enqueue_step. The device buffers are the FlatState's own (kernels write into
+// come from the backend's own run_step and run_newton_schulz. The device buffers are the FlatState's own (kernels write into
 // it in place, which also shows that a skipped step writes nothing).
 //
 // What this cannot check: cuBLASLt itself (its summation order), the CUDA runtime calls of the backend

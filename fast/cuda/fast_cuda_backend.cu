@@ -8,7 +8,9 @@
 #include "newton_schulz_cuda.h"
 #include "normuon/ns_coefficients.h"
 #include "nvtx_range.h"
+#include "step_kernels.cuh"
 #include "step_plan.h"
+#include "stream_launch.cuh"
 
 namespace normuon {
 namespace {
@@ -75,19 +77,15 @@ FastCudaBackend::FastCudaBackend(const Layout& layout, const Options& options, c
     info.ns_output = static_cast<const char*>(ns_->output(batch)) + at;
   }
   host_matrices_ = plan.matrices;
-  n_matrices_ = static_cast<int>(plan.matrices.size());
-  n_scan_chunks_ = static_cast<int>(plan.scan_chunks.size());
-  n_normuon_chunks_ = static_cast<int>(plan.normuon_chunks.size());
-  n_adamw_chunks_ = static_cast<int>(plan.adamw_chunks.size());
-  n_stat_tasks_ = static_cast<int>(plan.stat_tasks.size());
   entries_ = to_device(plan.entries);
   matrices_ = to_device(plan.matrices);
   scan_chunks_ = to_device(plan.scan_chunks);
   normuon_chunks_ = to_device(plan.normuon_chunks);
   adamw_chunks_ = to_device(plan.adamw_chunks);
   stat_tasks_ = to_device(plan.stat_tasks);
+  tables_ = plan.tables(scan_chunks_.data(), normuon_chunks_.data(), adamw_chunks_.data(), stat_tasks_.data());
   groups_ = DeviceBuffer<cuda::GroupScalars>(static_cast<int64_t>(layout.group_names.size()));
-  matrix_scalars_ = DeviceBuffer<cuda::MatrixScalars>(n_matrices_);
+  matrix_scalars_ = DeviceBuffer<cuda::MatrixScalars>(tables_.n_matrices);
   stat_sums_ = DeviceBuffer<double>(layout.stat_floats);
   inv_scale_ = DeviceBuffer<float>(layout.stat_floats);
   status_ = DeviceBuffer<cuda::StepStatus>(1);
@@ -179,7 +177,7 @@ void FastCudaBackend::set_options(const Options& options, const std::vector<int6
   host_matrix_scalars_ = cuda::matrix_scalars(host_matrices_, options);
   // From pageable memory: the copy is staged before the call returns, so the host vectors may change.
   NORMUON_CUDA_CHECK(cudaMemcpyAsync(groups_.data(), host_groups_.data(), groups_.bytes(), cudaMemcpyHostToDevice, stream_));
-  if (n_matrices_ > 0)
+  if (tables_.n_matrices > 0)
     NORMUON_CUDA_CHECK(cudaMemcpyAsync(matrix_scalars_.data(), host_matrix_scalars_.data(), matrix_scalars_.bytes(),
                                        cudaMemcpyHostToDevice, stream_));
 }
@@ -191,37 +189,16 @@ void FastCudaBackend::enqueue_step() {
   auto mark = [&](int i) {
     if (timed) NORMUON_CUDA_CHECK(cudaEventRecord(events_[i], stream_));
   };
-  const cuda::StepBuffers& b = buffers_;
   // This step's first_bad only: the reported_* fields keep what earlier steps found until finish_step.
   NORMUON_CUDA_CHECK(cudaMemsetAsync(&status_.data()->first_bad, 0xff, sizeof(unsigned long long), stream_));
-  mark(0);
-  {
-    const cuda::NvtxRange range(kPhaseNames[0]);
-    cuda::launch_scan_gradients(b, scan_chunks_.data(), n_scan_chunks_, stream_);
-    cuda::launch_advance_steps(b, stream_);
-    cuda::launch_momentum(b, normuon_chunks_.data(), n_normuon_chunks_, stream_);
-  }
-  mark(1);
-  {
-    const cuda::NvtxRange range(kPhaseNames[1]);
+  auto phase = [&](int i) {  // timer event and NVTX range of phase i
+    mark(i);
+    return cuda::NvtxRange(kPhaseNames[i]);
+  };
+  auto newton_schulz = [&] {
     for (int i = 0; i < ns_->size(); ++i) ns_->run(i);
-  }
-  mark(2);
-  {
-    const cuda::NvtxRange range(kPhaseNames[2]);
-    cuda::launch_statistics(b, stat_tasks_.data(), n_stat_tasks_, stream_);
-    cuda::launch_finalize(b, n_matrices_, stream_);
-  }
-  mark(3);
-  {
-    const cuda::NvtxRange range(kPhaseNames[3]);
-    cuda::launch_normuon_update(b, normuon_chunks_.data(), n_normuon_chunks_, stream_);
-  }
-  mark(4);
-  {
-    const cuda::NvtxRange range(kPhaseNames[4]);
-    cuda::launch_adamw(b, adamw_chunks_.data(), n_adamw_chunks_, stream_);
-  }
+  };
+  cuda::step_device::run_step(cuda::StreamLaunch{stream_}, buffers_, tables_, newton_schulz, phase);
   mark(5);
   if (!capturing_) timed_step_pending_ = timed;
 }
@@ -300,8 +277,9 @@ double FastCudaBackend::newton_schulz_flops() const {
 
 std::string FastCudaBackend::describe() const {
   std::ostringstream out;
-  out << "fast-cuda on " << cuda::describe_device(device_index_) << ": " << n_matrices_ << " NorMuon matrices in "
-      << ns_->size() << " Newton-Schulz batches, " << n_normuon_chunks_ << " + " << n_adamw_chunks_ << " chunks of <= "
+  out << "fast-cuda on " << cuda::describe_device(device_index_) << ": " << tables_.n_matrices << " NorMuon matrices in "
+      << ns_->size() << " Newton-Schulz batches, " << tables_.n_normuon_chunks << " + " << tables_.n_adamw_chunks
+      << " chunks of <= "
       << cuda::kChunkElements << " elements, " << launches_per_step_ << " launches per step\n"
       << ns_->describe();
   return out.str();

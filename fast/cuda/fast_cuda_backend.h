@@ -104,9 +104,9 @@ class FastCudaBackend : public Backend {
   };
   std::vector<NsKnobs> batch_knobs_;
   std::vector<cuda::MatrixInfo> host_matrices_;  // for the lr_scale factors
-  int n_matrices_ = 0, n_scan_chunks_ = 0, n_normuon_chunks_ = 0, n_adamw_chunks_ = 0, n_stat_tasks_ = 0;
   cuda::DeviceBuffer<cuda::Chunk> scan_chunks_, normuon_chunks_, adamw_chunks_;
   cuda::DeviceBuffer<cuda::StatTask> stat_tasks_;
+  cuda::StepTables tables_{};  // where the step finds the four tables above
   cuda::DeviceBuffer<cuda::EntryInfo> entries_;
   cuda::DeviceBuffer<cuda::MatrixInfo> matrices_;
   cuda::DeviceBuffer<cuda::GroupScalars> groups_;

@@ -1,5 +1,5 @@
 // Device code of the fused step: the scan, step-counter, momentum, statistics, finalize, update and
-// AdamW kernels, and how each pass launches them. Included by step_kernels.cu and by the tests' host
+// AdamW kernels, and run_step, the order in which one step launches them. Included by step_kernels.cu and by the tests' host
 // emulation of the step (tests/simt), so the code the tests run is this code.
 //
 // Compiled with -fmad=false: every fma below is written out where the reference's ATen op has one (as
@@ -262,44 +262,42 @@ __global__ void adamw_kernel(StepBuffers b, const Chunk* chunks) {
   }
 }
 
-// ---- the passes ------------------------------------------------------------------------------------
-// `launch(kernel, blocks, threads, args...)` launches one kernel: <<<>>> on the GPU, the SIMT emulator in
-// the tests. One block of kBlock threads per work item (chunk, task or matrix); an empty pass launches
-// nothing.
+// ---- one step ---------------------------------------------------------------------------------------
 
-template <typename Launch>
-void scan_gradients(const Launch& launch, const StepBuffers& b, const Chunk* chunks, int n_chunks) {
-  if (n_chunks > 0) launch(scan_gradients_kernel, n_chunks, kBlock, b, chunks);
-}
-
-template <typename Launch>
-void advance_steps(const Launch& launch, const StepBuffers& b) {
-  launch(advance_steps_kernel, 1, 32, b);
-}
-
-template <typename Launch>
-void momentum(const Launch& launch, const StepBuffers& b, const Chunk* chunks, int n_chunks) {
-  if (n_chunks > 0) launch(momentum_kernel, n_chunks, kBlock, b, chunks);
-}
-
-template <typename Launch>
-void statistics(const Launch& launch, const StepBuffers& b, const StatTask* tasks, int n_tasks) {
-  if (n_tasks > 0) launch(statistics_kernel, n_tasks, kBlock, b, tasks);
-}
-
-template <typename Launch>
-void finalize(const Launch& launch, const StepBuffers& b, int n_matrices) {
-  if (n_matrices > 0) launch(finalize_kernel, n_matrices, kBlock, b);
-}
-
-template <typename Launch>
-void normuon_update(const Launch& launch, const StepBuffers& b, const Chunk* chunks, int n_chunks) {
-  if (n_chunks > 0) launch(normuon_update_kernel, n_chunks, kBlock, b, chunks);
-}
-
-template <typename Launch>
-void adamw(const Launch& launch, const StepBuffers& b, const Chunk* chunks, int n_chunks) {
-  if (n_chunks > 0) launch(adamw_kernel, n_chunks, kBlock, b, chunks);
+// One fused step, in the order of docs/fast-cuda.md's five phases (the status word's first_bad must be
+// reset before). `launch(kernel, blocks, threads, args...)` launches one kernel: <<<>>> on the GPU, the
+// SIMT emulator in the tests. One block of kBlock threads per work item (chunk, task or matrix); an
+// empty pass launches nothing. `newton_schulz()` runs every batch. `phase(i)` is called as phase i
+// (0..4) begins, and what it returns lives until the phase ends (the backend's NVTX range and timer).
+template <typename Launch, typename NewtonSchulz, typename Phase>
+void run_step(const Launch& launch, const StepBuffers& b, const StepTables& t, const NewtonSchulz& newton_schulz,
+              const Phase& phase) {
+  auto each = [&](auto kernel, int items, auto... args) {
+    if (items > 0) launch(kernel, items, kBlock, b, args...);
+  };
+  {
+    [[maybe_unused]] const auto momentum_phase = phase(0);
+    each(scan_gradients_kernel, t.n_scan_chunks, t.scan_chunks);
+    launch(advance_steps_kernel, 1, 32, b);
+    each(momentum_kernel, t.n_normuon_chunks, t.normuon_chunks);
+  }
+  {
+    [[maybe_unused]] const auto newton_schulz_phase = phase(1);
+    newton_schulz();
+  }
+  {
+    [[maybe_unused]] const auto normalisation_phase = phase(2);
+    each(statistics_kernel, t.n_stat_tasks, t.stat_tasks);
+    each(finalize_kernel, t.n_matrices);
+  }
+  {
+    [[maybe_unused]] const auto update_phase = phase(3);
+    each(normuon_update_kernel, t.n_normuon_chunks, t.normuon_chunks);
+  }
+  {
+    [[maybe_unused]] const auto adamw_phase = phase(4);
+    each(adamw_kernel, t.n_adamw_chunks, t.adamw_chunks);
+  }
 }
 
 }  // namespace

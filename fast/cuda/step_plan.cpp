@@ -132,6 +132,12 @@ StepResult step_result(const StepStatus& status, const Layout& layout, const Opt
                             options.nonfinite);
 }
 
+StepTables StepPlan::tables(const Chunk* scan, const Chunk* normuon, const Chunk* adamw, const StatTask* stat) const {
+  return {scan,  static_cast<int>(scan_chunks.size()), normuon, static_cast<int>(normuon_chunks.size()),
+          adamw, static_cast<int>(adamw_chunks.size()), stat,   static_cast<int>(stat_tasks.size()),
+          static_cast<int>(matrices.size())};
+}
+
 int64_t StepPlan::elementwise_launches() const {
   return 1 /* step counters */ + !scan_chunks.empty() + !normuon_chunks.empty() /* momentum */ + !stat_tasks.empty() +
          !matrices.empty() /* finalize */ + !normuon_chunks.empty() /* update */ + !adamw_chunks.empty();

@@ -32,6 +32,10 @@ struct StepPlan {
   // Throws std::invalid_argument when the layout and options don't fit the tables (sizes, groups).
   static StepPlan build(const Layout& layout, const Options& options);
 
+  // The tables' sizes, with the tables at the given copies of scan_chunks, normuon_chunks, adamw_chunks
+  // and stat_tasks (device copies on the GPU).
+  StepTables tables(const Chunk* scan, const Chunk* normuon, const Chunk* adamw, const StatTask* stat) const;
+
   // Kernel launches of one step besides Newton-Schulz's own (empty passes launch nothing).
   int64_t elementwise_launches() const;
   // Newton-Schulz launches of one step: ns_launches(ns_steps) = 2 + 6 * ns_steps per non-empty batch.

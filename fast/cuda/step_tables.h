@@ -48,6 +48,19 @@ struct StatTask {
   int32_t first;  // first row or column of the task
 };
 
+// Where one step finds the chunk and task tables (StepPlan's, on the device), and their sizes.
+struct StepTables {
+  const Chunk* scan_chunks;     // every parameter's gradient
+  int n_scan_chunks;
+  const Chunk* normuon_chunks;  // NorMuon matrices
+  int n_normuon_chunks;
+  const Chunk* adamw_chunks;    // AdamW parameters
+  int n_adamw_chunks;
+  const StatTask* stat_tasks;
+  int n_stat_tasks;
+  int n_matrices;
+};
+
 // Per group. Set by the host from Options at set_options(); the "derived" fields are written by the
 // step-advance kernel from the group's step counter, so a replayed CUDA graph needs no host input.
 struct GroupScalars {
