@@ -96,10 +96,7 @@ struct EmulatedCudaBackend::Impl {
   void run_batch(NsBatch& b) {
     const cuda::NsBatchGeometry& g = b.geometry;
     const cuda::NsBuffers<LtBuffer<T>> whole{b.x.as<T>(), gram.as<T>(), bmat.as<T>(), tmat.as<T>(), umat.as<T>()};
-    auto gemm = [&](cuda::ns_device::NsGemm which) {
-      const cuda::NsGemmSpec& spec = which == cuda::ns_device::NsGemm::gram     ? g.plan.gram
-                                     : which == cuda::ns_device::NsGemm::square ? g.plan.square
-                                                                                 : g.plan.apply;
+    auto gemm = [&](cuda::ns_device::NsGemm, const cuda::NsGemmSpec& spec) {
       lt_matmul<float>(spec, whole, b.shape.count, g.x.stride, g.gram.stride);
       ++gemms;
     };

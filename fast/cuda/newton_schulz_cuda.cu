@@ -133,8 +133,10 @@ struct Batch {
   NsBatchShape shape;
   NsBatchGeometry geometry;
   DeviceBuffer<unsigned char> x;  // the input, and O after run()
-  LtGemm gram, square, apply;
+  LtGemm lt[3];  // planned GEMMs, indexed by ns_device::NsGemm
 };
+
+constexpr const char* kGemmNames[3] = {"gram", "square", "apply"};
 
 const char* precision_name(NsPrecision p) { return p == NsPrecision::bf16 ? "bf16" : "fp32"; }
 const char* coefficients_name(NsCoefficients c) {
@@ -155,11 +157,8 @@ struct BatchedNewtonSchulz::Impl {
   void run(Batch& b) {
     auto typed = [](DeviceBuffer<unsigned char>& d) { return reinterpret_cast<T*>(d.data()); };
     const NsBuffers<T*> buf{typed(b.x), typed(gram), typed(bmat), typed(tmat), typed(umat)};
-    const NsGemmPlan& plan = b.geometry.plan;
-    auto gemm = [&](ns_device::NsGemm which) {
-      const bool gram_gemm = which == ns_device::NsGemm::gram, square = which == ns_device::NsGemm::square;
-      matmul(gram_gemm ? b.gram : square ? b.square : b.apply, gram_gemm ? plan.gram : square ? plan.square : plan.apply,
-             buf);
+    auto gemm = [&](ns_device::NsGemm which, const NsGemmSpec& spec) {
+      matmul(b.lt[static_cast<int>(which)], spec, buf);
     };
     ns_device::run_newton_schulz<T>(StreamLaunch{stream}, gemm, buf, b.shape, b.geometry, partials.data());
   }
@@ -221,9 +220,9 @@ BatchedNewtonSchulz::BatchedNewtonSchulz(const std::vector<NsBatchShape>& batche
     b.x = DeviceBuffer<unsigned char>(b.shape.count * g.x.stride * elem);
     const int32_t count = static_cast<int32_t>(b.shape.count);
     cublasLtHandle_t h = im.handle->h;
-    plan_gemm(b.gram, h, bf16, g.plan.gram, g.x.stride, g.gram.stride, count, "gram");
-    plan_gemm(b.apply, h, bf16, g.plan.apply, g.x.stride, g.gram.stride, count, "apply");
-    plan_gemm(b.square, h, bf16, g.plan.square, g.x.stride, g.gram.stride, count, "square");
+    const NsGemmSpec* specs[3] = {&g.plan.gram, &g.plan.square, &g.plan.apply};  // NsGemm order
+    for (int i = 0; i < 3; ++i)
+      plan_gemm(b.lt[i], h, bf16, *specs[i], g.x.stride, g.gram.stride, count, kGemmNames[i]);
   }
 }
 
@@ -276,7 +275,8 @@ std::string BatchedNewtonSchulz::describe() const {
       out += " (empty)";
     } else {
       out += b.geometry.plan.tall ? " tall" : " wide";
-      out += " slices=" + std::to_string(b.geometry.x.slices) + " " + b.gram.info + " " + b.square.info + " " + b.apply.info;
+      out += " slices=" + std::to_string(b.geometry.x.slices);
+      for (const LtGemm& lt : b.lt) out += " " + lt.info;
     }
     out += '\n';
   }

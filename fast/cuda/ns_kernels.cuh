@@ -183,10 +183,10 @@ __global__ void __launch_bounds__(kNsThreads)
 
 // ---- a whole run -------------------------------------------------------------------------------------
 // `launch(kernel, blocks, threads, args...)` launches one kernel: <<<>>> on the GPU, the SIMT emulator in
-// the tests. `gemm(NsGemm)` runs one GEMM of the plan over the batch: cuBLASLt on the GPU, its emulation
-// in the tests.
+// the tests. `gemm(which, spec)` runs one GEMM of the plan over the batch (`spec` is the plan's for
+// `which`): cuBLASLt on the GPU, its emulation in the tests.
 
-enum class NsGemm { gram, square, apply };
+enum class NsGemm { gram, square, apply };  // an index: the order of the plan's GEMMs
 
 // Orthogonalises the `count` matrices of a batch in place in buf.x (buf: the typed buffers of
 // ns_gemm_plan.h). `partials` holds count * geometry.x.slices doubles.
@@ -202,18 +202,22 @@ void run_newton_schulz(const Launch& launch, const Gemm& gemm, const NsBuffers<T
   launch(ns_normalise<T>, x_blocks, kNsThreads, buf.x, xs, static_cast<const double*>(partials),
          static_cast<float>(shape.eps), static_cast<float>(kPolarExpressSafety), polar ? 1 : 0);
   const T* none = nullptr;
+  const NsGemmPlan& plan = geometry.plan;
   for (int k = 0; k < shape.steps; ++k) {
     // Coefficients enter as fp32 values (docs/spec.md section 3.2).
     const NsTriple& c = ns_triple(shape.coefficients, k);
-    gemm(NsGemm::gram);                                                                              // A = P(X X^T)
+    gemm(NsGemm::gram, plan.gram);  // A = P(X X^T)
+    // C = P(c A), into the B buffer
     launch(ns_combine<T>, gram_blocks, kNsThreads, buf.b, static_cast<const T*>(buf.gram), none, gs,
-           static_cast<float>(c.c));                                                                 // C = P(c A)
-    gemm(NsGemm::square);                                                                            // T = P(C A)
+           static_cast<float>(c.c));
+    gemm(NsGemm::square, plan.square);  // T = P(C A)
+    // B = P(P(b A) + T)
     launch(ns_combine<T>, gram_blocks, kNsThreads, buf.b, static_cast<const T*>(buf.gram),
-           static_cast<const T*>(buf.t), gs, static_cast<float>(c.b));                              // B = P(P(b A) + T)
-    gemm(NsGemm::apply);                                                                             // U = P(B X)
+           static_cast<const T*>(buf.t), gs, static_cast<float>(c.b));
+    gemm(NsGemm::apply, plan.apply);  // U = P(B X)
+    // X = P(P(a X) + U), in place
     launch(ns_combine<T>, x_blocks, kNsThreads, buf.x, static_cast<const T*>(buf.x),
-           static_cast<const T*>(buf.u), xs, static_cast<float>(c.a));                              // X = P(P(a X) + U)
+           static_cast<const T*>(buf.u), xs, static_cast<float>(c.a));
   }
 }
 
