@@ -1,4 +1,4 @@
-// Checks the backend tests share (test_fast_cuda.cpp, test_cuda_emulated.cpp): the first bit that differs
+// Checks the backend tests share (test_fast_cuda.cpp, test_cuda_emulated.cpp, test_compare.cpp): the first bit that differs
 // between two states, the message every backend must give for a NaN/Inf gradient, bf16 rounding written
 // out independently of cuda_bf16.h, and the comparator summary lines the tests log.
 #pragma once
@@ -75,7 +75,8 @@ inline const KindSummary& kind(const RunSummary& s, TensorKind k) { return s.kin
 // The verdict, the Newton-Schulz kinds' worst errors and the exact kinds' bit-identical counts.
 inline void log_summary(const std::string& label, const RunSummary& s) {
   BOOST_TEST_MESSAGE(label << ": " << verdict_line(s));
-  BOOST_TEST_MESSAGE(label << ": normuon_param update error " << kind(s, TensorKind::normuon_param).worst_update_rel
+  BOOST_TEST_MESSAGE(label << ": normuon_param normwise " << kind(s, TensorKind::normuon_param).worst_normwise
+                           << ", update error " << kind(s, TensorKind::normuon_param).worst_update_rel
                            << "; row_var normwise " << kind(s, TensorKind::row_var).worst_normwise
                            << "; exact kinds bit-identical: momentum " << kind(s, TensorKind::momentum).bit_identical
                            << "/" << kind(s, TensorKind::momentum).tensors << ", adamw_param "

@@ -6,7 +6,6 @@
 
 #include <chrono>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <sstream>
@@ -14,13 +13,15 @@
 
 #include "comparator.h"
 #include "knob_variants.h"
+#include "state_crossing.h"
+#include "step_checks.h"
 #include "fast_cpu_backend.h"
 #include "normuon/grad_gen.h"
 #include "normuon/presets.h"
-#include "normuon/state_file.h"
 #include "reference_backend.h"
 
 using namespace normuon;
+using namespace normuon::test;
 
 namespace {
 
@@ -51,19 +52,10 @@ Run cross_check(const Layout& layout, const Options& options, CompareMode mode, 
   return run;
 }
 
-const KindSummary& kind(const RunSummary& s, TensorKind k) { return s.kinds[static_cast<int>(k)]; }
-
 // Momentum and every AdamW tensor are elementwise and mirror the reference's rounding: bit-identical.
 void check_exact_kinds(const RunSummary& s) {
   for (TensorKind k : {TensorKind::momentum, TensorKind::adamw_param, TensorKind::exp_avg, TensorKind::exp_avg_sq})
     BOOST_TEST(kind(s, k).bit_identical == kind(s, k).tensors, to_string(k) << " is not bit-identical");
-}
-
-void log_summary(const std::string& label, const RunSummary& s) {
-  BOOST_TEST_MESSAGE(label << ": " << verdict_line(s));
-  BOOST_TEST_MESSAGE(label << ": normuon_param normwise " << kind(s, TensorKind::normuon_param).worst_normwise
-                           << ", update error " << kind(s, TensorKind::normuon_param).worst_update_rel
-                           << "; row_var normwise " << kind(s, TensorKind::row_var).worst_normwise);
 }
 
 // gpt2-124m with only its first `layers` transformer blocks: the same matrix shapes (768x2304 and friends,
@@ -439,72 +431,33 @@ BOOST_AUTO_TEST_CASE(check_without_stepping_holds_parameters_and_counters_to_equ
 
 // ---- (f) state files across backends -----------------------------------------------------------------
 
-namespace {
-
-void run_alone(Backend& backend, FlatState& s, const Options& o, int64_t first, int64_t last) {
-  for (int64_t step = first; step <= last; ++step) {
-    kGenerator.fill_gradients(s, step);
-    backend.step(s, o);
-  }
-}
-
-}  // namespace
-
 BOOST_AUTO_TEST_CASE(state_files_cross_between_backends) {
   Options options;
   options.set("weight_decay=0.1");
   options.set("normuon.ns_precision=fp32");  // so the two backends really differ in the continued steps
   const Layout layout = Layout::build(preset_manifest("tiny"), options);
   constexpr int64_t k = 4, more = 6;
-  const std::string fast_file = "compare_test_fast.safetensors", ref_file = "compare_test_ref.safetensors";
-
-  // fast -> reference: the fast backend runs k steps and saves; the reference loads the file and
-  // continues; the fast backend continues in memory.
+  // fast -> reference: the fast backend saves after k steps; the reference loads the file and continues
+  // beside the fast backend, which continues in memory.
   {
     FastCpuBackend fast(layout, options);
-    ReferenceBackend reference;
-    FlatState fast_state(layout);
-    kGenerator.fill_params(fast_state);
-    run_alone(fast, fast_state, options, 1, k);
-    save_state(fast_file, fast_state, options, fast.name());
-    BOOST_TEST(read_state_header(fast_file).backend == "fast-cpu");
-
-    FlatState ref_state(layout);
-    Options loaded;
-    load_state(fast_file, ref_state, &loaded);
-    BOOST_TEST(loaded.to_json() == options.to_json());
-    BOOST_TEST(ref_state.group_steps[0] == k);
-    Comparator comparator(layout, loaded, kGenerator, CompareMode::free_running);
-    const StepReport at_load = comparator.check(ref_state, fast_state, k);
-    BOOST_TEST(at_load.bit_identical == at_load.tensors);  // the file holds the state bit for bit
-    for (int64_t step = k + 1; step <= k + more; ++step) comparator.step(reference, ref_state, fast, fast_state, step);
-    log_summary("fast-saved state continued by the reference", comparator.summary());
-    BOOST_TEST(comparator.summary().passed(), verdict_line(comparator.summary()));
+    const RunSummary s = continue_from_file(
+        layout, options, kGenerator, fast, [](const Options&) { return std::make_unique<ReferenceBackend>(); },
+        /*saver_is_expected=*/false, "compare_test_fast.safetensors", k, more);
+    log_summary("fast-saved state continued by the reference", s);
+    BOOST_TEST(s.passed(), verdict_line(s));
   }
-  // reference -> fast: the reference runs k steps and saves; a fresh fast backend loads the file and
-  // continues; the reference continues in memory.
+  // reference -> fast: the reference saves after k steps; a fresh fast backend loads the file and continues.
   {
     ReferenceBackend reference;
-    FlatState ref_state(layout);
-    kGenerator.fill_params(ref_state);
-    run_alone(reference, ref_state, options, 1, k);
-    save_state(ref_file, ref_state, options, reference.name());
-    BOOST_TEST(read_state_header(ref_file).backend == "reference-cpu");
-
-    FlatState fast_state(layout);
-    Options loaded;
-    load_state(ref_file, fast_state, &loaded);
-    FastCpuBackend fast(layout, loaded);
-    Comparator comparator(layout, loaded, kGenerator, CompareMode::free_running);
-    const StepReport at_load = comparator.check(ref_state, fast_state, k);
-    BOOST_TEST(at_load.bit_identical == at_load.tensors);
-    for (int64_t step = k + 1; step <= k + more; ++step) comparator.step(reference, ref_state, fast, fast_state, step);
-    log_summary("reference-saved state continued by the fast backend", comparator.summary());
-    BOOST_TEST(comparator.summary().passed(), verdict_line(comparator.summary()));
-    check_exact_kinds(comparator.summary());
+    const RunSummary s = continue_from_file(
+        layout, options, kGenerator, reference,
+        [&](const Options& loaded) { return std::make_unique<FastCpuBackend>(layout, loaded); },
+        /*saver_is_expected=*/true, "compare_test_ref.safetensors", k, more);
+    log_summary("reference-saved state continued by the fast backend", s);
+    BOOST_TEST(s.passed(), verdict_line(s));
+    check_exact_kinds(s);
   }
-  std::remove(fast_file.c_str());
-  std::remove(ref_file.c_str());
 }
 
 // ---- output ------------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <iostream>
 #include <limits>
@@ -32,11 +31,11 @@
 #include "fast_cuda_backend.h"
 #include "normuon/grad_gen.h"
 #include "normuon/presets.h"
-#include "normuon/state_file.h"
 #include "normuon/step_prologue.h"
 #include "step_plan.h"
 #include "cuda_test_models.h"
 #include "knob_variants.h"
+#include "state_crossing.h"
 #include "step_checks.h"
 #ifdef NORMUON_TEST_HAVE_REFERENCE
 #include "reference_backend.h"
@@ -384,54 +383,26 @@ BOOST_AUTO_TEST_CASE(state_files_cross_between_cuda_and_cpu) {
   const Layout layout = Layout::build(preset_manifest("tiny"), options);
   constexpr int64_t k = 5, more = 5;
   const std::string file = "fast_cuda_test_state.safetensors";
-  auto run_alone = [](Backend& backend, FlatState& s, const Options& o, int64_t first, int64_t last) {
-    for (int64_t step = first; step <= last; ++step) {
-      kGenerator.fill_gradients(s, step);
-      BOOST_TEST(!backend.step(s, o).skipped);
-    }
-  };
   // fast-cuda saves after k steps; fast-cpu loads and continues; fast-cuda continues uninterrupted.
   {
     FastCudaBackend cuda_backend(layout, options);
-    FlatState cuda_state(layout);
-    kGenerator.fill_params(cuda_state);
-    run_alone(cuda_backend, cuda_state, options, 1, k);
-    save_state(file, cuda_state, options, cuda_backend.name());
-    BOOST_TEST(read_state_header(file).backend == "fast-cuda");
-    FlatState cpu_state(layout);
-    Options loaded;
-    load_state(file, cpu_state, &loaded);
-    BOOST_TEST(loaded.to_json() == options.to_json());
-    BOOST_TEST(cpu_state.group_steps[0] == k);
-    FastCpuBackend cpu_backend(layout, loaded);
-    Comparator comparator(layout, loaded, kGenerator, CompareMode::free_running);
-    const StepReport at_load = comparator.check(cuda_state, cpu_state, k);
-    BOOST_TEST(at_load.bit_identical == at_load.tensors);
-    for (int64_t step = k + 1; step <= k + more; ++step)
-      comparator.step(cuda_backend, cuda_state, cpu_backend, cpu_state, step);
-    log_summary("fast-cuda state continued by fast-cpu", comparator.summary());
-    BOOST_TEST(comparator.summary().passed(), verdict_line(comparator.summary()));
+    const RunSummary s = continue_from_file(
+        layout, options, kGenerator, cuda_backend,
+        [&](const Options& loaded) { return std::make_unique<FastCpuBackend>(layout, loaded); },
+        /*saver_is_expected=*/true, file, k, more);
+    log_summary("fast-cuda state continued by fast-cpu", s);
+    BOOST_TEST(s.passed(), verdict_line(s));
   }
   // fast-cpu saves after k steps; a fresh fast-cuda loads and continues; fast-cpu continues.
   {
     FastCpuBackend cpu_backend(layout, options);
-    FlatState cpu_state(layout);
-    kGenerator.fill_params(cpu_state);
-    run_alone(cpu_backend, cpu_state, options, 1, k);
-    save_state(file, cpu_state, options, cpu_backend.name());
-    FlatState cuda_state(layout);
-    Options loaded;
-    load_state(file, cuda_state, &loaded);
-    FastCudaBackend cuda_backend(layout, loaded);
-    Comparator comparator(layout, loaded, kGenerator, CompareMode::free_running);
-    const StepReport at_load = comparator.check(cpu_state, cuda_state, k);
-    BOOST_TEST(at_load.bit_identical == at_load.tensors);
-    for (int64_t step = k + 1; step <= k + more; ++step)
-      comparator.step(cpu_backend, cpu_state, cuda_backend, cuda_state, step);
-    log_summary("fast-cpu state continued by fast-cuda", comparator.summary());
-    BOOST_TEST(comparator.summary().passed(), verdict_line(comparator.summary()));
+    const RunSummary s = continue_from_file(
+        layout, options, kGenerator, cpu_backend,
+        [&](const Options& loaded) { return std::make_unique<FastCudaBackend>(layout, loaded); },
+        /*saver_is_expected=*/true, file, k, more);
+    log_summary("fast-cpu state continued by fast-cuda", s);
+    BOOST_TEST(s.passed(), verdict_line(s));
   }
-  std::remove(file.c_str());
 }
 #endif  // NORMUON_TEST_HAVE_FAST_CPU
 
