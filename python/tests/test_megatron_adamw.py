@@ -11,32 +11,19 @@ torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Pyth
 
 from normuon import reference  # noqa: E402
 from normuon.megatron import MegatronAdamW, MegatronNorMuon  # noqa: E402
+from megatron_helpers import megatron_groups, random_params, scheduler_step, set_grads  # noqa: E402
 
 
 SHAPES = [(6, 5), (17,), (0,), (4, 3, 2), ()]
 
 
 def make_params(seed=0, shapes=SHAPES, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in shapes]
+    return random_params(shapes, seed, dtype)
 
 
 def grads_for(params, step, seed=5, skip=()):
     g = torch.Generator().manual_seed(seed * 7919 + step)
     return [None if k in skip else torch.randn(p.shape, generator=g) for k, p in enumerate(params)]
-
-
-def set_grads(params, grads):
-    for p, grad in zip(params, grads):
-        p.grad = None if grad is None else grad.to(p.dtype)
-
-
-def megatron_groups(params_a, params_b, **extra_b):
-    """Param groups as Megatron's _get_param_groups builds them: extra keys, an empty group, wd_mult 0."""
-    common = dict(is_expert_parallel=False, lr_mult=1.0, is_decoupled_lr=False, max_lr=1e-2, min_lr=1e-3)
-    return [dict(params=list(params_a), default_config=True, wd_mult=1.0, **common),
-            dict(params=[], default_config=False, wd_mult=1.0, **common),
-            dict(params=list(params_b), default_config=False, wd_mult=0.0, **common, **extra_b)]
 
 
 def build(params_or_groups, backend, **kw):
@@ -86,13 +73,7 @@ def test_1_megatron_groups_scheduler_and_per_group_eps(backend):
     oracle = Oracle(params)
     lr_tensor = torch.tensor(0.0)
     for t, (lr, wd) in enumerate([(1e-2, 0.1), (5e-3, 0.05), (2e-3, 0.2), (1e-3, 0.1)], start=1):
-        for g in opt.param_groups:  # OptimizerParamScheduler.step
-            if t >= 3:
-                lr_tensor.fill_(lr)
-                g["lr"] = lr_tensor
-            else:
-                g["lr"] = lr
-            g["weight_decay"] = wd * g["wd_mult"]
+        scheduler_step(opt, t, lr, wd, lr_tensor)
         grads = grads_for(params, t, skip={1} if t == 2 else ())
         set_grads(params, grads)
         opt.step()

@@ -21,14 +21,15 @@ torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Pyth
 from normuon import reference  # noqa: E402
 from normuon.megatron import MegatronNorMuon, init_state_fn  # noqa: E402
 import normuon.megatron as nm  # noqa: E402
+from megatron_helpers import random_params, scheduler_step, set_grads  # noqa: E402
+from megatron_helpers import megatron_groups as megatron_shaped_groups  # noqa: E402
 
 
 SHAPES = [(16, 8), (8, 16), (12, 12), (24, 4)]
 
 
 def make_params(seed=0, shapes=SHAPES, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in shapes]
+    return random_params(shapes, seed, dtype)
 
 
 def grads_for(params, step, seed=3, skip=()):
@@ -41,17 +42,10 @@ def grads_for(params, step, seed=3, skip=()):
     return out
 
 
-def set_grads(params, grads):
-    for p, grad in zip(params, grads):
-        p.grad = None if grad is None else grad.to(p.dtype)
-
-
 def megatron_groups(params_a, params_b):
-    """Param groups as Megatron's _get_param_groups builds them: extra keys, an empty group, wd_mult 0."""
-    common = dict(is_expert_parallel=False, lr_mult=1.0, is_decoupled_lr=False, max_lr=1e-2, min_lr=1e-3)
-    return [dict(params=list(params_a), default_config=True, wd_mult=1.0, **common),
-            dict(params=[], default_config=False, wd_mult=1.0, optimizer="normuon", **common),
-            dict(params=list(params_b), default_config=False, wd_mult=0.0, start_wd=0.0, end_wd=0.1, **common)]
+    """Megatron-shaped groups (megatron_helpers) with an optimizer key and a weight-decay schedule."""
+    return megatron_shaped_groups(params_a, params_b, empty_extra=dict(optimizer="normuon"), start_wd=0.0,
+                                  end_wd=0.1)
 
 
 def spec_hypers(lr, wd, momentum=0.95, beta2=0.95, eps=1e-8, nesterov=True, lr_scale="official",
@@ -127,13 +121,7 @@ def test_1_megatron_groups_keep_their_keys_and_follow_the_scheduler(backend):
     schedule = [(1e-2, 0.1), (5e-3, 0.05), (2e-3, 0.2), (0.0, 0.1)]
     lr_tensor = torch.tensor(0.0)
     for t, (lr, wd) in enumerate(schedule, start=1):
-        for g in opt.param_groups:  # what OptimizerParamScheduler.step does
-            if t >= 3:
-                lr_tensor.fill_(lr)
-                g["lr"] = lr_tensor
-            else:
-                g["lr"] = lr
-            g["weight_decay"] = wd * g["wd_mult"]
+        scheduler_step(opt, t, lr, wd, lr_tensor)
         grads = grads_for(params, t, skip={1} if t == 2 else ())
         set_grads(params, grads)
         opt.step()

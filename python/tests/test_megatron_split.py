@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Pyth
 
 from normuon import reference  # noqa: E402
 from normuon.megatron import MegatronNorMuon, init_state_fn  # noqa: E402
+from megatron_helpers import set_grads  # noqa: E402
 
 
 MATMUL_PREC = {"reference": "medium", "fast": "highest"}  # bf16 / fp32 Newton-Schulz
@@ -78,11 +79,6 @@ class BlockOracle:
 def grads_for(params, step, seed=9):
     g = torch.Generator().manual_seed(seed * 7919 + step)
     return [torch.randn(p.shape, generator=g) * torch.logspace(-1, 1, p.shape[0]).unsqueeze(1) for p in params]
-
-
-def set_grads(params, grads):
-    for p, grad in zip(params, grads):
-        p.grad = None if grad is None else grad.to(p.dtype)
 
 
 def assert_close(a, b, backend):
