@@ -120,7 +120,7 @@ void EmulatedCudaBackend::enqueue_step(FlatState& state, const Options& options,
   im.groups.clear();
   for (size_t g = 0; g < options.groups.size(); ++g)
     im.groups.push_back(cuda::group_scalars(options.groups[g], host_bias ? &state.group_steps[g] : nullptr));
-  im.matrix_scalars = cuda::matrix_scalars(im.plan.matrices, options);
+  cuda::fill_matrix_scalars(im.plan.matrices, options, im.matrix_scalars);
 
   cuda::StepBuffers b{};
   b.params = state.params.data();

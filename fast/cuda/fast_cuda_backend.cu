@@ -174,7 +174,7 @@ void FastCudaBackend::set_options(const Options& options, const std::vector<int6
   host_groups_.clear();
   for (size_t g = 0; g < options.groups.size(); ++g)
     host_groups_.push_back(cuda::group_scalars(options.groups[g], group_steps ? &(*group_steps)[g] : nullptr));
-  host_matrix_scalars_ = cuda::matrix_scalars(host_matrices_, options);
+  cuda::fill_matrix_scalars(host_matrices_, options, host_matrix_scalars_);
   // From pageable memory: the copy is staged before the call returns, so the host vectors may change.
   NORMUON_CUDA_CHECK(cudaMemcpyAsync(groups_.data(), host_groups_.data(), groups_.bytes(), cudaMemcpyHostToDevice, stream_));
   if (tables_.n_matrices > 0)

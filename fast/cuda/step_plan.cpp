@@ -116,12 +116,14 @@ GroupScalars group_scalars(const GroupOptions& g, const int64_t* steps_taken) {
   return s;
 }
 
-std::vector<MatrixScalars> matrix_scalars(const std::vector<MatrixInfo>& matrices, const Options& options) {
-  std::vector<MatrixScalars> out;
-  out.reserve(matrices.size());
-  for (const MatrixInfo& m : matrices)
-    out.push_back({0.0f, static_cast<float>(lr_scale_factor(options.groups.at(m.group).normuon.lr_scale, m.rows, m.cols))});
-  return out;
+void fill_matrix_scalars(const std::vector<MatrixInfo>& matrices, const Options& options,
+                         std::vector<MatrixScalars>& out) {
+  out.resize(matrices.size());
+  for (size_t m = 0; m < matrices.size(); ++m) {
+    const MatrixInfo& info = matrices[m];
+    const double kappa = lr_scale_factor(options.groups.at(info.group).normuon.lr_scale, info.rows, info.cols);
+    out[m] = {0.0f, static_cast<float>(kappa)};
+  }
 }
 
 StepResult step_result(const StepStatus& status, const Layout& layout, const Options& options) {

@@ -47,8 +47,10 @@ struct StepPlan {
 // the reference computes them (bias_from_host = 1); without, the step-counter kernel derives them.
 GroupScalars group_scalars(const GroupOptions& group, const int64_t* steps_taken = nullptr);
 
-// Per matrix (the plan's order): the lr_scale factor of its group's rule; the ratio is the device's.
-std::vector<MatrixScalars> matrix_scalars(const std::vector<MatrixInfo>& matrices, const Options& options);
+// Per matrix (the plan's order) into `out`: the lr_scale factor of its group's rule; the ratio is the
+// device's. Reuses out's storage: set_options() runs every step.
+void fill_matrix_scalars(const std::vector<MatrixInfo>& matrices, const Options& options,
+                         std::vector<MatrixScalars>& out);
 
 // What a step's status says, as begin_step (core/src/step_prologue.cpp) says it, so every backend
 // reports a NaN/Inf gradient the same way: {} when none was reported; a skipped step under
