@@ -12,6 +12,7 @@
 #   scripts/gpu-bench.sh --stage-deps .gpu-deps       # copies headers, libraries, CMake config files
 # and bring the folder along; the script uses ./.gpu-deps by itself when it exists (or --deps DIR).
 set -euo pipefail
+invoked_from=$PWD  # a relative --stage-deps folder is the caller's, not the repository's
 cd "$(dirname "$0")/.."
 repo=$(pwd)
 script=gpu-bench
@@ -28,7 +29,7 @@ CPU backend only where oneDNN is found) against the pip torch's libtorch, then r
 Arguments after `--` go to every bench-cuda run (e.g. -- --repeats 20 --no-reference).
 
 options:
-  --presets "P..."   presets to run (default: "gpt2-124m gpt-1.3b llama-1b")
+  --presets "P..."   presets to run (default: "gpt2-124m gpt-1.3b llama-1b moe-8x64")
   --build-dir DIR    build folder (default: build-gpu)
   --results DIR      where the reports go (default: bench/results)
   --skip-build       use the tool already built in the build folder
@@ -41,7 +42,7 @@ options:
   --fast-cpu on|off  build the fast CPU backend (default: on when oneDNN's dnnl.hpp is found, here or
                      staged)
   --jobs N           build jobs (default: nproc)
-  --stage-deps DIR   on a Debian machine with libcsv-dev, nlohmann-json3-dev, zlib1g-dev and
+  --stage-deps DIR   (relative to the current directory) on a Debian machine with libcsv-dev, nlohmann-json3-dev, zlib1g-dev and
                      libboost-test-dev (and libdnnl-dev): copy what the build and the tests need from
                      them into DIR (to carry to the GPU machine), then exit. oneDNN goes in as
                      DIR/onednn.tar.xz (~7 MB), unpacked into the build folder when used
@@ -52,7 +53,7 @@ exit status: 0 when every run finished (bars missed or not), 77 when there is no
 EOF
 }
 
-presets="gpt2-124m gpt-1.3b llama-1b"
+presets="gpt2-124m gpt-1.3b llama-1b moe-8x64"
 build_dir=build-gpu
 results=bench/results
 skip_build=0

@@ -7,6 +7,7 @@
 #
 #   scripts/gpu-test.sh [options]
 set -euo pipefail
+invoked_from=$PWD  # a relative --stage-deps folder is the caller's, not the repository's
 cd "$(dirname "$0")/.."
 repo=$(pwd)
 script=gpu-test

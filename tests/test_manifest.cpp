@@ -297,9 +297,10 @@ BOOST_AUTO_TEST_CASE(preset_catalogue) {
     BOOST_TEST(info.description.find("params") != std::string::npos, info.description);
     BOOST_CHECK_NO_THROW(preset_manifest(info.name).validate());
   }
-  BOOST_TEST(names == (std::set<std::string>{"tiny", "gpt2-124m", "gpt-1.3b", "llama-1b"}),
+  BOOST_TEST(names == (std::set<std::string>{"tiny", "gpt2-124m", "gpt-1.3b", "llama-1b", "moe-8x64"}),
              boost::test_tools::per_element());
-  check_error([] { preset_manifest("gpt5"); }, {"\"gpt5\"", "tiny", "gpt2-124m", "gpt-1.3b", "llama-1b"});
+  check_error([] { preset_manifest("gpt5"); },
+              {"\"gpt5\"", "tiny", "gpt2-124m", "gpt-1.3b", "llama-1b", "moe-8x64"});
 }
 
 BOOST_AUTO_TEST_CASE(preset_gpt2) {
@@ -373,4 +374,27 @@ BOOST_AUTO_TEST_CASE(preset_llama) {
     if (route(p) == Algorithm::normuon) ++normuon;
   }
   BOOST_TEST(normuon == 16 * 7);
+}
+
+BOOST_AUTO_TEST_CASE(preset_moe) {
+  const Manifest m = preset_manifest("moe-8x64");
+  // 8 layers of (4 attention + 1 router + 64 x 3 expert matrices + 2 norms), embedding, final norm, head.
+  BOOST_TEST(m.params.size() == 1u + 8u * (5u + 192u + 2u) + 2u);
+  BOOST_TEST(m.numel() > 800000000);
+  BOOST_TEST(m.numel() < 1000000000);
+  const std::string l = "model.layers.5.";
+  BOOST_TEST((find(m, l + "mlp.gate.weight").shape == Shape{64, 1024}));
+  BOOST_TEST((find(m, l + "mlp.experts.63.gate_proj.weight").shape == Shape{512, 1024}));
+  BOOST_TEST((find(m, l + "mlp.experts.0.up_proj.weight").shape == Shape{512, 1024}));
+  BOOST_TEST((find(m, l + "mlp.experts.17.down_proj.weight").shape == Shape{1024, 512}));
+  BOOST_TEST((find(m, l + "self_attn.k_proj.weight").shape == Shape{256, 1024}));
+  BOOST_TEST((route(find(m, "lm_head.weight")) == Algorithm::adamw));
+  BOOST_TEST((route(find(m, "model.embed_tokens.weight")) == Algorithm::adamw));
+
+  int normuon = 0;
+  for (const ParamSpec& p : m.params) {
+    BOOST_TEST((p.dtype == DType::bf16), p.name);
+    if (route(p) == Algorithm::normuon) ++normuon;
+  }
+  BOOST_TEST(normuon == 8 * (4 + 1 + 64 * 3));
 }

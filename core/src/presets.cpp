@@ -88,6 +88,40 @@ Manifest llama(const LlamaConfig& c) {
   return b.take();
 }
 
+// Fine-grained mixture of experts in the Qwen-MoE layout: every layer's MLP is `experts` small SwiGLU
+// experts plus a router, so the model is thousands of small matrices (the launch-bound regime of a
+// per-parameter optimizer), with grouped-query attention, RMSNorm, no biases and an untied head.
+struct MoeConfig {
+  int64_t vocab, d_model, layers, heads, kv_heads, experts, expert_ffn;
+  DType dtype;
+};
+
+Manifest moe(const MoeConfig& c) {
+  const int64_t d = c.d_model;
+  const int64_t kv = c.kv_heads * (d / c.heads);
+  Builder b(c.dtype);
+  b.add("model.embed_tokens.weight", {c.vocab, d}, Role::embedding);
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string l = "model.layers." + std::to_string(i);
+    b.linear(l + ".self_attn.q_proj", d, d, false);
+    b.linear(l + ".self_attn.k_proj", d, kv, false);
+    b.linear(l + ".self_attn.v_proj", d, kv, false);
+    b.linear(l + ".self_attn.o_proj", d, d, false);
+    b.linear(l + ".mlp.gate", d, c.experts, false);  // the router
+    for (int64_t e = 0; e < c.experts; ++e) {
+      const std::string x = l + ".mlp.experts." + std::to_string(e);
+      b.linear(x + ".gate_proj", d, c.expert_ffn, false);
+      b.linear(x + ".up_proj", d, c.expert_ffn, false);
+      b.linear(x + ".down_proj", c.expert_ffn, d, false);
+    }
+    b.add(l + ".input_layernorm.weight", {d}, Role::norm);
+    b.add(l + ".post_attention_layernorm.weight", {d}, Role::norm);
+  }
+  b.add("model.norm.weight", {d}, Role::norm);
+  b.add("lm_head.weight", {c.vocab, d}, Role::head);
+  return b.take();
+}
+
 struct Preset {
   const char* name;
   const char* summary;  // the description without the parameter count, which is computed
@@ -103,6 +137,9 @@ const Preset kPresets[] = {
      [] { return gpt2({50257, 2048, 2048, 24, true, DType::bf16}); }},
     {"llama-1b", "Llama-3.2-1B-like, 16 layers, d_model 2048, GQA 32/8 heads, SwiGLU, tied embeddings, bf16",
      [] { return llama({128256, 2048, 16, 32, 8, 8192, DType::bf16}); }},
+    {"moe-8x64", "Qwen-MoE-like, 8 layers x 64 experts x 3 matrices (d_model 1024, expert ffn 512), GQA 16/4 heads, "
+                 "router, untied head, bf16",
+     [] { return moe({32000, 1024, 8, 16, 4, 64, 512, DType::bf16}); }},
 };
 
 std::string format_count(int64_t n) {
