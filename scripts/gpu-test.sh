@@ -43,6 +43,8 @@ options:
   --jobs N            build jobs (default: nproc)
   --ctest-jobs N      tests run at once (default: 4)
   --ctest-regex RE    which CTest tests (default: "cuda|simt|ns_gemm|python|selector|golden|compare"; "." for all)
+  --test-timeout S    seconds one CTest test may run before it counts as failed (default: 300)
+  --step-timeout S    seconds any other step may run before it is stopped and counts as failed (default: 600)
   --report FILE       the report (default: bench/results/gpu-tests-<device>-<date>.md; without a GPU
                       BUILD-DIR/gpu-tests-nogpu-<date>.md)
   --build-only        configure and build, run nothing (a later --skip-build run appends to the same report)
@@ -65,6 +67,8 @@ fast_cpu=""
 jobs=$(nproc 2>/dev/null || echo 4)
 ctest_jobs=4
 ctest_regex="cuda|simt|ns_gemm|python|selector|golden|compare"
+test_timeout=300
+step_timeout=600
 report=""
 build_only=0
 skip_build=0
@@ -83,6 +87,8 @@ while (($#)); do
     --ctest-jobs) ctest_jobs=${2:?--ctest-jobs needs a value}; shift 2 ;;
     --ctest-regex) ctest_regex=${2:?--ctest-regex needs a value}; shift 2 ;;
     --report) report=${2:?--report needs a file}; shift 2 ;;
+    --test-timeout) test_timeout=${2:?--test-timeout needs seconds}; shift 2 ;;
+    --step-timeout) step_timeout=${2:?--step-timeout needs seconds}; shift 2 ;;
     --build-only) build_only=1; shift ;;
     --skip-build) skip_build=1; shift ;;
     --stage-deps) stage_dir=${2:?--stage-deps needs a folder}; shift 2 ;;
@@ -172,13 +178,20 @@ step() {  # step NAME CMD...: shows and runs CMD, keeps its output in $step_log,
   printf '\n'
   t0=$SECONDS
   set +e
-  "$@" 2>&1 | tee "$step_log"
+  # A hung step (a deadlocked test, a wedged GPU) is stopped and recorded instead of stalling the run.
+  timeout --kill-after=10 "$step_timeout" "$@" 2>&1 | tee "$step_log"
   step_rc=${PIPESTATUS[0]}
   set -e
   step_time=$((SECONDS - t0))
 }
-outcome() {  # outcome RC: passed | failed (exit RC)
-  if (($1 == 0)); then echo passed; else echo "failed (exit $1)"; fi
+outcome() {  # outcome RC: passed | failed (exit RC) | failed (timed out ...)
+  if (($1 == 0)); then
+    echo passed
+  elif (($1 == 124 || $1 == 137)); then
+    echo "failed (timed out after --step-timeout $step_timeout s)"
+  else
+    echo "failed (exit $1)"
+  fi
 }
 finish() {
   local rc=$? i verdict
@@ -215,6 +228,8 @@ finish() {
   exit "$rc"
 }
 trap finish EXIT
+# Killed from outside (a time limit's SIGTERM): the verdict must say so, not report the steps so far as a pass.
+trap 'exit 143' TERM INT HUP
 
 # ---- the machine and what the build needs
 print_machine
@@ -286,7 +301,8 @@ else
   record "tool starts" "failed (not built)" 0 "$tool"
 fi
 
-ctest_args=(ctest --test-dir "$build_dir" --output-on-failure --no-tests=error -j "$ctest_jobs" -R "$ctest_regex")
+ctest_args=(ctest --test-dir "$build_dir" --output-on-failure --no-tests=error -j "$ctest_jobs" --timeout "$test_timeout"
+  -R "$ctest_regex")
 if [ "$fast_cpu_built" != ON ]; then
   say "no fast CPU backend in this build: the Python suite's CPU tests cannot pass, so python_tests is left out (step 'python CUDA tests' runs test_cuda.py)"
   ctest_args+=(-E '^python_tests$')
