@@ -296,7 +296,7 @@ class _MegatronFlat(torch.optim.Optimizer):
                            "parameter split into QKV blocks is parameter-shaped)")
         writes = []
         for j, (e, rows) in enumerate(zip(slot.entries, slot.rows)):
-            part = {k: v.index_select(0, rows) for k, v in saved.items() if k != "step"}
+            part = {k: v.index_select(0, rows.to(v.device)) for k, v in saved.items() if k != "step"}
             writes += self._entry_writes(e, part, f"{where} (block {j})")
         return writes
 
@@ -308,9 +308,9 @@ class _MegatronFlat(torch.optim.Optimizer):
             return parts[0]
         out = {}
         for key in parts[0]:
-            full = torch.empty(tuple(slot.param.shape), dtype=torch.float32)
+            full = torch.empty(tuple(slot.param.shape), dtype=torch.float32, device=parts[0][key].device)
             for part, rows in zip(parts, slot.rows):
-                full.index_copy_(0, rows, part[key])
+                full.index_copy_(0, rows.to(full.device), part[key])
             out[key] = full
         return out
 
@@ -578,10 +578,11 @@ class MegatronNorMuon(_MegatronFlat):
         rows, total = p.shape[0], sum(sizes)
         if rows % total:
             self._fail(f"{where} has {rows} rows, not a multiple of sum(qkv_split_shapes) = {total} ({sizes})")
-        starts = torch.arange(rows // total) * total
+        # On the parameter's device: index_select / index_copy_ on a CUDA parameter need CUDA indices.
+        starts = torch.arange(rows // total, device=p.device) * total
         blocks, offset = [], 0
         for size in sizes:
-            blocks.append((starts.unsqueeze(1) + offset + torch.arange(size)).reshape(-1))
+            blocks.append((starts.unsqueeze(1) + offset + torch.arange(size, device=p.device)).reshape(-1))
             offset += size
         return blocks
 

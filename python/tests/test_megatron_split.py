@@ -255,3 +255,18 @@ def test_tp_blockwise_runs_each_shard_as_its_own_matrix(backend):
         oracle.step(grads)
     for k, p in enumerate(params):
         assert_close(p.detach(), oracle.p[k], backend)
+
+
+def test_qkv_block_indices_live_on_the_parameters_device():
+    # CUDA's index_select / index_copy_ refuse indices on another device: the blocks of a CUDA parameter
+    # were built on the CPU and Megatron's default (split_qkv) failed at its first GPU step. The meta
+    # device stands in for CUDA here: only the devices are compared.
+    p = torch.nn.Parameter(torch.empty(10, 4, device="meta"))
+    p.is_qkv = True
+    p.qkv_split_shapes = [3, 1, 1]
+    fake = SimpleNamespace(split_qkv=True, is_qkv_fn=lambda q: True, qkv_split_shapes=None,
+                           _split_shapes=MegatronNorMuon._split_shapes,
+                           _fail=lambda msg: pytest.fail(msg))
+    blocks = MegatronNorMuon._blocks(fake, p, "qkv")
+    assert [tuple(b.shape) for b in blocks] == [(6,), (2,), (2,)]
+    assert all(b.device == p.device for b in blocks), [b.device for b in blocks]
