@@ -24,7 +24,7 @@ usage() {
 usage: scripts/gpu-bench.sh [options] [-- BENCH-CUDA ARGS...]
 
 Builds the `normuon` tool (Release, -DNORMUON_BUILD_PYTHON=OFF -DNORMUON_BUILD_TESTS=OFF, the fast
-CPU backend only where oneDNN is found) against the pip torch's libtorch, then runs
+CPU backend only with --fast-cpu on) against the pip torch's libtorch, then runs
 `normuon bench-cuda` once per preset, writing bench/results/gpu-<preset>-<date>.md and .csv.
 Arguments after `--` go to every bench-cuda run (e.g. -- --repeats 20 --no-reference).
 
@@ -39,8 +39,7 @@ options:
   --deps DIR         a prefix holding libcsv, nlohmann_json and zlib, made by --stage-deps (default:
                      ./.gpu-deps when it exists)
   --cuda-arch LIST   CMAKE_CUDA_ARCHITECTURES (default: the visible GPU's, e.g. 90-real; else the project's list)
-  --fast-cpu on|off  build the fast CPU backend (default: on when oneDNN's dnnl.hpp is found, here or
-                     staged)
+  --fast-cpu on|off  build the fast CPU backend (default: off; on needs oneDNN here or staged)
   --jobs N           build jobs (default: nproc)
   --stage-deps DIR   (relative to the current directory) on a Debian machine with libcsv-dev, nlohmann-json3-dev, zlib1g-dev and
                      libboost-test-dev (and libdnnl-dev): copy what the build and the tests need from

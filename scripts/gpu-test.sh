@@ -19,7 +19,7 @@ usage() {
 usage: scripts/gpu-test.sh [options]
 
 Configures a build folder with the tests, the CUDA backend, the reference (the pip torch's libtorch),
-the Python module and, where oneDNN is found (here or staged), the fast CPU backend; builds it; then
+the Python module (with a private libstdc++) and, with --fast-cpu on, the fast CPU backend; builds it; then
   1. ctest --output-on-failure -R "cuda|simt|ns_gemm|python|selector|golden|compare"
   2. pytest python/tests/test_cuda.py (the Python CUDA tests, run again to see that none was skipped)
   3. normuon compare --device cuda --preset tiny --steps 50
@@ -39,7 +39,7 @@ options:
   --torch-dir DIR     torch's CMake prefix (default: PYTHON -c 'import torch; print(torch.utils.cmake_prefix_path)')
   --python PYTHON     the interpreter with torch and pytest, built for and tested with (default: python3)
   --cuda-arch LIST    CMAKE_CUDA_ARCHITECTURES (default: the visible GPU's, e.g. 90-real; else the project's list)
-  --fast-cpu on|off   build the fast CPU backend (default: on when oneDNN's dnnl.hpp is found, here or staged)
+  --fast-cpu on|off   build the fast CPU backend (default: off; on needs oneDNN here or staged)
   --jobs N            build jobs (default: nproc)
   --ctest-jobs N      tests run at once (default: 4)
   --ctest-regex RE    which CTest tests (default: "cuda|simt|ns_gemm|python|selector|golden|compare"; "." for all)

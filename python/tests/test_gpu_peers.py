@@ -1,0 +1,160 @@
+"""bench/gpu_peers.py on the CPU (the smoke run of the GPU benchmark): a row per requested peer, a peer
+that cannot run is reported with the reason, bad arguments exit 2 and write nothing. Plus the two pieces
+that only a GPU exercises end to end: counting profiler events and importing bench-cuda's CSV."""
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Python tests need it")
+
+from conftest import cli_path, require_native  # noqa: E402
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+SCRIPT = BENCH / "gpu_peers.py"
+PEERS = ["official", "torch-muon", "emerging-adaptive-muon", "reference-py", "fused-py", "fused-py-graph",
+         "fused-cpp"]
+
+
+def run(*args):
+    env = {k: v for k, v in os.environ.items() if k != "NORMUON_BACKEND"}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return subprocess.run([sys.executable, str(SCRIPT), "--cli", cli_path(), *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    require_native()
+    out = tmp_path_factory.mktemp("gpu_peers")
+    done = run("--device", "cpu", "--preset", "tiny", "--steps", 1, "--warmup", 0, "--profile-steps", 1,
+               "--peers", ",".join(PEERS), "--official-normuon", out / "no-such-normuon.py",
+               "--csv", out / "peers.csv", "--markdown", out / "peers.md")
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(out / "peers.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return done, rows, (out / "peers.md").read_text()
+
+
+def test_a_row_per_requested_peer(smoke):
+    done, rows, markdown = smoke
+    assert [r["peer"] for r in rows] == PEERS  # on the CPU fused-cpp has one row (no graph)
+    table = done.stdout.splitlines()
+    for peer in PEERS:
+        assert any(line.startswith(peer + " ") for line in table), f"no table line for {peer}:\n{done.stdout}"
+        assert f"| {peer} |" in markdown
+    by = {r["peer"]: r for r in rows}
+    for peer in ("reference-py", "fused-py", "fused-cpp"):  # the project's own peers run everywhere
+        assert by[peer]["status"] == "ok", by[peer]
+        assert float(by[peer]["step_ms_median"]) > 0
+    assert float(by["fused-py"]["speedup_vs_reference_py"]) > 0
+    assert float(by["reference-py"]["aten_top_per_step"]) > float(by["fused-py"]["aten_top_per_step"])
+    assert "backend fast-cpu" in by["fused-py"]["notes"]
+    for peer in PEERS:  # whatever could not run says why
+        assert by[peer]["status"] in ("ok", "skipped", "failed")
+        assert (by[peer]["status"] == "ok") != bool(by[peer]["reason"]), by[peer]
+    assert "command:" in markdown and "--preset tiny" in markdown and "What the columns count" in markdown
+
+
+def test_a_missing_peer_is_skipped_with_the_reason(smoke):
+    done, rows, _ = smoke
+    by = {r["peer"]: r for r in rows}
+    assert by["official"]["status"] == "skipped"
+    assert "no-such-normuon.py not found" in by["official"]["reason"]
+    assert by["fused-py-graph"]["status"] == "skipped" and by["fused-py-graph"]["reason"] == "CUDA only"
+    if not hasattr(torch.optim, "Muon"):
+        assert by["torch-muon"]["status"] == "skipped" and "torch.optim.Muon" in by["torch-muon"]["reason"]
+    assert "SKIPPED: " in done.stdout
+
+
+@pytest.mark.parametrize("args, word", [(["--preset", "no-such-preset"], "no-such-preset"),
+                                        (["--peers", "fused-py,no-such-peer"], "no-such-peer"),
+                                        (["--steps", "0"], "--steps")])
+def test_bad_arguments_exit_2_and_write_nothing(tmp_path, args, word):
+    done = run("--device", "cpu", "--preset", "tiny", *args, "--csv", tmp_path / "x.csv",
+               "--markdown", tmp_path / "x.md")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert word in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_help_explains_peers_and_metrics():
+    done = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for word in PEERS + ["--slow-steps", "launch API", "syncs", "extra MiB"]:
+        assert word in done.stdout
+
+
+def _peers_module(name):
+    sys.path.insert(0, str(BENCH))
+    try:
+        return __import__(f"peers.{name}", fromlist=[name])
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_count_events_per_step():
+    m = _peers_module("counts")
+    Ev = m.Ev
+    events = [  # two steps on thread 1; a cudaDeviceSynchronize between them (outside the ranges)
+        Ev(m.MARK, False, 1, 0, 100, True), Ev(m.MARK, False, 1, 200, 300, True),
+        Ev(m.MARK, True, 0, 0, 100, True),  # the range's GPU mirror: not a kernel
+        Ev("aten::copy_", False, 1, 10, 40, False), Ev("aten::to", False, 1, 10, 30, False),
+        Ev("aten::copy_", False, 1, 15, 25, False), Ev("cudaLaunchKernel", False, 1, 16, 18, False),
+        Ev("aten::_version", False, 1, 41, 42, False),
+        Ev("cudaMemcpyAsync", False, 1, 50, 51, False), Ev("cudaStreamSynchronize", False, 1, 52, 60, False),
+        Ev("cudaLaunchKernelExC_v11060", False, 1, 210, 211, False), Ev("cuLaunchKernel", False, 1, 220, 221, False),
+        Ev("aten::mul_", False, 1, 230, 240, False),
+        Ev("cudaDeviceSynchronize", False, 1, 150, 160, False),
+        Ev("void kernel<float>(float*)", True, 7, 20, 30, False),
+        Ev("Memcpy DtoH (Device -> Pageable)", True, 7, 55, 56, False),
+        Ev("Memset (Device)", True, 7, 215, 216, False), Ev("nvjet_hsh_128x256", True, 7, 230, 260, False),
+    ]
+    c = m.count_events(events, 2)
+    assert c == dict(kernels=1.0, memcpy=0.5, memset=0.5, d2h=0.5, launch_api=1.5, syncs=0.5, aten_top=1.0,
+                     aten_all=2.0)
+
+
+def test_bench_cuda_csv_import():
+    cli_peer = _peers_module("cli_peer")
+    rows = [dict(model="gpt-1.3b", phase="step", metric=k, value=str(v), unit="")
+            for k, v in dict(fast_eager_ms_median=10, fast_eager_ms_min=9, fast_eager_ms_max=11,
+                             fast_graph_ms_median=8, fast_graph_ms_min=7.5, fast_graph_ms_max=9,
+                             fast_eager_timed_ms_median=12, fast_eager_timed_ms_min=12, fast_eager_timed_ms_max=13,
+                             launches_per_step_eager=400, graph_kernel_nodes=420, graph_launches_per_step=1).items()]
+    eager, wait, graph = cli_peer.cuda_rows(rows)
+    assert (eager["step_ms"].median, eager["step_ms"].min, eager["step_ms"].max) == (10, 9, 11)
+    assert wait["variant"] == "wait" and wait["step_ms"].median == 12
+    assert eager["counts"] == {"launch_api": 400} and graph["variant"] == "graph"
+    assert graph["counts"] == {"launch_api": 1, "kernels": 420} and graph["step_ms"].median == 8
+
+
+def test_a_run_cut_short_keeps_the_peers_it_measured(tmp_path, monkeypatch):
+    # The device machine's time limit kills long runs: the reports are rewritten after every peer.
+    require_native()
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu_peers
+        from peers import run as peer_run
+    finally:
+        sys.path.remove(str(BENCH))
+    real = peer_run.run_python_peer
+
+    def stop_at_fused(peer, *a, **kw):
+        if peer.name == "fused-py":
+            raise KeyboardInterrupt  # what a time limit's signal becomes in Python
+        return real(peer, *a, **kw)
+
+    monkeypatch.setattr(gpu_peers, "run_python_peer", stop_at_fused)
+    monkeypatch.setenv("NORMUON_CLI", cli_path())
+    md, table = tmp_path / "peers.md", tmp_path / "peers.csv"
+    with pytest.raises(KeyboardInterrupt):
+        gpu_peers.main(["--device", "cpu", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--cli", cli_path(),
+                        "--peers", "reference-py,fused-py", "--csv", str(table), "--markdown", str(md)])
+    text = md.read_text()
+    assert "Incomplete run" in text and "reference-py" in text, text
+    with open(table, newline="") as f:
+        assert [r["peer"] for r in csv.DictReader(f)] == ["reference-py"]
