@@ -61,6 +61,27 @@ Manifest gpt2(const Gpt2Config& c) {
   return b.take();
 }
 
+// Grouped-query attention without biases (Llama, Qwen): q and o are d x d, k and v are kv x d.
+void gqa_attention(Builder& b, const std::string& layer, int64_t d, int64_t kv) {
+  b.linear(layer + ".self_attn.q_proj", d, d, false);
+  b.linear(layer + ".self_attn.k_proj", d, kv, false);
+  b.linear(layer + ".self_attn.v_proj", d, kv, false);
+  b.linear(layer + ".self_attn.o_proj", d, d, false);
+}
+
+// A SwiGLU MLP without biases: gate and up are ffn x d, down is d x ffn.
+void swiglu(Builder& b, const std::string& prefix, int64_t d, int64_t ffn) {
+  b.linear(prefix + ".gate_proj", d, ffn, false);
+  b.linear(prefix + ".up_proj", d, ffn, false);
+  b.linear(prefix + ".down_proj", ffn, d, false);
+}
+
+// A decoder layer's two RMSNorm weights.
+void layer_rms_norms(Builder& b, const std::string& layer, int64_t d) {
+  b.add(layer + ".input_layernorm.weight", {d}, Role::norm);
+  b.add(layer + ".post_attention_layernorm.weight", {d}, Role::norm);
+}
+
 // Llama 3 layout: grouped-query attention, SwiGLU MLP, RMSNorm, no biases, tied embeddings.
 struct LlamaConfig {
   int64_t vocab, d_model, layers, heads, kv_heads, ffn;
@@ -74,15 +95,9 @@ Manifest llama(const LlamaConfig& c) {
   b.add("model.embed_tokens.weight", {c.vocab, d}, Role::embedding);
   for (int64_t i = 0; i < c.layers; ++i) {
     const std::string l = "model.layers." + std::to_string(i);
-    b.linear(l + ".self_attn.q_proj", d, d, false);
-    b.linear(l + ".self_attn.k_proj", d, kv, false);
-    b.linear(l + ".self_attn.v_proj", d, kv, false);
-    b.linear(l + ".self_attn.o_proj", d, d, false);
-    b.linear(l + ".mlp.gate_proj", d, c.ffn, false);
-    b.linear(l + ".mlp.up_proj", d, c.ffn, false);
-    b.linear(l + ".mlp.down_proj", c.ffn, d, false);
-    b.add(l + ".input_layernorm.weight", {d}, Role::norm);
-    b.add(l + ".post_attention_layernorm.weight", {d}, Role::norm);
+    gqa_attention(b, l, d, kv);
+    swiglu(b, l + ".mlp", d, c.ffn);
+    layer_rms_norms(b, l, d);
   }
   b.add("model.norm.weight", {d}, Role::norm);
   return b.take();
@@ -103,19 +118,12 @@ Manifest moe(const MoeConfig& c) {
   b.add("model.embed_tokens.weight", {c.vocab, d}, Role::embedding);
   for (int64_t i = 0; i < c.layers; ++i) {
     const std::string l = "model.layers." + std::to_string(i);
-    b.linear(l + ".self_attn.q_proj", d, d, false);
-    b.linear(l + ".self_attn.k_proj", d, kv, false);
-    b.linear(l + ".self_attn.v_proj", d, kv, false);
-    b.linear(l + ".self_attn.o_proj", d, d, false);
+    gqa_attention(b, l, d, kv);
     b.linear(l + ".mlp.gate", d, c.experts, false);  // the router
     for (int64_t e = 0; e < c.experts; ++e) {
-      const std::string x = l + ".mlp.experts." + std::to_string(e);
-      b.linear(x + ".gate_proj", d, c.expert_ffn, false);
-      b.linear(x + ".up_proj", d, c.expert_ffn, false);
-      b.linear(x + ".down_proj", c.expert_ffn, d, false);
+      swiglu(b, l + ".mlp.experts." + std::to_string(e), d, c.expert_ffn);
     }
-    b.add(l + ".input_layernorm.weight", {d}, Role::norm);
-    b.add(l + ".post_attention_layernorm.weight", {d}, Role::norm);
+    layer_rms_norms(b, l, d);
   }
   b.add("model.norm.weight", {d}, Role::norm);
   b.add("lm_head.weight", {c.vocab, d}, Role::head);
