@@ -44,7 +44,8 @@ options:
   --ctest-jobs N      tests run at once (default: 4)
   --ctest-regex RE    which CTest tests (default: "cuda|simt|ns_gemm|python|selector|golden|compare"; "." for all)
   --test-timeout S    seconds one CTest test may run before it counts as failed (default: 300)
-  --step-timeout S    seconds any other step may run before it is stopped and counts as failed (default: 600)
+  --step-timeout S    seconds a step other than the build and ctest may run before it is stopped and counts
+                      as failed (default: 600)
   --report FILE       the report (default: bench/results/gpu-tests-<device>-<date>.md; without a GPU
                       BUILD-DIR/gpu-tests-nogpu-<date>.md)
   --build-only        configure and build, run nothing (a later --skip-build run appends to the same report)
@@ -150,7 +151,8 @@ command_line=scripts/gpu-test.sh
 } >>"$report"
 # From here on everything printed also goes to the report.
 exec 3>&1 4>&2
-exec > >(tee -a "$report") 2>&1
+# The writer ignores the signals that stop the script, so the verdict still reaches the report.
+exec > >(trap '' TERM INT HUP; exec tee -a "$report") 2>&1
 tee_pid=$!
 
 step_names=()
@@ -168,27 +170,37 @@ record() {  # record NAME OUTCOME SECONDS COMMAND
   case "$2" in passed* | skipped*) ;; *) failures=$((failures + 1)) ;; esac
   say "<== $1: $2 (${3} s)"
 }
-step() {  # step NAME CMD...: shows and runs CMD, keeps its output in $step_log, sets step_rc; never stops the script
-  local name=$1 t0
+step_pidfile=""
+step() {  # [STEP_LIMIT=S] step NAME CMD...: shows and runs CMD, keeps its output in $step_log, sets step_rc
+  # and step_limit; never stops the script. STEP_LIMIT (default --step-timeout; 0 = none) bounds the step.
+  local name=$1 t0 rc_file
   shift
+  step_limit=${STEP_LIMIT:-$step_timeout}
   printf '\n'
   say "==> $name"
   printf '$'
   printf ' %q' "$@"
   printf '\n'
   t0=$SECONDS
-  set +e
-  # A hung step (a deadlocked test, a wedged GPU) is stopped and recorded instead of stalling the run.
-  timeout --kill-after=10 "$step_timeout" "$@" 2>&1 | tee "$step_log"
-  step_rc=${PIPESTATUS[0]}
-  set -e
+  rc_file=$(mktemp)
+  # A hung step (a deadlocked test, a wedged GPU) is stopped and recorded instead of stalling the run. The
+  # step runs in the background: a signal to the script interrupts `wait` at once (a foreground step
+  # would hold the trap until it ended), and the trap stops the step through the pid in step_pidfile
+  # (timeout puts the step in a process group of its own, which a signal to the script's group misses).
+  step_pidfile=$(mktemp)
+  { timeout --kill-after=10 "$step_limit" "$@" 2>&1 & echo $! >"$step_pidfile"; wait $!; echo $? >"$rc_file"; } |
+    tee "$step_log" &
+  wait $! || true
+  step_rc=$(cat "$rc_file" 2>/dev/null || echo 1)
+  rm -f "$rc_file" "$step_pidfile"
+  step_pidfile=""
   step_time=$((SECONDS - t0))
 }
-outcome() {  # outcome RC: passed | failed (exit RC) | failed (timed out ...)
+outcome() {  # outcome RC: passed | failed (exit RC) | failed (timed out ...), for the last step
   if (($1 == 0)); then
     echo passed
-  elif (($1 == 124 || $1 == 137)); then
-    echo "failed (timed out after --step-timeout $step_timeout s)"
+  elif (($1 == 124 || $1 == 137)) && ((step_limit > 0 && step_time >= step_limit)); then
+    echo "failed (timed out after $step_limit s)"
   else
     echo "failed (exit $1)"
   fi
@@ -229,7 +241,16 @@ finish() {
 }
 trap finish EXIT
 # Killed from outside (a time limit's SIGTERM): the verdict must say so, not report the steps so far as a pass.
-trap 'exit 143' TERM INT HUP
+stop() {  # the TERM/INT/HUP trap: end the running step (its timeout passes the signal on), then finish
+  local pid
+  pid=$(cat "$step_pidfile" 2>/dev/null || true)
+  # timeout leads a process group of its own: end all of it, grandchildren too.
+  [ -z "$pid" ] || kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  exit "$1"
+}
+trap 'stop 143' TERM
+trap 'stop 130' INT
+trap 'stop 129' HUP
 
 # ---- the machine and what the build needs
 print_machine
@@ -278,7 +299,7 @@ if ((!skip_build)); then
   if ((step_rc == 0)); then
     keep_going=()
     [ ! -f "$build_dir/build.ninja" ] || keep_going=(-- -k 0)  # build all it can; the failures are in the log
-    step build cmake --build "$build_dir" -j "$jobs" ${keep_going[@]+"${keep_going[@]}"}
+    STEP_LIMIT=0 step build cmake --build "$build_dir" -j "$jobs" ${keep_going[@]+"${keep_going[@]}"}
     record build "$(outcome "$step_rc")" "$step_time" "cmake --build $build_dir -j $jobs"
   else
     record build "failed (not run: configure failed)" 0 "cmake --build $build_dir"
@@ -307,7 +328,7 @@ if [ "$fast_cpu_built" != ON ]; then
   say "no fast CPU backend in this build: the Python suite's CPU tests cannot pass, so python_tests is left out (step 'python CUDA tests' runs test_cuda.py)"
   ctest_args+=(-E '^python_tests$')
 fi
-step ctest "${ctest_args[@]}"
+STEP_LIMIT=0 step ctest "${ctest_args[@]}"  # each test has --test-timeout
 result=$(outcome "$step_rc")
 if ((step_rc == 0)) && [ -z "$gpu_reason" ] && grep -q '\*\*\*Skipped' "$step_log"; then
   result="failed (a test skipped on a GPU machine: $(grep '\*\*\*Skipped' "$step_log" | awk '{print $4}' | paste -sd' ' -))"

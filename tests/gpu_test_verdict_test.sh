@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# scripts/gpu-test.sh stopped from outside (a time limit's SIGTERM) in the middle of a step must not call
-# the run a pass. It once reported "PASSED" after being killed in its ctest step on the GPU machine.
+# scripts/gpu-test.sh stopped from outside in the middle of a step must end at once and must not call the
+# run a pass. On the GPU machine, `timeout 470 scripts/gpu-test.sh` once left a report saying "PASSED".
+# Two ways in: a time limit's SIGTERM to the whole process group, and a SIGTERM to the script alone.
 # Usage: gpu_test_verdict_test.sh REPO
 set -euo pipefail
 repo=$1
@@ -10,18 +11,39 @@ fail() { echo "FAIL: $*"; exit 1; }
 mkdir -p "$work/build" "$work/bin"
 echo "NORMUON_BUILD_FAST_CPU:BOOL=ON" >"$work/build/CMakeCache.txt"
 printf '#!/bin/sh\nexit 0\n' >"$work/build/normuon"
-# A ctest that says it started, then takes its time: the signal arrives while it runs.
-printf '#!/bin/sh\ntouch "%s/started"\nsleep 3\n' "$work" >"$work/bin/ctest"
+# A ctest that says it started, then hangs: the signal arrives while it runs.
+printf '#!/bin/sh\ntouch "%s/started"\nsleep 60\n' "$work" >"$work/bin/ctest"
 chmod +x "$work/build/normuon" "$work/bin/ctest"
-PATH="$work/bin:$PATH" "$repo/scripts/gpu-test.sh" --skip-build --build-dir "$work/build" \
-  --report "$work/report.md" >"$work/out.log" 2>&1 &
+
+check() {  # check HOW RC SECONDS REPORT
+  ((${2} != 0 && ${2} != 77)) || fail "$1: gpu-test.sh exited $2 (0 = passed, 77 = passed without a GPU)"
+  (($3 < 20)) || fail "$1: gpu-test.sh took $3 s to stop (its step hangs for 60 s)"
+  grep -q "stopped early" "$4" || fail "$1: the report does not say the run stopped early: $(tail -5 "$4")"
+  ! grep -q "PASSED" "$4" || fail "$1: the report says PASSED"
+  echo "$1: exit $2 after $3 s, reported as stopped early"
+}
+started() {  # waits up to 10 s for the fake ctest
+  for _ in $(seq 100); do [ -e "$work/started" ] && return 0; sleep 0.1; done
+  cat "$work/out.log"
+  fail "the fake ctest never started"
+}
+export PATH="$work/bin:$PATH"
+args=(--skip-build --build-dir "$work/build")
+
+# 1. the process group, as `timeout` signals it
+t0=$SECONDS
+rc=0
+timeout -s TERM 3 "$repo/scripts/gpu-test.sh" "${args[@]}" --report "$work/group.md" >"$work/out.log" 2>&1 || rc=$?
+started
+check "SIGTERM to the process group" "$rc" $((SECONDS - t0)) "$work/group.md"
+
+# 2. the script alone
+rm -f "$work/started"
+t0=$SECONDS
+"$repo/scripts/gpu-test.sh" "${args[@]}" --report "$work/script.md" >"$work/out.log" 2>&1 &
 pid=$!
-for _ in $(seq 100); do [ -e "$work/started" ] && break; sleep 0.2; done
-[ -e "$work/started" ] || { cat "$work/out.log"; fail "the fake ctest never started"; }
+started
 kill -TERM "$pid"
 rc=0
 wait "$pid" || rc=$?
-((rc != 0 && rc != 77)) || fail "killed mid-run, gpu-test.sh exited $rc (0 = passed, 77 = passed without a GPU)"
-grep -q "stopped early" "$work/report.md" || fail "the report does not say the run stopped early: $(tail -5 "$work/report.md")"
-! grep -q "PASSED" "$work/report.md" || fail "the report says PASSED"
-echo "killed mid-step: exit $rc, reported as stopped early"
+check "SIGTERM to the script" "$rc" $((SECONDS - t0)) "$work/script.md"
