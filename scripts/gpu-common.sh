@@ -6,7 +6,9 @@
 # The sourcing script sets `script` (the name its messages start with) and runs from the repository
 # root. Functions report through globals (nvcc, cuda_root, torch_dir, deps, onednn_prefix, fast_cpu,
 # cuda_arch, cmake_args), in the style of the scripts. They read the sourcing script's settings
-# (build_dir, deps, torch_dir, python, fast_cpu, cuda_arch, repo), hence SC2154 off above.
+# (build_dir, deps, torch_dir, python, fast_cpu, cuda_arch, repo, and invoked_from, the directory a
+# relative --stage-deps folder is taken from; every other path is taken from the repository root),
+# hence SC2154 off above.
 
 say() { printf '%s: %s\n' "$script" "$*"; }
 die() {
@@ -246,8 +248,7 @@ base_cmake_args() {  # cmake_args: what both scripts configure with (the staged 
   cmake_args=(-S . -B "$build_dir" ${generator[@]+"${generator[@]}"} -DCMAKE_BUILD_TYPE=Release
     -DNORMUON_BUILD_REFERENCE=ON -DNORMUON_BUILD_CUDA=ON
     "-DNORMUON_BUILD_FAST_CPU=$(tr '[:lower:]' '[:upper:]' <<<"$fast_cpu")"
-    "-DCMAKE_PREFIX_PATH=$prefix_path" "-DCMAKE_CUDA_COMPILER=$nvcc" "-DCUDAToolkit_ROOT=$cuda_root"
-    -DNORMUON_PYTHON_PRIVATE_LIBSTDCXX=ON)  # else normuon._C crashes beside pip torch (python/CMakeLists.txt)
+    "-DCMAKE_PREFIX_PATH=$prefix_path" "-DCMAKE_CUDA_COMPILER=$nvcc" "-DCUDAToolkit_ROOT=$cuda_root")
   [ -z "$cuda_arch" ] || cmake_args+=("-DCMAKE_CUDA_ARCHITECTURES=$cuda_arch")
   boost_dir=$(boost_config_dir)
   [ -z "$boost_dir" ] || cmake_args+=("-DBoost_DIR=$boost_dir")

@@ -292,7 +292,8 @@ if ((!skip_build)); then
   fi
 
   base_cmake_args
-  cmake_args+=(-DNORMUON_BUILD_TESTS=ON "-DNORMUON_BUILD_PYTHON=$python_build" "-DPYTHON_EXECUTABLE=$python_exe")
+  cmake_args+=(-DNORMUON_BUILD_TESTS=ON "-DNORMUON_BUILD_PYTHON=$python_build" "-DPYTHON_EXECUTABLE=$python_exe"
+    -DNORMUON_PYTHON_PRIVATE_LIBSTDCXX=ON)  # else normuon._C crashes beside pip torch (python/CMakeLists.txt)
   [ -z "$pybind11_dir" ] || cmake_args+=("-Dpybind11_DIR=$pybind11_dir")
   step configure cmake "${cmake_args[@]}"
   record configure "$(outcome "$step_rc")" "$step_time" "cmake ${cmake_args[*]}"
