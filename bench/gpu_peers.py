@@ -31,6 +31,7 @@ import torch  # noqa: E402
 import normuon  # noqa: E402
 from peers import measure, report  # noqa: E402
 from peers.cli_peer import run_fused_cpp  # noqa: E402
+from peers.files import write_atomic  # noqa: E402
 from peers.model import DTYPES, ManifestError, load_manifest  # noqa: E402
 from peers.optimizers import PEER_NAMES, PEERS, Context  # noqa: E402
 from peers.run import Plan, run_python_peer  # noqa: E402
@@ -41,7 +42,9 @@ EPILOG = f"""peers (--peers, in this order):
   official, torch-muon, emerging-adaptive-muon and reference-py are per-parameter ("slow"): they take
   --slow-steps / --slow-warmup. torch-muon is Muon, not NorMuon. emerging-adaptive-muon steps fp32 copies
   of a bf16 model (it takes fp32 only). official writes into p.grad; its gradients are restored between
-  timed steps, outside the timed region.
+  timed steps, outside the timed region. There is no CUDA-graph row for the Python path (fused-py):
+  normuon.NorMuonAdamW has no CUDA-graph capture path (its step() waits for the step and reads device
+  values on the host, which capture forbids); the C++ step's graph is fused-cpp (graph).
 
 what is measured (also in the markdown report):
 {report.DEFINITIONS}
@@ -186,9 +189,9 @@ def main(argv=None):
         """Writes the reports from the rows so far: a run cut short by a time limit keeps what it measured."""
         report.add_speedups(rows)
         if args.csv:
-            report.write_atomic(args.csv, report.csv_text(rows, where, torch.__version__))
+            write_atomic(args.csv, report.csv_text(rows, where, torch.__version__))
         if args.markdown:
-            report.write_atomic(args.markdown, markdown(args, rows, where, date, commit, command, partial))
+            write_atomic(args.markdown, markdown(args, rows, where, date, commit, command, partial))
 
     for preset in args.presets:
         run_preset(preset, args, ctx, log, rows, save)

@@ -56,6 +56,7 @@ least one did, 1 otherwise, 2 when the setup is missing (megatron-core or normuo
 for --device cuda).
 """
 import argparse
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -69,13 +70,18 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
+
+from peers.files import write_atomic  # bench/ is sys.path[0]: this script runs as bench/megatron_gpt.py
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -145,9 +151,11 @@ def new_record(spec, mode):
             "iterations": [], "errors": [], "resume": {}}
 
 
-def fatal(error):
-    """Errors a run records and survives: any exception, including BaseExceptions that are errors in disguise
-    (torch.distributed.checkpoint's CheckpointException derives from BaseException); never Ctrl-C or exit."""
+def reraise_interrupts(error):
+    """Re-raises Ctrl-C and exits (KeyboardInterrupt, SystemExit, GeneratorExit); returns for anything else.
+    A run catches BaseException to record and survive every error, including BaseExceptions that are errors in
+    disguise (torch.distributed.checkpoint's CheckpointException derives from BaseException), and calls this
+    first so that an interrupt or an exit still stops it."""
     if isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit)):
         raise error
 
@@ -460,25 +468,19 @@ def free_port():
         return s.getsockname()[1]
 
 
-def write_atomic(path, text):
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def qualname(obj):
     cls = obj if isinstance(obj, type) else type(obj)
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def optimizer_tree(optimizer):
+    """ChainedOptimizer[LayerWiseDistributedOptimizer[Float16OptimizerWithFloat16Params(MegatronNorMuon)], ...]:
+    Megatron's wrappers and the torch optimizers inside (bench/megatron_pretrain_gpt.py prints it too)."""
+    name = type(optimizer).__name__
+    if hasattr(optimizer, "chained_optimizers"):
+        return f"{name}[{', '.join(optimizer_tree(o) for o in optimizer.chained_optimizers)}]"
+    inner = getattr(optimizer, "optimizer", None)
+    return f"{name}({qualname(inner) if inner is not None else 'None'})"
 
 
 def parse_value(field, text):
@@ -710,14 +712,6 @@ class Bench:
             return out
         return [optimizer]
 
-    def tree(self, optimizer):
-        """ChainedOptimizer[LayerWiseDistributedOptimizer[Float16OptimizerWithFloat16Params(MegatronNorMuon)], ...]"""
-        name = type(optimizer).__name__
-        if hasattr(optimizer, "chained_optimizers"):
-            return f"{name}[{', '.join(self.tree(o) for o in optimizer.chained_optimizers)}]"
-        inner = getattr(optimizer, "optimizer", None)
-        return f"{name}({qualname(inner) if inner is not None else 'None'})"
-
     def describe(self, b):
         """What Megatron built: wrapper and torch optimizer classes, what each holds, the normuon backend, and
         whether normuon's matrices are exactly the parameters is_managed_by_layer_wise_optimizer picks."""
@@ -728,7 +722,7 @@ class Bench:
             main = getattr(p, "main_param", None)
             if main is not None:
                 names[id(main)] = name
-        out = {"top": qualname(opt), "tree": self.tree(opt), "leaves": []}
+        out = {"top": qualname(opt), "tree": optimizer_tree(opt), "leaves": []}
         for leaf in self.leaves(opt):
             inner = getattr(leaf, "optimizer", None)
             entry = {"wrapper": qualname(leaf), "optimizer": qualname(inner) if inner is not None else None,
@@ -996,7 +990,7 @@ class Bench:
                                                 "bytes": sum(os.path.getsize(os.path.join(d, x))
                                                              for d, _, xs in os.walk(folder) for x in xs)}
                         except BaseException as error:  # noqa: BLE001 - record, go on with the other format
-                            fatal(error)
+                            reraise_interrupts(error)
                             rec["resume"][f] = {"error": self.error(rec, stage, error),
                                                 "megatron_limitation": rec["errors"][-1]["megatron_limitation"]}
             rec["built"] = self.describe(b)  # again: the normuon backend is known once the first step built it
@@ -1028,14 +1022,14 @@ class Bench:
                     rec["resume"][f]["resumed_iterations"] = [dict(iteration=r["iteration"], loss=r["loss"],
                                                                    grad_norm=r["grad_norm"]) for r in resumed]
                 except BaseException as error:  # noqa: BLE001
-                    fatal(error)
+                    reraise_interrupts(error)
                     rec["resume"][f]["error"] = self.error(rec, stage, error)
                     rec["resume"][f]["megatron_limitation"] = rec["errors"][-1]["megatron_limitation"]
                 finally:
                     self.free(b)
                     b = None
         except BaseException as error:  # noqa: BLE001 - the report must still come out
-            fatal(error)
+            reraise_interrupts(error)
             self.error(rec, stage, error)
         finally:
             self.free(b)
@@ -1477,10 +1471,6 @@ def child_argv(argv, variant, mode, child_json):
 def run_isolated(args, argv):
     """Each run in its own process: a crash (a signal, a sticky CUDA error, an abort in native code) or a hang
     loses that run only; the report still comes out, within --time-budget."""
-    import collections
-    import subprocess
-    import threading
-
     started = time.monotonic()
     results = {"runs": [], "setup": {"command": " ".join(shlex.quote(x) for x in [sys.executable] + sys.argv),
                                      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -1490,61 +1480,58 @@ def run_isolated(args, argv):
     status = None
     try:
         for variant, mode in run_plan(args):
-            if True:  # one run
-                base = new_record(variant, mode)
-                left = args.time_budget - (time.monotonic() - started)
-                if left < 20:
-                    base["status"] = "skipped (time budget)"
-                    base["errors"].append({"stage": "not started", "error": f"not started: --time-budget "
-                                           f"{args.time_budget:g} s nearly spent", "traceback": ""})
-                    results["runs"].append(base)
-                    continue
-                child_json = os.path.join(folder, f"{len(results['runs'])}.json")
-                cmd = child_argv(argv, variant, mode, child_json)
-                tail = collections.deque(maxlen=40)
-                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        errors="replace", start_new_session=True)
+            base = new_record(variant, mode)
+            left = args.time_budget - (time.monotonic() - started)
+            if left < 20:
+                base["status"] = "skipped (time budget)"
+                base["errors"].append({"stage": "not started", "error": f"not started: --time-budget "
+                                       f"{args.time_budget:g} s nearly spent", "traceback": ""})
+                results["runs"].append(base)
+                continue
+            child_json = os.path.join(folder, f"{len(results['runs'])}.json")
+            cmd = child_argv(argv, variant, mode, child_json)
+            tail = collections.deque(maxlen=40)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    errors="replace", start_new_session=True)
 
-                def pump(stream=proc.stdout, keep=tail):
-                    for line in stream:
-                        keep.append(line.rstrip("\n"))
-                        sys.stdout.write(line)
-                        sys.stdout.flush()
+            def pump(stream=proc.stdout, keep=tail):
+                for line in stream:
+                    keep.append(line.rstrip("\n"))
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
 
-                reader = threading.Thread(target=pump, daemon=True)
-                reader.start()
-                try:
-                    code = proc.wait(timeout=left)
-                    timed_out = False
-                except subprocess.TimeoutExpired:
-                    import signal
-
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)  # the child's own session: it and what it started
-                    code = proc.wait()
-                    timed_out = True
-                reader.join(timeout=10)
-                if code == 2 and not os.path.exists(child_json):  # setup missing: the same for every run
-                    print("\n".join(tail), file=sys.stderr)
-                    status = 2
-                    return status
-                child = None
-                if os.path.exists(child_json):
-                    with open(child_json) as f:
-                        child = json.load(f)
-                if child and child.get("runs"):
-                    if not results["setup"].get("torch"):
-                        results["setup"] = dict(child.get("setup", {}), command=results["setup"]["command"],
-                                                isolated=True)
-                    results["runs"] += child["runs"]
-                else:
-                    why = (f"killed after {left:.0f} s (--time-budget)" if timed_out else
-                           f"the process died by signal {-code}" if code < 0 else f"the process exited with {code}")
-                    base["errors"].append({"stage": "process", "error": f"process: {why}, before writing its results",
-                                           "traceback": "\n".join(tail)})
-                    base["status"] = "FAIL"
-                    results["runs"].append(base)
-                write_outputs(args, results, print_report=False)
+            reader = threading.Thread(target=pump, daemon=True)
+            reader.start()
+            try:
+                code = proc.wait(timeout=left)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # the child's own session: it and what it started
+                code = proc.wait()
+                timed_out = True
+            reader.join(timeout=10)
+            if code == 2 and not os.path.exists(child_json):  # setup missing: the same for every run
+                print("\n".join(tail), file=sys.stderr)
+                status = 2
+                return status
+            child = None
+            if os.path.exists(child_json):
+                with open(child_json) as f:
+                    child = json.load(f)
+            if child and child.get("runs"):
+                if not results["setup"].get("torch"):
+                    results["setup"] = dict(child.get("setup", {}), command=results["setup"]["command"],
+                                            isolated=True)
+                results["runs"] += child["runs"]
+            else:
+                why = (f"killed after {left:.0f} s (--time-budget)" if timed_out else
+                       f"the process died by signal {-code}" if code < 0 else f"the process exited with {code}")
+                base["errors"].append({"stage": "process", "error": f"process: {why}, before writing its results",
+                                       "traceback": "\n".join(tail)})
+                base["status"] = "FAIL"
+                results["runs"].append(base)
+            write_outputs(args, results, print_report=False)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
         if status is None:
@@ -1561,8 +1548,6 @@ def main(argv=None):
         print(text)
         if not args.run_pretrain_gpt:
             return 0
-        import subprocess
-
         return subprocess.call(cmd, env=dict(os.environ, **env))
     if args.isolate and not args.child_run:
         return run_isolated(args, argv)

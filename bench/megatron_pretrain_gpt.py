@@ -32,7 +32,12 @@ import os
 import runpy
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+if HERE not in sys.path:  # bench/ is sys.path[0] when this runs as bench/megatron_pretrain_gpt.py
+    sys.path.insert(0, HERE)
+
+from megatron_gpt import CpuDryRun, optimizer_tree  # noqa: E402 - stdlib only at import; torch when used
 
 
 def skip_compile_if_built():
@@ -59,15 +64,9 @@ def report_built_optimizer():
 
     original = mopt.get_megatron_optimizer
 
-    def tree(o):
-        if hasattr(o, "chained_optimizers"):
-            return f"{type(o).__name__}[{', '.join(tree(c) for c in o.chained_optimizers)}]"
-        inner = getattr(o, "optimizer", None)
-        return f"{type(o).__name__}({type(inner).__module__ + '.' + type(inner).__qualname__ if inner is not None else None})"
-
     def get_megatron_optimizer(*args, **kwargs):
         optimizer = original(*args, **kwargs)
-        print(f"megatron_pretrain_gpt.py: Megatron built {tree(optimizer)}", flush=True)
+        print(f"megatron_pretrain_gpt.py: Megatron built {optimizer_tree(optimizer)}", flush=True)
         return optimizer
 
     mopt.get_megatron_optimizer = get_megatron_optimizer
@@ -89,11 +88,13 @@ def main():
     p.add_argument("--no-replace-adam", action="store_true", help="keep Megatron's Adam for the Adam groups")
     p.add_argument("--backend", default=None, help="normuon backend (default: NORMUON_BACKEND, else fast)")
     p.add_argument("--stock", action="store_true", help="register nothing: Megatron's own optimizers")
-    p.add_argument("--cpu-dry-run", action="store_true",
-                   help="run on the CPU with Megatron's CUDA calls redirected (bench/megatron_gpt.py's CpuDryRun) and "
-                        "--distributed-backend gloo: a check of the command on a machine without a GPU, nothing more")
-    p.add_argument("--check-args", action="store_true",
-                   help="only parse and validate the pretrain_gpt.py arguments (Megatron's parse_and_validate_args)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--check-args", action="store_true",
+                     help="only parse and validate the pretrain_gpt.py arguments (Megatron's parse_and_validate_args)")
+    how.add_argument("--cpu-dry-run", action="store_true",
+                     help="run on the CPU with Megatron's CUDA calls redirected (bench/megatron_gpt.py's CpuDryRun) "
+                          "and --distributed-backend gloo: a check of the command on a machine without a GPU, nothing "
+                          "more")
     args = p.parse_args(own)
 
     if args.cpu_dry_run:
@@ -133,9 +134,6 @@ def main():
         rest = rest + ["--num-workers", "0"]  # DataLoader workers pin memory through the CUDA runtime
     sys.argv = [script] + rest
     if args.cpu_dry_run:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from megatron_gpt import CpuDryRun
-
         import torch._dynamo
 
         torch._dynamo.config.disable = True

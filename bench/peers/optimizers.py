@@ -131,13 +131,6 @@ def _prepare_normuon(backend):
     return prepare
 
 
-def _prepare_fused_graph(ctx):
-    if ctx.device.type != "cuda":
-        raise Skip("CUDA only")
-    raise Skip("NorMuonAdamW exposes no CUDA-graph capture path: its step() waits for the step (finish_step) and "
-               "reads device values on the host, which capture forbids; the C++ graph is measured by fused-cpp")
-
-
 PEERS = [
     Peer("official", "the official per-parameter NorMuon: SingleDeviceNorMuonWithAuxAdam from zichongli5/NorMuon's "
          "normuon.py (--official-normuon)", _prepare_official, slow=True, mutates_grads=True,
@@ -152,8 +145,6 @@ PEERS = [
          "normuon.NorMuonAdamW(backend='reference')", _prepare_normuon("reference"), slow=True),
     Peer("fused-py", "this project's normuon.NorMuonAdamW(backend='fast'): the fused CPU or CUDA backend",
          _prepare_normuon("fast")),
-    Peer("fused-py-graph", "fused-py captured in a CUDA graph, if the Python optimizer can be captured",
-         _prepare_fused_graph),
     Peer("fused-cpp", "the C++ fused step through the tool: `normuon bench-cuda` (CUDA) or `normuon bench` (CPU)",
          None, external=True),
 ]

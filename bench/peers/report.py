@@ -1,8 +1,6 @@
 """The results: one Row per peer (and variant) per preset, as a text table, markdown and CSV."""
 import csv
 import io
-import os
-import tempfile
 from dataclasses import dataclass, field
 
 from .counts import KEYS as COUNT_KEYS
@@ -170,16 +168,3 @@ def csv_text(rows, device, torch_version):
         w.writerow([r.preset, device, torch_version, r.param_dtype, r.peer, r.variant, r.status, r.reason, r.warmup,
                     r.steps, *numbers, "; ".join(r.notes)])
     return buf.getvalue()
-
-
-def write_atomic(path, text):
-    """Writes through a temporary file in the same folder and os.replace: a reader sees all or nothing."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".gpu_peers.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
