@@ -165,6 +165,12 @@ Tolerances for_options(const Options& options, CompareMode mode) {
   return t;
 }
 
+void relax_for_torch_cuda_kernels(Tolerances& t) {
+  for (auto& kinds : t.per_group)
+    for (TensorKind k : {TensorKind::adamw_param, TensorKind::exp_avg_sq})
+      kinds[static_cast<int>(k)] = Tolerance{kTorchCudaAdamwNormwise, 0, 0};
+}
+
 // ---- reports -----------------------------------------------------------------------------------------
 
 namespace {

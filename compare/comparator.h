@@ -95,6 +95,14 @@ struct Tolerances {
 std::array<Tolerance, kNumTensorKinds> tolerances_for(NsPrecision precision, CompareMode mode);
 Tolerances for_options(const Options& options, CompareMode mode = CompareMode::resync);
 
+// The reference on CUDA is torch's CUDA kernels, which round AdamW differently from the spec (section 4:
+// the division by sqrt(bc2) goes through a reciprocal, addcmul contracts), a few ULP per element; the
+// spec's exact AdamW is the fast backends' (fast-cuda is bit-exact). For that candidate the AdamW
+// parameter and exp_avg_sq are held to this norm-wise bound instead (measured on an H100: 7.5e-8 and
+// 6.1e-8 in resync mode); exp_avg and the NorMuon momentum stay exact, as they came out.
+constexpr double kTorchCudaAdamwNormwise = 1e-6;
+void relax_for_torch_cuda_kernels(Tolerances& t);
+
 // ---- reports -----------------------------------------------------------------------------------------
 
 // One compared tensor of one step.
