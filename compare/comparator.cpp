@@ -138,6 +138,11 @@ void Tolerances::scale(double factor) {
     }
 }
 
+void Tolerances::hold_to_normwise(std::initializer_list<TensorKind> kinds, double normwise) {
+  for (auto& group : per_group)
+    for (TensorKind k : kinds) group[static_cast<int>(k)] = Tolerance{normwise, 0, 0};
+}
+
 // The bounds (docs/compare.md has the measurements behind them). Momentum and every AdamW tensor are
 // elementwise and mirror the reference's rounding op by op (fast/cpu_kernels.h): exact, in both modes
 // (the momentum doesn't depend on the parameters, so it stays exact even free-running). NorMuon
@@ -166,9 +171,7 @@ Tolerances for_options(const Options& options, CompareMode mode) {
 }
 
 void relax_for_torch_cuda_kernels(Tolerances& t) {
-  for (auto& kinds : t.per_group)
-    for (TensorKind k : {TensorKind::adamw_param, TensorKind::exp_avg_sq})
-      kinds[static_cast<int>(k)] = Tolerance{kTorchCudaAdamwNormwise, 0, 0};
+  t.hold_to_normwise({TensorKind::adamw_param, TensorKind::exp_avg_sq}, kTorchCudaAdamwNormwise);
 }
 
 // ---- reports -----------------------------------------------------------------------------------------

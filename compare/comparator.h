@@ -10,6 +10,7 @@
 #pragma once
 
 #include <array>
+#include <initializer_list>
 #include <cstdint>
 #include <iosfwd>
 #include <optional>
@@ -91,6 +92,9 @@ struct Tolerances {
   const Tolerance& of(int group, TensorKind kind) const { return per_group.at(group)[static_cast<int>(kind)]; }
   // Multiplies every non-exact bound (for experiments and the --tolerance-scale flag).
   void scale(double factor);
+  // In every group, holds `kinds` to `normwise` (and nothing else) instead of their bounds: elementwise
+  // kinds computed by kernels that round differently from the spec (torch's CUDA kernels).
+  void hold_to_normwise(std::initializer_list<TensorKind> kinds, double normwise);
 };
 std::array<Tolerance, kNumTensorKinds> tolerances_for(NsPrecision precision, CompareMode mode);
 Tolerances for_options(const Options& options, CompareMode mode = CompareMode::resync);

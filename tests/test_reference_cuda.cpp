@@ -64,9 +64,8 @@ FlatTensors host_views(FlatState& s) {
 // equality; the Newton-Schulz kinds keep the comparator's own bounds.
 Tolerances device_tolerances(const Options& options, CompareMode mode) {
   Tolerances t = for_options(options, mode);
-  for (auto& group : t.per_group)
-    for (TensorKind k : {TensorKind::momentum, TensorKind::adamw_param, TensorKind::exp_avg, TensorKind::exp_avg_sq})
-      group[static_cast<int>(k)].normwise = 1e-5;
+  t.hold_to_normwise({TensorKind::momentum, TensorKind::adamw_param, TensorKind::exp_avg, TensorKind::exp_avg_sq},
+                     1e-5);
   return t;
 }
 
