@@ -117,9 +117,9 @@ stage_onednn() {  # stage_onednn DIR: oneDNN (the fast CPU backend) as DIR/onedn
 
 stage_deps() {  # stage_deps DIR WITH_ONEDNN(0|1)
   local dir=$1 with_onednn=$2 json_cmake="" d
+  # Absolute, from the caller's directory: the Boost headers are copied from inside /usr/include.
   case $dir in /*) ;; *) dir=${invoked_from:-$PWD}/$dir ;; esac
   mkdir -p "$dir/include" "$dir/lib" "$dir/share/cmake"
-  dir=$(cd "$dir" && pwd)  # absolute: the Boost headers are copied from inside /usr/include
   [ -f /usr/include/csv.h ] || die "no /usr/include/csv.h (apt-get install libcsv-dev)"
   [ -d /usr/include/nlohmann ] || die "no /usr/include/nlohmann (apt-get install nlohmann-json3-dev)"
   [ -f /usr/include/zlib.h ] || die "no /usr/include/zlib.h (apt-get install zlib1g-dev)"

@@ -241,7 +241,7 @@ finish() {
 }
 trap finish EXIT
 # Killed from outside (a time limit's SIGTERM): the verdict must say so, not report the steps so far as a pass.
-stop() {  # the TERM/INT/HUP trap: end the running step (its timeout passes the signal on), then finish
+stop() {  # the TERM/INT/HUP trap: end the running step's process group, then finish
   local pid
   pid=$(cat "$step_pidfile" 2>/dev/null || true)
   # timeout leads a process group of its own: end all of it, grandchildren too.
