@@ -268,6 +268,8 @@ at a Megatron-LM source tree; megatron-core 0.18-0.20 is what normuon.megatron k
         p.error(f"--ckpt-formats: unknown {bad}; choose from {', '.join(FORMATS)}")
     if args.iters < 1:
         p.error("--iters must be >= 1")
+    if not 0 <= args.lr_warmup_iters < args.iters:  # Megatron's scheduler asserts warm-up < decay (= --iters)
+        p.error(f"--lr-warmup-iters must be in [0, --iters - 1] = [0, {args.iters - 1}]")
     if args.resume_at < 0 or args.resume_at >= args.iters:
         if args.resume_at != 0:
             p.error(f"--resume-at must be in [1, --iters - 1] = [1, {args.iters - 1}], or 0 for no resume test")
