@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "cpu_kernels.h"
+#include "normuon/low_precision.h"
 #include "normuon/step_prologue.h"
 #include "newton_schulz.h"
 
@@ -67,6 +68,8 @@ FastCpuBackend::FastCpuBackend(const Layout& layout, const Options& options, int
   inv_scale_.assign(static_cast<size_t>(threads_ * std::max<int64_t>(max_stat_, 1)), 0.0f);
   ns_in_.resize(max_batch);
   ns_out_.resize(max_batch);
+  grad_scratch_.assign(static_cast<size_t>(threads_ * kChunk), 0.0f);
+  operands_.params.resize(layout.entries.size());
 }
 
 FastCpuBackend::~FastCpuBackend() = default;
@@ -85,14 +88,41 @@ std::string FastCpuBackend::describe() const {
 
 StepResult FastCpuBackend::step(FlatState& state, const Options& options) {
   if (state.layout != &layout_) throw std::invalid_argument("fast-cpu backend: the state has another layout");
+  operands_.bind(state);
+  return run(options);
+}
+
+StepResult FastCpuBackend::step(TableState& state, const ParamTable& table, const Options& options) {
+  if (state.layout != &layout_) throw std::invalid_argument("fast-cpu backend: the state has another layout");
+  operands_.bind(state, table);
+  return run(options);
+}
+
+StepResult FastCpuBackend::run(const Options& options) {
+  StepOperands& ops = operands_;
   const ThreadCount thread_count(threads_);
   const auto t_start = Clock::now();
   times_ = PhaseTimes{};
   counters_ = FastStepCounters{};
   const int64_t gemm_calls_before = ns_->gemm_calls();
 
-  if (auto skipped = begin_step(state, options)) return *skipped;
+  if (auto skipped = begin_step(ops, options)) return *skipped;
   ++counters_.elementwise_passes;  // the gradient scan
+
+  // A chunk of a gradient as fp32: in place when it is fp32, else widened into this thread's scratch.
+  auto grad_chunk = [&](const ParamOperand& op, int64_t begin, int64_t n) -> const float* {
+    if (op.grad_dtype == DType::f32) return static_cast<const float*>(op.grad) + begin;
+    float* scratch = grad_scratch_.data() + static_cast<int64_t>(omp_get_thread_num()) * kChunk;
+    widen(static_cast<const char*>(op.grad) + static_cast<size_t>(begin) * dtype_bytes(op.grad_dtype), op.grad_dtype,
+          scratch, n);
+    return scratch;
+  };
+  // A bf16 / fp16 parameter follows its master, rounded, while the values are in cache.
+  auto write_low = [](const ParamOperand& op, int64_t begin, int64_t n) {
+    if (op.low)
+      narrow(op.master + begin, static_cast<char*>(op.low) + static_cast<size_t>(begin) * dtype_bytes(op.low_dtype),
+             op.low_dtype, n);
+  };
 
   // Phase 1: momentum + Nesterov over every NorMuon matrix, one pass.
   auto t0 = Clock::now();
@@ -100,12 +130,13 @@ StepResult FastCpuBackend::step(FlatState& state, const Options& options) {
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < n_normuon_chunks; ++c) {
     const Chunk& chunk = normuon_chunks_[c];
-    if (!state.has_grad[chunk.entry]) continue;
+    const ParamOperand& op = ops.params[chunk.entry];
+    if (!op.grad) continue;
     const LayoutEntry& e = layout_.entries[chunk.entry];
     const NorMuonHyper& h = options.groups[e.group].normuon;
     const int64_t at = e.offset + chunk.begin;
-    fast::momentum_nesterov(state.momentum.data() + at, state.grads.data() + at, update_.data() + at, chunk.size,
-                            static_cast<float>(1 - h.beta1), static_cast<float>(h.beta1), h.nesterov);
+    fast::momentum_nesterov(ops.momentum + at, grad_chunk(op, chunk.begin, chunk.size), update_.data() + at,
+                            chunk.size, static_cast<float>(1 - h.beta1), static_cast<float>(h.beta1), h.nesterov);
   }
   ++counters_.elementwise_passes;
   if (timing_) times_.momentum = ms_since(t0);
@@ -119,7 +150,7 @@ StepResult FastCpuBackend::step(FlatState& state, const Options& options) {
       const LayoutEntry& e = layout_.entries[batch.entries[k]];
       ns_in_[k] = update_.data() + e.offset;
       ns_out_[k] = update_.data() + e.offset;
-      any = any || state.has_grad[batch.entries[k]];
+      any = any || ops.has_grad(batch.entries[k]);
     }
     if (!any) continue;  // matrices without a gradient ride along in the batch; their output is unused
     ns_->run(static_cast<int>(b), ns_in_.data(), ns_out_.data(), options.groups[batch.group].normuon);
@@ -133,7 +164,8 @@ StepResult FastCpuBackend::step(FlatState& state, const Options& options) {
 #pragma omp parallel for schedule(dynamic, 1) reduction(+ : normalisation_ms, update_ms)
   for (int64_t i = 0; i < n_entries; ++i) {
     const LayoutEntry& e = layout_.entries[i];
-    if (e.algorithm != Algorithm::normuon || !state.has_grad[i] || e.numel == 0) continue;
+    const ParamOperand& op = ops.params[i];
+    if (e.algorithm != Algorithm::normuon || !op.grad || e.numel == 0) continue;
     const NorMuonHyper& h = options.groups[e.group].normuon;
     fast::NorMuonScalars s;
     s.stats_per_row = e.stats_per_row;
@@ -149,10 +181,10 @@ StepResult FastCpuBackend::step(FlatState& state, const Options& options) {
     s.neg_lr = static_cast<float>(-h.lr);
     const int t = omp_get_thread_num();
     fast::NorMuonPassTimes pass_times;
-    fast::normuon_finalize(update_.data() + e.offset, state.param(static_cast<int>(i)),
-                           state.row_var.data() + e.stat_offset, e.rows, e.cols, s,
+    fast::normuon_finalize(update_.data() + e.offset, op.master, ops.row_var + e.stat_offset, e.rows, e.cols, s,
                            col_sums_.data() + t * std::max<int64_t>(max_cols_, 1),
                            inv_scale_.data() + t * std::max<int64_t>(max_stat_, 1), timing_ ? &pass_times : nullptr);
+    write_low(op, 0, e.numel);
     normalisation_ms += pass_times.normalisation_ms;
     update_ms += pass_times.update_ms;
   }
@@ -171,10 +203,11 @@ StepResult FastCpuBackend::step(FlatState& state, const Options& options) {
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < n_adamw_chunks; ++c) {
     const Chunk& chunk = adamw_chunks_[c];
-    if (!state.has_grad[chunk.entry]) continue;
+    const ParamOperand& op = ops.params[chunk.entry];
+    if (!op.grad) continue;
     const LayoutEntry& e = layout_.entries[chunk.entry];
     const AdamWHyper& h = options.groups[e.group].adamw;
-    const double t = static_cast<double>(state.group_steps[e.group]);
+    const double t = static_cast<double>(ops.group_steps[e.group]);
     fast::AdamWScalars s;
     s.decay = h.weight_decay != 0;
     s.decay_factor = static_cast<float>(1 - h.lr * h.weight_decay);
@@ -184,9 +217,10 @@ StepResult FastCpuBackend::step(FlatState& state, const Options& options) {
     s.bc2_sqrt = static_cast<float>(std::sqrt(1 - std::pow(h.beta2, t)));
     s.eps = static_cast<float>(h.eps);
     s.neg_step_size = static_cast<float>(-(h.lr / (1 - std::pow(h.beta1, t))));
-    const int64_t at = e.offset + chunk.begin, adam_at = e.adam_offset + chunk.begin;
-    fast::adamw(state.params.data() + at, state.grads.data() + at, state.exp_avg.data() + adam_at,
-                state.exp_avg_sq.data() + adam_at, chunk.size, s);
+    const int64_t adam_at = e.adam_offset + chunk.begin;
+    fast::adamw(op.master + chunk.begin, grad_chunk(op, chunk.begin, chunk.size), ops.exp_avg + adam_at,
+                ops.exp_avg_sq + adam_at, chunk.size, s);
+    write_low(op, chunk.begin, chunk.size);
   }
   ++counters_.elementwise_passes;
   if (timing_) {

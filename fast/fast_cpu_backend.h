@@ -1,6 +1,8 @@
 // The fused CPU backend over the shared flat layout: one multi-threaded pass per phase over all
 // parameters of a kind, batched Newton-Schulz per (shape, group), the NorMuon statistics and update in
-// three passes per matrix, AdamW in one pass (each element read once, written once). Everything it needs
+// three passes per matrix, AdamW in one pass (each element read once, written once). It steps a FlatState
+// or, in table mode, the caller's own tensors (bf16 / fp16 gradients widened a chunk at a time, bf16 /
+// fp16 parameters written back rounded while the chunk is in cache). Everything it needs
 // is allocated in the constructor; a step allocates nothing of its own (oneDNN's execute() allocates a few
 // small blocks of its own per GEMM call: tests/test_fast_cpu.cpp measures both).
 #pragma once
@@ -10,6 +12,7 @@
 
 #include "normuon/backend.h"
 #include "normuon/layout.h"
+#include "normuon/param_table.h"
 
 namespace normuon::fast {
 class BatchedNewtonSchulz;
@@ -33,6 +36,8 @@ class FastCpuBackend : public Backend {
 
   std::string name() const override { return "fast-cpu"; }
   StepResult step(FlatState& state, const Options& options) override;
+  // Table mode: the caller's parameters and gradients in place (param_table.h); the same passes.
+  StepResult step(TableState& state, const ParamTable& table, const Options& options);
 
   const FastStepCounters& counters() const { return counters_; }
   std::string describe() const;  // batches and GEMM implementations
@@ -42,6 +47,8 @@ class FastCpuBackend : public Backend {
   static std::string unsupported_reason(const Layout& layout, const Options& options);
 
  private:
+  StepResult run(const Options& options);  // one step over operands_
+
   struct Chunk {  // a piece of one parameter for the multi-tensor passes
     int entry;
     int64_t begin, size;
@@ -54,6 +61,8 @@ class FastCpuBackend : public Backend {
   std::vector<float> inv_scale_;        // per thread: max stat length
   std::vector<const float*> ns_in_;     // per batch member pointers (sized at setup)
   std::vector<float*> ns_out_;
+  std::vector<float> grad_scratch_;     // per thread: one chunk of a bf16 / fp16 gradient, widened
+  StepOperands operands_;               // what this step works on (either mode)
   int64_t max_cols_ = 0, max_stat_ = 0;
   int threads_ = 1;
   std::unique_ptr<fast::BatchedNewtonSchulz> ns_;

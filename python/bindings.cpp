@@ -25,6 +25,7 @@
 #include "normuon/layout.h"
 #include "normuon/manifest.h"
 #include "normuon/options.h"
+#include "normuon/param_table.h"
 #include "normuon/state_file.h"
 
 namespace py = pybind11;
@@ -183,7 +184,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("stats_per_row", &LayoutEntry::stats_per_row)
       .def_readonly("stat_offset", &LayoutEntry::stat_offset)
       .def_readonly("stat_len", &LayoutEntry::stat_len)
-      .def_readonly("adam_offset", &LayoutEntry::adam_offset);
+      .def_readonly("adam_offset", &LayoutEntry::adam_offset)
+      .def_readonly("master_offset", &LayoutEntry::master_offset);
 
   py::class_<Layout>(m, "Layout", "The flat placement of a manifest's parameters and state (layout.h)")
       .def_static("build", &Layout::build, py::arg("manifest"), py::arg("options"))
@@ -193,6 +195,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("normuon_floats", &Layout::normuon_floats)
       .def_readonly("stat_floats", &Layout::stat_floats)
       .def_readonly("adam_floats", &Layout::adam_floats)
+      .def_readonly("master_floats", &Layout::master_floats)
       .def_property_readonly("buckets",
                              [](const Layout& l) {
                                std::vector<std::pair<int64_t, int64_t>> out;
@@ -230,6 +233,51 @@ PYBIND11_MODULE(_C, m) {
           })
       .def("same_optimizer_state", &FlatState::same_optimizer_state, py::arg("other"));
 
+  // Table mode (param_table.h): the caller's tensors by address, the optimizer's own memory beside them.
+  py::class_<ParamTable>(m, "ParamTable", "Per layout entry: the address of the caller's parameter and gradient")
+      .def(py::init<const Layout&>(), py::arg("layout"), py::keep_alive<1, 2>())
+      .def(
+          "set",
+          [](ParamTable& t, const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
+             const std::vector<std::string>& grad_dtypes) {
+            const size_t n = t.params.size();
+            if (params.size() != n || grads.size() != n || grad_dtypes.size() != n)
+              throw std::invalid_argument("ParamTable.set: " + std::to_string(params.size()) + " parameters, " +
+                                          std::to_string(grads.size()) + " gradients and " +
+                                          std::to_string(grad_dtypes.size()) + " gradient dtypes for " +
+                                          std::to_string(n) + " entries");
+            std::vector<DType> dtypes(n);
+            for (size_t e = 0; e < n; ++e) dtypes[e] = parse_dtype(grad_dtypes[e]);  // all checked first
+            for (size_t e = 0; e < n; ++e) {
+              t.params[e].data = reinterpret_cast<void*>(params[e]);
+              t.grads[e] = TensorRef{reinterpret_cast<void*>(grads[e]), dtypes[e]};
+            }
+          },
+          py::arg("params"), py::arg("grads"), py::arg("grad_dtypes"),
+          "Addresses (0: no gradient) and gradient dtypes (f32 | bf16 | f16), one per layout entry")
+      .def("invalid_reason", &ParamTable::invalid_reason);
+
+  py::class_<TableState>(m, "TableState",
+                         "The optimizer's memory of table mode: state and the fp32 masters of bf16/fp16 parameters")
+      .def(py::init<const Layout&>(), py::arg("layout"), py::keep_alive<1, 2>())
+      .def_property_readonly("masters", [](py::object self) { auto& s = self.cast<TableState&>(); return view(s.masters.data(), s.masters.size(), self); })
+      .def_property_readonly("momentum", [](py::object self) { auto& s = self.cast<TableState&>(); return view(s.momentum.data(), s.momentum.size(), self); })
+      .def_property_readonly("row_var", [](py::object self) { auto& s = self.cast<TableState&>(); return view(s.row_var.data(), s.row_var.size(), self); })
+      .def_property_readonly("exp_avg", [](py::object self) { auto& s = self.cast<TableState&>(); return view(s.exp_avg.data(), s.exp_avg.size(), self); })
+      .def_property_readonly("exp_avg_sq", [](py::object self) { auto& s = self.cast<TableState&>(); return view(s.exp_avg_sq.data(), s.exp_avg_sq.size(), self); })
+      .def_property(
+          "group_steps", [](const TableState& s) { return s.group_steps; },
+          [](TableState& s, const std::vector<int64_t>& steps) {
+            if (steps.size() != s.layout->group_names.size())
+              throw std::invalid_argument(std::to_string(steps.size()) + " group steps for " +
+                                          std::to_string(s.layout->group_names.size()) + " groups");
+            s.group_steps = steps;
+          });
+  m.def("table_to_flat", &table_to_flat, py::arg("state"), py::arg("table"), py::arg("flat"),
+        "Table mode -> FlatState: parameters (fp32 or masters), gradients, state, steps");
+  m.def("flat_to_table", &flat_to_table, py::arg("flat"), py::arg("state"), py::arg("table"),
+        "FlatState -> table mode: state, steps, masters, and the caller's parameters rounded to their dtype");
+
   py::class_<StepResult>(m, "StepResult")
       .def_readonly("skipped", &StepResult::skipped)
       .def_readonly("reason", &StepResult::reason);
@@ -242,8 +290,15 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("threads", &FastCpuBackend::threads)
       .def("describe", &FastCpuBackend::describe)
       // The step runs on its own OpenMP threads over memory Python doesn't touch meanwhile: let go of the GIL.
-      .def("step", &FastCpuBackend::step, py::arg("state"), py::arg("options"),
-           py::call_guard<py::gil_scoped_release>())
+      .def("step", py::overload_cast<FlatState&, const Options&>(&FastCpuBackend::step), py::arg("state"),
+           py::arg("options"), py::call_guard<py::gil_scoped_release>())
+      .def("step", py::overload_cast<TableState&, const ParamTable&, const Options&>(&FastCpuBackend::step),
+           py::arg("state"), py::arg("table"), py::arg("options"), py::call_guard<py::gil_scoped_release>(),
+           "Table mode: the caller's tensors in place")
+      .def_property_readonly("counters", [](const FastCpuBackend& b) {
+        return py::dict(py::arg("elementwise_passes") = b.counters().elementwise_passes,
+                        py::arg("gemm_calls") = b.counters().gemm_calls);
+      })
       .def_static("unsupported_reason", &FastCpuBackend::unsupported_reason, py::arg("layout"), py::arg("options"));
 #endif
 

@@ -114,6 +114,13 @@ Layout Layout::build(const Manifest& manifest, const Options& options) {
   }
   layout.param_floats = offset;
   layout.adam_floats = offset - layout.normuon_floats;
+
+  // Table mode's fp32 masters of the low-precision parameters, in manifest order.
+  for (LayoutEntry& e : layout.entries) {
+    if (e.dtype == DType::f32) continue;
+    e.master_offset = layout.master_floats;
+    layout.master_floats += align_up(e.numel);
+  }
   layout.fingerprint = compute_fingerprint(layout);
   return layout;
 }

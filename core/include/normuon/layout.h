@@ -6,6 +6,7 @@
 //   momentum buffer:       same offsets as the NorMuon part of the param buffer
 //   row_var buffer:        one slot per NorMuon matrix (its second moment, length rows or cols)
 //   exp_avg / exp_avg_sq:  same offsets as the AdamW part of the param buffer, minus its start
+//   masters (table mode):  one slot per bf16 / fp16 parameter, in manifest order
 // Buckets are numbered in order of first appearance in the manifest; inside a bucket, manifest order.
 #pragma once
 
@@ -38,6 +39,9 @@ struct LayoutEntry {
   int64_t stat_offset = 0, stat_len = 0;
   // AdamW only: offset in exp_avg / exp_avg_sq
   int64_t adam_offset = 0;
+  // bf16 / fp16 parameters only: offset of the fp32 master in the masters buffer of table mode
+  // (core/include/normuon/param_table.h); -1 for fp32 parameters, whose own tensor is the master.
+  int64_t master_offset = -1;
 };
 
 struct ShapeBucket {
@@ -56,7 +60,10 @@ struct Layout {
   int64_t normuon_floats = 0;  // prefix of the param buffer that holds NorMuon matrices (= momentum size)
   int64_t stat_floats = 0;     // size of the row_var buffer
   int64_t adam_floats = 0;     // size of exp_avg and exp_avg_sq
-  uint64_t fingerprint = 0;    // FNV-1a over names, shapes, dtypes, algorithms, groups and all offsets
+  int64_t master_floats = 0;   // size of the masters buffer of table mode (low-precision parameters)
+  // FNV-1a over names, shapes, dtypes, algorithms, groups and all offsets but the master offsets, which
+  // follow from the dtypes (so state files of earlier versions keep their fingerprint).
+  uint64_t fingerprint = 0;
 
   // Validates the manifest, routes every parameter, checks its group exists and matches its algorithm.
   static Layout build(const Manifest& manifest, const Options& options);

@@ -1,0 +1,81 @@
+// Table mode: a step over the caller's own tensors (as torch's _fused_adamw_ and Apex's multi-tensor
+// apply do). Per layout entry the caller hands over where its parameter and gradient live; the step reads
+// gradients in place and writes parameters in place. The optimizer keeps only its state and, for bf16 /
+// fp16 parameters, their fp32 masters (Layout::master_floats), written back rounded in the same pass.
+// An fp32 parameter is its own master: nothing is copied.
+//
+// One state format: a TableState and the caller's tensors hold exactly what a FlatState holds, so
+// table_to_flat / flat_to_table move a state between the modes (state files, the comparator) unchanged.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "normuon/backend.h"
+#include "normuon/flat_state.h"
+
+namespace normuon {
+
+struct TensorRef {
+  void* data = nullptr;  // dense, row-major; nullptr: absent (a gradient: no gradient this step)
+  DType dtype = DType::f32;
+};
+
+// The caller's tensors, per layout entry. A parameter's dtype is the layout's; a gradient may be fp32,
+// bf16 or fp16 whatever its parameter's (Megatron keeps fp32 gradients of bf16 parameters).
+struct ParamTable {
+  explicit ParamTable(const Layout& layout);
+  const Layout* layout;
+  std::vector<TensorRef> params, grads;
+  // Why this table cannot be stepped (a missing parameter, a dtype other than the layout's), or empty.
+  std::string invalid_reason() const;
+};
+
+// The optimizer's own memory in table mode: the state buffers of FlatState, and the masters.
+struct TableState {
+  explicit TableState(const Layout& layout);
+  const Layout* layout;
+  AlignedBuffer masters;              // master_floats
+  AlignedBuffer momentum, row_var;    // normuon_floats, stat_floats
+  AlignedBuffer exp_avg, exp_avg_sq;  // adam_floats
+  std::vector<int64_t> group_steps;   // per group
+
+  float* master(int e) { return masters.data() + layout->entries[e].master_offset; }  // low precision only
+  // Every master from its parameter (widened): at construction, and after an outside write.
+  void refresh_master(int e, const ParamTable& table);
+};
+
+// One parameter as a step sees it, in either mode.
+struct ParamOperand {
+  float* master = nullptr;   // the fp32 values the step reads and writes
+  void* low = nullptr;       // a bf16 / fp16 copy the step writes rounded from master, or nullptr
+  DType low_dtype = DType::f32;
+  const void* grad = nullptr;  // nullptr: no gradient this step
+  DType grad_dtype = DType::f32;
+};
+
+// What one step reads and writes: per-entry operands and the state buffers. Binding again reuses the
+// storage, so a backend that keeps one allocates nothing per step.
+struct StepOperands {
+  const Layout* layout = nullptr;
+  std::vector<ParamOperand> params;  // per layout entry
+  float *momentum = nullptr, *row_var = nullptr, *exp_avg = nullptr, *exp_avg_sq = nullptr;
+  int64_t* group_steps = nullptr;
+
+  void bind(FlatState& state);                              // the flat buffers; has_grad picks gradients
+  void bind(TableState& state, const ParamTable& table);    // throws std::invalid_argument on a bad table
+  bool has_grad(int e) const { return params[e].grad != nullptr; }
+};
+
+// begin_step (step_prologue.h) over operands: NaN/Inf scan of every gradient in its own dtype, then the
+// group steps. The same words, the same outcome.
+std::optional<StepResult> begin_step(StepOperands& operands, const Options& options);
+
+// Between the modes. table_to_flat: the flat parameters (fp32 tensors or masters), gradients (widened,
+// has_grad from presence), state and steps. flat_to_table: state, steps and masters, and the caller's
+// parameters rounded to their dtype.
+void table_to_flat(const TableState& state, const ParamTable& table, FlatState& flat);
+void flat_to_table(const FlatState& flat, TableState& state, const ParamTable& table);
+
+}  // namespace normuon

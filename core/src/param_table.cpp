@@ -1,0 +1,174 @@
+#include "normuon/param_table.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "normuon/low_precision.h"
+#include "normuon/step_prologue.h"
+
+namespace normuon {
+namespace {
+
+// In place: views of either buffer (Python's, the comparator's) stay valid.
+void copy_into(const AlignedBuffer& src, AlignedBuffer& dst) {
+  std::memcpy(dst.data(), src.data(), static_cast<size_t>(src.size()) * sizeof(float));
+}
+
+void copy_state(const AlignedBuffer* const from[4], AlignedBuffer* const to[4]) {
+  for (int k = 0; k < 4; ++k) copy_into(*from[k], *to[k]);
+}
+
+}  // namespace
+
+ParamTable::ParamTable(const Layout& l) : layout(&l), params(l.entries.size()), grads(l.entries.size()) {
+  for (size_t e = 0; e < l.entries.size(); ++e) params[e].dtype = l.entries[e].dtype;
+}
+
+std::string ParamTable::invalid_reason() const {
+  if (params.size() != layout->entries.size() || grads.size() != layout->entries.size())
+    return "the table has " + std::to_string(params.size()) + " parameters and " + std::to_string(grads.size()) +
+           " gradients for " + std::to_string(layout->entries.size()) + " layout entries";
+  for (size_t e = 0; e < params.size(); ++e) {
+    const LayoutEntry& le = layout->entries[e];
+    if (!params[e].data && le.numel > 0) return "parameter '" + le.name + "' has no address";
+    if (params[e].dtype != le.dtype)
+      return "parameter '" + le.name + "' is " + to_string(params[e].dtype) + " but the layout says " +
+             to_string(le.dtype);
+  }
+  return "";
+}
+
+TableState::TableState(const Layout& l)
+    : layout(&l),
+      masters(l.master_floats),
+      momentum(l.normuon_floats),
+      row_var(l.stat_floats),
+      exp_avg(l.adam_floats),
+      exp_avg_sq(l.adam_floats),
+      group_steps(l.group_names.size(), 0) {}
+
+void TableState::refresh_master(int e, const ParamTable& table) {
+  const LayoutEntry& le = layout->entries[e];
+  if (le.master_offset < 0) return;  // fp32: the tensor is the master
+  widen(table.params[e].data, le.dtype, master(e), le.numel);
+}
+
+void StepOperands::bind(FlatState& state) {
+  layout = state.layout;
+  params.resize(layout->entries.size());
+  for (size_t e = 0; e < params.size(); ++e) {
+    const int i = static_cast<int>(e);
+    params[e] = ParamOperand{state.param(i), nullptr, DType::f32, state.has_grad[e] ? state.grad(i) : nullptr,
+                             DType::f32};
+  }
+  momentum = state.momentum.data();
+  row_var = state.row_var.data();
+  exp_avg = state.exp_avg.data();
+  exp_avg_sq = state.exp_avg_sq.data();
+  group_steps = state.group_steps.data();
+}
+
+void StepOperands::bind(TableState& state, const ParamTable& table) {
+  if (table.layout != state.layout) throw std::invalid_argument("the parameter table has another layout");
+  const std::string reason = table.invalid_reason();
+  if (!reason.empty()) throw std::invalid_argument(reason);
+  layout = state.layout;
+  params.resize(layout->entries.size());
+  for (size_t e = 0; e < params.size(); ++e) {
+    const LayoutEntry& le = layout->entries[e];
+    ParamOperand& op = params[e];
+    if (le.master_offset < 0) {
+      op.master = static_cast<float*>(table.params[e].data);
+      op.low = nullptr;
+    } else {
+      op.master = state.master(static_cast<int>(e));
+      op.low = table.params[e].data;
+    }
+    op.low_dtype = le.dtype;
+    op.grad = table.grads[e].data;
+    op.grad_dtype = table.grads[e].dtype;
+  }
+  momentum = state.momentum.data();
+  row_var = state.row_var.data();
+  exp_avg = state.exp_avg.data();
+  exp_avg_sq = state.exp_avg_sq.data();
+  group_steps = state.group_steps.data();
+}
+
+std::optional<StepResult> begin_step(StepOperands& ops, const Options& options) {
+  const Layout& layout = *ops.layout;
+  if (options.groups.size() != layout.group_names.size())
+    throw std::invalid_argument("the options define " + std::to_string(options.groups.size()) +
+                                " groups but the layout was built with " + std::to_string(layout.group_names.size()));
+  float chunk[256];
+  for (size_t e = 0; e < layout.entries.size(); ++e) {
+    const ParamOperand& op = ops.params[e];
+    if (!op.grad) continue;
+    const int64_t numel = layout.entries[e].numel;
+    for (int64_t begin = 0; begin < numel; begin += 256) {
+      const int64_t n = std::min<int64_t>(256, numel - begin);
+      widen(static_cast<const char*>(op.grad) + static_cast<size_t>(begin) * dtype_bytes(op.grad_dtype),
+            op.grad_dtype, chunk, n);
+      for (int64_t k = 0; k < n; ++k)
+        if (!std::isfinite(chunk[k])) {
+          const LayoutEntry& le = layout.entries[e];
+          return nonfinite_gradient(le.name, chunk[k], begin + k, ops.group_steps[le.group] + 1, options.nonfinite);
+        }
+    }
+  }
+  for (size_t g = 0; g < layout.group_names.size(); ++g)
+    for (size_t e = 0; e < layout.entries.size(); ++e)
+      if (ops.params[e].grad && layout.entries[e].group == static_cast<int>(g)) {
+        ++ops.group_steps[g];
+        break;
+      }
+  return std::nullopt;
+}
+
+void table_to_flat(const TableState& state, const ParamTable& table, FlatState& flat) {
+  const Layout& layout = *state.layout;
+  if (flat.layout != &layout || table.layout != &layout)
+    throw std::invalid_argument("table_to_flat: the states have different layouts");
+  const std::string reason = table.invalid_reason();
+  if (!reason.empty()) throw std::invalid_argument("table_to_flat: " + reason);
+  for (size_t e = 0; e < layout.entries.size(); ++e) {
+    const LayoutEntry& le = layout.entries[e];
+    const int i = static_cast<int>(e);
+    if (le.master_offset < 0)
+      widen(table.params[e].data, DType::f32, flat.param(i), le.numel);
+    else
+      std::memcpy(flat.param(i), state.masters.data() + le.master_offset, static_cast<size_t>(le.numel) * sizeof(float));
+    flat.has_grad[e] = table.grads[e].data != nullptr;
+    if (table.grads[e].data)
+      widen(table.grads[e].data, table.grads[e].dtype, flat.grad(i), le.numel);
+    else
+      std::memset(flat.grad(i), 0, static_cast<size_t>(le.numel) * sizeof(float));
+  }
+  const AlignedBuffer* const from[4] = {&state.momentum, &state.row_var, &state.exp_avg, &state.exp_avg_sq};
+  AlignedBuffer* const to[4] = {&flat.momentum, &flat.row_var, &flat.exp_avg, &flat.exp_avg_sq};
+  copy_state(from, to);
+  flat.group_steps = state.group_steps;
+}
+
+void flat_to_table(const FlatState& flat, TableState& state, const ParamTable& table) {
+  const Layout& layout = *state.layout;
+  if (flat.layout != &layout || table.layout != &layout)
+    throw std::invalid_argument("flat_to_table: the states have different layouts");
+  const std::string reason = table.invalid_reason();
+  if (!reason.empty()) throw std::invalid_argument("flat_to_table: " + reason);
+  for (size_t e = 0; e < layout.entries.size(); ++e) {
+    const LayoutEntry& le = layout.entries[e];
+    const float* master = flat.param(static_cast<int>(e));
+    if (le.master_offset >= 0)
+      std::memcpy(state.masters.data() + le.master_offset, master, static_cast<size_t>(le.numel) * sizeof(float));
+    narrow(master, table.params[e].data, le.dtype, le.numel);
+  }
+  const AlignedBuffer* const from[4] = {&flat.momentum, &flat.row_var, &flat.exp_avg, &flat.exp_avg_sq};
+  AlignedBuffer* const to[4] = {&state.momentum, &state.row_var, &state.exp_avg, &state.exp_avg_sq};
+  copy_state(from, to);
+  state.group_steps = flat.group_steps;
+}
+
+}  // namespace normuon

@@ -1,0 +1,279 @@
+// Table mode (core/include/normuon/param_table.h): the fast CPU backend stepping the caller's own
+// tensors gives the bits of the FlatState step, for fp32, bf16 and fp16 parameters and gradients, with
+// missing gradients, addresses that change between steps, NaN/Inf gradients, and states that cross
+// between the modes through state files.
+#define BOOST_TEST_MODULE param_table
+#include <boost/test/unit_test.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "fast_cpu_backend.h"
+#include "normuon/grad_gen.h"
+#include "normuon/low_precision.h"
+#include "normuon/param_table.h"
+#include "normuon/presets.h"
+#include "normuon/state_file.h"
+
+using namespace normuon;
+
+namespace {
+
+bool same_bits(const void* a, const void* b, size_t bytes) { return std::memcmp(a, b, bytes) == 0; }
+
+// The tiny preset with its parameters in turn fp32, bf16 and fp16.
+Manifest mixed_manifest() {
+  Manifest m = preset_manifest("tiny");
+  const DType cycle[] = {DType::f32, DType::bf16, DType::f16};
+  for (size_t i = 0; i < m.params.size(); ++i) m.params[i].dtype = cycle[i % 3];
+  return m;
+}
+
+Options options() {
+  Options o;
+  o.set("weight_decay=0.1");
+  o.set("adamw.weight_decay=0.01");
+  return o;
+}
+
+// The caller's tensors: one byte vector per parameter and gradient, in the dtypes asked for.
+struct Caller {
+  const Layout& layout;
+  std::vector<std::vector<char>> params, grads;
+  ParamTable table;
+  DType grad_dtype;
+
+  Caller(const Layout& l, DType g) : layout(l), params(l.entries.size()), grads(l.entries.size()), table(l), grad_dtype(g) {
+    for (size_t e = 0; e < l.entries.size(); ++e) {
+      params[e].resize(static_cast<size_t>(l.entries[e].numel) * dtype_bytes(l.entries[e].dtype));
+      table.params[e].data = params[e].data();
+    }
+  }
+  // Parameters from the flat fp32 values (rounded to their dtype), then the flat values from them, so
+  // that both modes start from the same numbers.
+  void take_params(FlatState& flat) {
+    for (size_t e = 0; e < params.size(); ++e) {
+      const LayoutEntry& le = layout.entries[e];
+      narrow(flat.param(static_cast<int>(e)), params[e].data(), le.dtype, le.numel);
+      widen(params[e].data(), le.dtype, flat.param(static_cast<int>(e)), le.numel);
+    }
+  }
+  // This step's gradients from the flat ones (rounded to grad_dtype; flat made equal), each in a fresh
+  // buffer when `move` (as zero_grad(set_to_none=True) and a new backward give).
+  void take_grads(FlatState& flat, bool move) {
+    for (size_t e = 0; e < grads.size(); ++e) {
+      const LayoutEntry& le = layout.entries[e];
+      if (move) grads[e] = std::vector<char>(static_cast<size_t>(le.numel) * dtype_bytes(grad_dtype) + 64);
+      else grads[e].resize(static_cast<size_t>(le.numel) * dtype_bytes(grad_dtype) + 64);
+      narrow(flat.grad(static_cast<int>(e)), grads[e].data(), grad_dtype, le.numel);
+      widen(grads[e].data(), grad_dtype, flat.grad(static_cast<int>(e)), le.numel);
+      table.grads[e] = TensorRef{flat.has_grad[e] ? grads[e].data() : nullptr, grad_dtype};
+    }
+  }
+};
+
+// Both modes side by side from the same start, stepped with the same gradients.
+struct Twins {
+  Layout layout;
+  Options opts;
+  FlatState flat;
+  TableState table_state;
+  Caller caller;
+  FastCpuBackend flat_backend, table_backend;
+  GradientGenerator gen{1234, 5};  // some parameters miss their gradient at some steps
+
+  explicit Twins(DType grad_dtype, Manifest m = mixed_manifest())
+      : layout(Layout::build(m, options())),
+        opts(options()),
+        flat(layout),
+        table_state(layout),
+        caller(layout, grad_dtype),
+        flat_backend(layout, opts, 2),
+        table_backend(layout, opts, 2) {
+    gen.fill_params(flat);
+    caller.take_params(flat);
+    for (size_t e = 0; e < layout.entries.size(); ++e) table_state.refresh_master(static_cast<int>(e), caller.table);
+  }
+
+  StepResult step(int64_t s, bool move = false) {
+    gen.fill_gradients(flat, s);
+    caller.take_grads(flat, move);
+    const StepResult a = flat_backend.step(flat, opts);
+    const StepResult b = table_backend.step(table_state, caller.table, opts);
+    BOOST_TEST(a.skipped == b.skipped);
+    BOOST_TEST(a.reason == b.reason);
+    return b;
+  }
+
+  // Everything equal bit for bit: masters or fp32 parameters, the caller's rounded parameters, state.
+  std::string difference() {
+    for (size_t e = 0; e < layout.entries.size(); ++e) {
+      const LayoutEntry& le = layout.entries[e];
+      const float* expected = flat.param(static_cast<int>(e));
+      const size_t bytes = static_cast<size_t>(le.numel) * sizeof(float);
+      if (le.master_offset < 0) {
+        if (!same_bits(expected, caller.params[e].data(), bytes)) return "fp32 parameter " + le.name;
+        continue;
+      }
+      if (!same_bits(expected, table_state.master(static_cast<int>(e)), bytes)) return "master of " + le.name;
+      std::vector<char> rounded(caller.params[e].size());
+      narrow(expected, rounded.data(), le.dtype, le.numel);
+      if (rounded != caller.params[e]) return "rounded parameter " + le.name;
+    }
+    const AlignedBuffer* f[] = {&flat.momentum, &flat.row_var, &flat.exp_avg, &flat.exp_avg_sq};
+    const AlignedBuffer* t[] = {&table_state.momentum, &table_state.row_var, &table_state.exp_avg, &table_state.exp_avg_sq};
+    for (int k = 0; k < 4; ++k)
+      if (!same_bits(f[k]->data(), t[k]->data(), static_cast<size_t>(f[k]->size()) * sizeof(float))) return "state buffer " + std::to_string(k);
+    if (flat.group_steps != table_state.group_steps) return "group steps";
+    return "";
+  }
+};
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(masters_only_for_low_precision_parameters) {
+  const Layout layout = Layout::build(mixed_manifest(), options());
+  int64_t expected = 0;
+  for (const LayoutEntry& e : layout.entries) {
+    if (e.dtype == DType::f32) {
+      BOOST_TEST(e.master_offset == -1, e.name);
+      continue;
+    }
+    BOOST_TEST(e.master_offset == expected, e.name);
+    expected += align_up(e.numel);
+  }
+  BOOST_TEST(layout.master_floats == expected);
+  BOOST_TEST(expected > 0);
+  // The masters follow from the dtypes, which the fingerprint already covers: an all-fp32 model keeps
+  // the fingerprint it had before masters existed (state files of earlier versions still load).
+  BOOST_TEST(Layout::build(preset_manifest("tiny"), options()).master_floats == 0);
+  BOOST_TEST(Layout::build(preset_manifest("tiny"), options()).fingerprint_hex() == Layout::build(preset_manifest("tiny"), options()).fingerprint_hex());
+}
+
+BOOST_AUTO_TEST_CASE(table_mode_is_the_flat_step_bit_for_bit_in_every_gradient_dtype) {
+  for (DType g : {DType::f32, DType::bf16, DType::f16}) {
+    Twins twins(g);
+    for (int64_t s = 1; s <= 4; ++s) {
+      BOOST_TEST(!twins.step(s).skipped);
+      BOOST_TEST(twins.difference() == "", "gradients " << to_string(g) << ", step " << s);
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(gradients_at_new_addresses_every_step) {
+  Twins twins(DType::bf16);
+  for (int64_t s = 1; s <= 4; ++s) {
+    twins.step(s, /*move=*/true);
+    BOOST_TEST(twins.difference() == "", "step " << s);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(parameters_without_gradients_are_untouched) {
+  Twins twins(DType::f32);
+  const std::vector<std::vector<char>> before = twins.caller.params;
+  const std::vector<float> masters_before(twins.table_state.masters.data(),
+                                          twins.table_state.masters.data() + twins.layout.master_floats);
+  twins.gen.fill_gradients(twins.flat, 1);
+  twins.caller.take_grads(twins.flat, false);
+  const int idle = 1;  // a bf16 parameter (mixed_manifest's cycle) that gets no gradient this step
+  BOOST_REQUIRE(twins.layout.entries[idle].dtype == DType::bf16);
+  twins.caller.table.grads[idle].data = nullptr;
+  twins.table_backend.step(twins.table_state, twins.caller.table, twins.opts);
+  BOOST_TEST(twins.caller.params[idle] == before[idle]);
+  const LayoutEntry& le = twins.layout.entries[idle];
+  BOOST_TEST(same_bits(twins.table_state.master(idle), masters_before.data() + le.master_offset,
+                       static_cast<size_t>(le.numel) * sizeof(float)));
+  BOOST_TEST(twins.caller.params[0] != before[0]);  // a parameter with a gradient moved
+}
+
+BOOST_AUTO_TEST_CASE(nonfinite_low_precision_gradients_change_nothing_and_read_as_the_flat_state) {
+  Twins twins(DType::bf16);
+  twins.step(1);
+  twins.gen.fill_gradients(twins.flat, 2);
+  twins.flat.has_grad.assign(twins.flat.has_grad.size(), 1);
+  const int e = 4;
+  twins.flat.grad(e)[3] = -std::numeric_limits<float>::infinity();
+  twins.caller.take_grads(twins.flat, false);
+  const std::vector<std::vector<char>> params_before = twins.caller.params;
+  const TableState state_before = twins.table_state;
+  std::string flat_message, table_message;
+  try { twins.flat_backend.step(twins.flat, twins.opts); } catch (const std::runtime_error& x) { flat_message = x.what(); }
+  try { twins.table_backend.step(twins.table_state, twins.caller.table, twins.opts); } catch (const std::runtime_error& x) { table_message = x.what(); }
+  BOOST_TEST(table_message.find(twins.layout.entries[e].name) != std::string::npos, table_message);
+  BOOST_TEST(table_message == flat_message);
+  BOOST_TEST(twins.caller.params == params_before);
+  BOOST_TEST(same_bits(twins.table_state.momentum.data(), state_before.momentum.data(),
+                       static_cast<size_t>(state_before.momentum.size()) * sizeof(float)));
+  BOOST_TEST(twins.table_state.group_steps == state_before.group_steps);
+}
+
+BOOST_AUTO_TEST_CASE(state_files_cross_between_table_mode_and_flat_state) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "normuon_test_param_table";
+  std::filesystem::create_directories(dir);
+  // Table mode saves (through table_to_flat), a FlatState run loads and goes on; and back.
+  Twins twins(DType::f32);
+  for (int64_t s = 1; s <= 2; ++s) twins.step(s);
+  FlatState saved(twins.layout);
+  table_to_flat(twins.table_state, twins.caller.table, saved);
+  save_state((dir / "table.nmst").string(), saved, twins.opts, "fast-cpu");
+
+  FlatState loaded(twins.layout);
+  load_state((dir / "table.nmst").string(), loaded, nullptr);
+  BOOST_TEST(loaded.same_optimizer_state(twins.flat));
+  BOOST_TEST(same_bits(loaded.params.data(), twins.flat.params.data(), static_cast<size_t>(twins.layout.param_floats) * sizeof(float)));
+
+  // Back into a fresh table-mode optimizer over fresh caller tensors: it then steps as the flat run does.
+  save_state((dir / "flat.nmst").string(), twins.flat, twins.opts, "fast-cpu");
+  Twins resumed(DType::f32);
+  FlatState file(resumed.layout);
+  load_state((dir / "flat.nmst").string(), file, nullptr);
+  flat_to_table(file, resumed.table_state, resumed.caller.table);
+  load_state((dir / "flat.nmst").string(), resumed.flat, nullptr);
+  BOOST_TEST(resumed.difference() == "");
+  for (int64_t s = 3; s <= 4; ++s) {
+    twins.step(s);
+    resumed.step(s);
+  }
+  BOOST_TEST(resumed.difference() == "");
+  BOOST_TEST(same_bits(resumed.flat.params.data(), twins.flat.params.data(), static_cast<size_t>(twins.layout.param_floats) * sizeof(float)));
+  std::filesystem::remove_all(dir);
+}
+
+BOOST_AUTO_TEST_CASE(a_bad_table_is_refused_before_anything_changes) {
+  Twins twins(DType::f32);
+  twins.gen.fill_gradients(twins.flat, 1);
+  twins.caller.take_grads(twins.flat, false);
+  ParamTable wrong = twins.caller.table;
+  wrong.params[1].dtype = DType::f32;  // the layout says bf16
+  BOOST_CHECK_EXCEPTION(twins.table_backend.step(twins.table_state, wrong, twins.opts), std::invalid_argument,
+                        [&](const std::invalid_argument& x) {
+                          return std::string(x.what()).find(twins.layout.entries[1].name) != std::string::npos &&
+                                 std::string(x.what()).find("bf16") != std::string::npos;
+                        });
+  ParamTable missing = twins.caller.table;
+  missing.params[0].data = nullptr;
+  BOOST_CHECK_THROW(twins.table_backend.step(twins.table_state, missing, twins.opts), std::invalid_argument);
+  BOOST_TEST((twins.table_state.group_steps == std::vector<int64_t>{0, 0}));
+}
+
+BOOST_AUTO_TEST_CASE(rounding_is_torchs) {
+  // Round to nearest even at the halfway points, and torch's quiet NaN for bf16.
+  const float halfway_bf16 = 1.0f + 1.0f / 256;  // between 1 and the next bf16: rounds to even (1)
+  uint16_t h;
+  narrow(&halfway_bf16, &h, DType::bf16, 1);
+  BOOST_TEST(h == 0x3f80);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  narrow(&nan, &h, DType::bf16, 1);
+  BOOST_TEST(h == 0x7fc0);
+  const float halfway_f16 = 1.0f + 1.0f / 2048;  // between 1 and the next fp16: rounds to even (1)
+  narrow(&halfway_f16, &h, DType::f16, 1);
+  BOOST_TEST(h == 0x3c00);
+  const float above = 1.0f + 3.0f / 2048;  // between 1+1/1024 and 1+2/1024: rounds to even (1+2/1024)
+  narrow(&above, &h, DType::f16, 1);
+  BOOST_TEST(h == 0x3c02);
+  BOOST_TEST(widen_one(&h, DType::f16, 0) == 1.0f + 2.0f / 1024);
+}
