@@ -74,6 +74,13 @@ FastCpuBackend::FastCpuBackend(const Layout& layout, const Options& options, int
 
 FastCpuBackend::~FastCpuBackend() = default;
 
+int64_t FastCpuBackend::workspace_bytes() const {
+  return static_cast<int64_t>(update_.size() * sizeof(float) + col_sums_.size() * sizeof(double) +
+                              inv_scale_.size() * sizeof(float) + grad_scratch_.size() * sizeof(float) +
+                              (ns_in_.size() + ns_out_.size()) * sizeof(void*)) +
+         ns_->workspace_bytes();
+}
+
 std::string FastCpuBackend::describe() const {
   std::ostringstream out;
   out << "fast-cpu: " << batches_.size() << " Newton-Schulz batches, " << normuon_chunks_.size() << " + "

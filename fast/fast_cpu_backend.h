@@ -42,6 +42,8 @@ class FastCpuBackend : public Backend {
   const FastStepCounters& counters() const { return counters_; }
   std::string describe() const;  // batches and GEMM implementations
   int threads() const { return threads_; }
+  // Bytes of its own beyond the state: Newton-Schulz buffers and per-thread scratch.
+  int64_t workspace_bytes() const;
 
   // Empty when this backend can run `options` on `layout`; otherwise why not (the selector reports it).
   static std::string unsupported_reason(const Layout& layout, const Options& options);

@@ -40,8 +40,9 @@ inline float P(float x) {
 
 struct Aligned {
   void* ptr = nullptr;
-  explicit Aligned(size_t bytes) {
-    ptr = std::aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+  size_t bytes = 0;
+  explicit Aligned(size_t n) : bytes((n + 63) / 64 * 64 + 64) {
+    ptr = std::aligned_alloc(64, bytes);
     if (!ptr) throw std::bad_alloc();
   }
   ~Aligned() { std::free(ptr); }
@@ -190,6 +191,12 @@ BatchedNewtonSchulz::BatchedNewtonSchulz(const std::vector<NsBatchShape>& batche
 }
 
 BatchedNewtonSchulz::~BatchedNewtonSchulz() = default;
+
+int64_t BatchedNewtonSchulz::workspace_bytes() const {
+  size_t total = 0;
+  for (const auto* buffer : {&impl_->x, &impl_->g, &impl_->a, &impl_->ca, &impl_->scratch}) total += (*buffer)->bytes;
+  return static_cast<int64_t>(total);
+}
 
 void BatchedNewtonSchulz::run(int b, const float* const* inputs, float* const* outputs, const NorMuonHyper& h) {
   if (h.ns_coefficients == NsCoefficients::polar_express && h.ns_steps > kPolarExpressSteps)

@@ -29,6 +29,7 @@ class BatchedNewtonSchulz {
   void run(int b, const float* const* inputs, float* const* outputs, const NorMuonHyper& h);
 
   int64_t gemm_calls() const { return gemm_calls_; }  // since construction
+  int64_t workspace_bytes() const;                     // its buffers and oneDNN's scratchpad
   std::string gemm_implementation(int b, NsPrecision p) const;  // e.g. "brg:avx512_core_bf16"
 
  private:

@@ -288,6 +288,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("threads") = 0, py::keep_alive<1, 2>())
       .def_property_readonly("name", &FastCpuBackend::name)
       .def_property_readonly("threads", &FastCpuBackend::threads)
+      .def_property_readonly("workspace_bytes", &FastCpuBackend::workspace_bytes)
       .def("describe", &FastCpuBackend::describe)
       // The step runs on its own OpenMP threads over memory Python doesn't touch meanwhile: let go of the GIL.
       .def("step", py::overload_cast<FlatState&, const Options&>(&FastCpuBackend::step), py::arg("state"),

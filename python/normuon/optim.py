@@ -125,14 +125,20 @@ def _option_text(value):
 
 
 class _Entry:
-    """One parameter: the user's tensor and its fp32 slots (views of the flat buffers)."""
+    """One parameter: the user's tensor, its state (views of the optimizer's buffers) and, when it is
+    bf16/fp16, its fp32 master."""
 
     __slots__ = ("index", "name", "tensor", "shape", "dtype", "role", "algorithm", "why", "group", "override",
-                 "param", "grad", "state", "stats_per_row", "stat_len", "has_grad")
+                 "master", "version", "grad", "state", "stats_per_row", "stat_len", "has_grad")
 
     @property
     def low_precision(self):
         return self.dtype != torch.float32
+
+    @property
+    def param(self):
+        """The fp32 values a step reads and writes: the parameter itself, or the master of a bf16/fp16 one."""
+        return self.master if self.low_precision else self.tensor.detach()
 
 
 class NorMuonAdamW(torch.optim.Optimizer):
@@ -150,11 +156,16 @@ class NorMuonAdamW(torch.optim.Optimizer):
     overrides: {name: "normuon" | "adamw" | "auto"}, wins over the rule. roles: {name: role}.
     backend: "auto" | "fast" | "reference"; None reads NORMUON_BACKEND, then "auto" (= fast). No fallback.
     threads: the fast backend's threads (0 = one per processor). nonfinite: "error" | "skip_step".
+    verdict: on CUDA, when a step's NaN/Inf verdict reaches the host: "sync" (in step(), one host sync) or
+        "deferred" (at the next step(), no sync; a bad step changes nothing on the device either way).
+
+    The step reads the gradients and writes the parameters in place (table mode): no copy of an fp32
+    model; a bf16/fp16 parameter gets an fp32 master, written back rounded in the same pass.
     """
 
     def __init__(self, params, lr=0.02, beta1=0.95, beta2=0.95, weight_decay=0.0, nesterov=True, ns_steps=5, *,
                  momentum=None, adamw_lr=3e-4, adamw_betas=(0.9, 0.95), adamw_eps=1e-10, adamw_weight_decay=0.0,
-                 overrides=None, roles=None, backend=None, threads=0, nonfinite="error", **knobs):
+                 overrides=None, roles=None, backend=None, threads=0, nonfinite="error", verdict="sync", **knobs):
         unknown = sorted(set(knobs) - set(NORMUON_KNOBS))
         if unknown:
             raise TypeError(f"NorMuonAdamW got unexpected keyword argument(s) {', '.join(unknown)} "
@@ -165,7 +176,11 @@ class NorMuonAdamW(torch.optim.Optimizer):
             beta1 = momentum
         if nonfinite not in ("error", "skip_step"):
             raise ValueError(f"nonfinite={nonfinite!r}: choose error | skip_step")
+        if verdict not in ("sync", "deferred"):
+            raise ValueError(f"verdict={verdict!r}: choose sync | deferred")
         self.nonfinite = nonfinite
+        self.verdict = verdict
+        self._pending_steps_before = None
         normuon_defaults = dict(reference.NORMUON_DEFAULTS, lr=lr, beta1=beta1, beta2=beta2,
                                 weight_decay=weight_decay, nesterov=nesterov, ns_steps=ns_steps, **knobs)
         adamw_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)
@@ -289,7 +304,9 @@ class NorMuonAdamW(torch.optim.Optimizer):
         return groups, entries
 
     def _allocate(self, threads):
-        """The manifest, layout, flat state and backend; per-entry fp32 views."""
+        """The manifest, layout, the optimizer's own memory and the backend. Table mode: the step reads the
+        model's gradients and writes its parameters where they are; the optimizer holds its state and, for
+        bf16/fp16 parameters only, their fp32 masters (docs/python.md, "Memory")."""
         names = [g["name"] for g in self.param_groups]
         default_group = {"normuon": "normuon", "adamw": "adamw"}
         for e in self._entries:  # the second-moment axis, as Layout::build decides it
@@ -297,18 +314,23 @@ class NorMuonAdamW(torch.optim.Optimizer):
                 rows, cols = e.shape
                 e.stats_per_row = reference.stats_per_row(self._hypers[e.group]["reduce_axis"], rows, cols)
                 e.stat_len = 0 if rows * cols == 0 else rows if e.stats_per_row else cols  # spec section 5
-        self._backend = None
-        self._cuda_backend = None  # the fast CUDA backend: state in device memory, stepped there
-        self._device_flat = None   # CUDA: the flat buffers on the device (the host FlatState stages files)
-        if _C is None:  # reference only: standalone fp32 tensors, no state files
-            self._manifest = self._layout = self._flat = None
-            self._steps = [0] * len(names)
+        self._backend = None       # fast-cpu
+        self._cuda_backend = None  # fast-cuda: its state lives in device memory it owns
+        self._reference = None     # the per-parameter Python reference (the old path)
+        self._table = self._table_state = None
+        self._bound = None         # the addresses last handed to the backend
+        self._steps = [0] * len(names)  # the host's copy of the group step counters
+        if self._device.type == "cuda":
+            index = self._device.index if self._device.index is not None else torch.cuda.current_device()
+            self._device = torch.device("cuda", index)
+        if _C is None:  # reference only: standalone state tensors, no layout, no state files
+            self._manifest = self._layout = None
             for e in self._entries:
-                e.param = e.tensor.detach().to(torch.float32, copy=True)
-                e.grad = torch.zeros(e.shape, device=self._device)
                 second = (e.stat_len,) if e.algorithm == "normuon" else e.shape
                 e.state = (torch.zeros(e.shape, device=self._device), torch.zeros(second, device=self._device))
+                e.master = torch.empty(e.shape, device=self._device) if e.low_precision else None
             self._reference = reference.ReferenceBackend()
+            self._init_masters()
             return
         self._options = _C.Options([(g["name"], g["algorithm"]) for g in self.param_groups])
         self._options.set("nonfinite", self.nonfinite)
@@ -319,47 +341,45 @@ class NorMuonAdamW(torch.optim.Optimizer):
                  for e in self._entries]
         self._manifest = _C.Manifest(specs)
         self._layout = _C.Layout.build(self._manifest, self._options)
-        self._flat = _C.FlatState(self._layout)
-        flat = {k: torch.from_numpy(getattr(self._flat, k))
-                for k in ("params", "grads", "momentum", "row_var", "exp_avg", "exp_avg_sq")}
-        self._has_grad = self._flat.has_grad  # numpy view: cheap per-element writes
         for e, le in zip(self._entries, self._layout.entries):
             assert le.name == e.name and le.algorithm == e.algorithm and le.group == e.group, le.name
             assert le.stats_per_row == e.stats_per_row or e.algorithm == "adamw", le.name
-            e.param = flat["params"][le.offset:le.offset + le.numel].view(e.shape)
-            e.param.copy_(e.tensor.detach())
-        if self._device.type == "cuda":
-            flat = self._allocate_cuda(threads)
-        self._carve(flat)
-        if self._device.type == "cuda":
-            return
+        self._table = _C.ParamTable(self._layout)
         if self._choice == "reference":
+            buffers = {k: torch.zeros(n, device=self._device) for k, n in self._buffer_sizes().items()}
             self._reference = reference.ReferenceBackend()
+        elif self._device.type == "cuda":
+            buffers = self._allocate_cuda()
         else:
-            if not hasattr(_C, "FastCpuBackend"):  # _C built without oneDNN (-DNORMUON_BUILD_FAST_CPU=OFF)
-                raise RuntimeError(f"backend '{self._choice}' on the CPU needs the fast CPU backend, which this build "
-                                   "of normuon._C does not have (configured without oneDNN, "
-                                   "-DNORMUON_BUILD_FAST_CPU=OFF); no fallback to the reference: put the parameters "
-                                   "on a CUDA device (the fast CUDA backend), ask for backend='reference', or rebuild "
-                                   "with oneDNN")
-            reason = _C.FastCpuBackend.unsupported_reason(self._layout, self._options)
-            if reason:
-                raise ValueError(f"backend '{self._choice}' cannot serve this request: {reason} (no fallback to "
-                                 "the reference; change the options or ask for backend='reference')")
-            self._backend = _C.FastCpuBackend(self._layout, self._options, threads)
+            buffers = self._allocate_cpu(threads)
+        self._carve(buffers)
+        self._init_masters()
 
-    def _allocate_cuda(self, threads):
-        """CUDA parameters: the flat buffers move to the device. The fast backend owns them there (viewed
-        zero-copy through __cuda_array_interface__); the reference gets plain device tensors. The host
-        FlatState stays as the staging area of state files. No silent fallback to the CPU."""
-        del threads
-        index = self._device.index if self._device.index is not None else torch.cuda.current_device()
-        self._device = torch.device("cuda", index)
-        if self._choice == "reference":
-            self._reference = reference.ReferenceBackend()
-            self._device_flat = {k: torch.from_numpy(getattr(self._flat, k)).to(self._device)
-                                 for k in ("params", "grads", "momentum", "row_var", "exp_avg", "exp_avg_sq")}
-            return self._device_flat
+    def _buffer_sizes(self):
+        l = self._layout
+        return dict(masters=l.master_floats, momentum=l.normuon_floats, row_var=l.stat_floats,
+                    exp_avg=l.adam_floats, exp_avg_sq=l.adam_floats)
+
+    def _allocate_cpu(self, threads):
+        if not hasattr(_C, "FastCpuBackend"):  # _C built without oneDNN (-DNORMUON_BUILD_FAST_CPU=OFF)
+            raise RuntimeError(f"backend '{self._choice}' on the CPU needs the fast CPU backend, which this build "
+                               "of normuon._C does not have (configured without oneDNN, "
+                               "-DNORMUON_BUILD_FAST_CPU=OFF); no fallback to the reference: put the parameters "
+                               "on a CUDA device (the fast CUDA backend), ask for backend='reference', or rebuild "
+                               "with oneDNN")
+        reason = _C.FastCpuBackend.unsupported_reason(self._layout, self._options)
+        if reason:
+            raise ValueError(f"backend '{self._choice}' cannot serve this request: {reason} (no fallback to "
+                             "the reference; change the options or ask for backend='reference')")
+        self._backend = _C.FastCpuBackend(self._layout, self._options, threads)
+        self._table_state = _C.TableState(self._layout)
+        return {k: torch.from_numpy(getattr(self._table_state, k)) for k in self._buffer_sizes()}
+
+    def _allocate_cuda(self):
+        """The fast CUDA backend in table mode: it owns the state and masters in device memory (viewed
+        zero-copy through __cuda_array_interface__) and reads the model's tensors through pointer tables.
+        No silent fallback to the CPU or the reference."""
+        index = self._device.index
         if not hasattr(_C, "FastCudaBackend"):  # _C built without CUDA (-DNORMUON_BUILD_CUDA=OFF)
             raise ValueError(f"backend '{self._choice}' on {self._device}: {_C.cuda_unavailable_reason(index)} (no "
                              "fallback to the CPU or the reference; ask for backend='reference' explicitly)")
@@ -367,28 +387,38 @@ class NorMuonAdamW(torch.optim.Optimizer):
         if reason:
             raise ValueError(f"backend '{self._choice}' on {self._device} cannot serve this request: {reason} (no "
                              "fallback to the CPU or the reference; ask for backend='reference' explicitly)")
-        backend = _C.FastCudaBackend(self._layout, self._options, device=index,
-                                     stream=torch.cuda.current_stream(self._device).cuda_stream)
         with torch.cuda.device(self._device):
-            backend.upload(self._flat)  # masters, zero state, flags, steps
+            backend = _C.FastCudaBackend(self._layout, self._options, device=index,
+                                         stream=torch.cuda.current_stream(self._device).cuda_stream,
+                                         caller_tensors=True)
         self._cuda_backend = backend
         self._fixed_keys = FIXED_FIELDS + CUDA_FIXED_FIELDS
-        self._device_flat = {k: _device_view(backend, ptr, n, typestr, self._device)
-                             for k, (ptr, n, typestr) in backend.buffers().items()}
-        return self._device_flat
+        views = {k: _device_view(backend, ptr, n, typestr, self._device)
+                 for k, (ptr, n, typestr) in backend.buffers().items()}
+        views["momentum"].zero_(), views["row_var"].zero_(), views["exp_avg"].zero_(), views["exp_avg_sq"].zero_()
+        self._device_steps = views["group_steps"]
+        self._device_steps.zero_()
+        return views
 
-    def _carve(self, flat):
-        """Per-entry views of the flat buffers (host or device): parameter, gradient, state."""
+    def _carve(self, buffers):
+        """Per-entry views of the optimizer's buffers (host or device): state and masters."""
+        self._buffers = {k: buffers[k] for k in self._buffer_sizes()}
         for e, le in zip(self._entries, self._layout.entries):
-            span = slice(le.offset, le.offset + le.numel)
-            e.param = flat["params"][span].view(e.shape)
-            e.grad = flat["grads"][span].view(e.shape)
             if e.algorithm == "normuon":
-                e.state = (flat["momentum"][span].view(e.shape),
-                           flat["row_var"][le.stat_offset:le.stat_offset + le.stat_len])
+                e.state = (buffers["momentum"][le.offset:le.offset + le.numel].view(e.shape),
+                           buffers["row_var"][le.stat_offset:le.stat_offset + le.stat_len])
             else:
                 adam = slice(le.adam_offset, le.adam_offset + le.numel)
-                e.state = (flat["exp_avg"][adam].view(e.shape), flat["exp_avg_sq"][adam].view(e.shape))
+                e.state = (buffers["exp_avg"][adam].view(e.shape), buffers["exp_avg_sq"][adam].view(e.shape))
+            e.master = (buffers["masters"][le.master_offset:le.master_offset + le.numel].view(e.shape)
+                        if e.low_precision else None)
+
+    def _init_masters(self):
+        """The fp32 masters of bf16/fp16 parameters from the model (the only copy the optimizer makes)."""
+        for e in self._entries:
+            if e.low_precision:
+                e.master.copy_(e.tensor.detach())
+            e.version = e.tensor._version
 
     @staticmethod
     def _state_views(e):
@@ -455,19 +485,97 @@ class NorMuonAdamW(torch.optim.Optimizer):
     # -------------------------------------------------------------------------------------- the step
 
     def _refresh_masters(self):
-        """fp32 master <- the model's tensors where they changed since the last step (for fp32 parameters
-        the tensor is the master; a low-precision one keeps the fp32 master while it still rounds to it)."""
+        """Outside writes to the model's parameters. An fp32 parameter is its own master: nothing to do. A
+        bf16/fp16 one whose version counter moved (load_state_dict, an in-place op under no_grad) gets its
+        master from it, unless it still holds the rounded master (a model reloaded after the optimizer:
+        the master keeps its low bits). Writes through .data bypass the counter and are not seen."""
         for e in self._entries:
             t = e.tensor
             if t.shape != e.shape or t.dtype != e.dtype or t.device != self._device:
                 raise RuntimeError(f"parameter '{e.name}' is now {t.dtype} {list(t.shape)} on {t.device}; it was "
                                    f"{e.dtype} {list(e.shape)} on {self._device} when the optimizer was built")
-            if not e.low_precision:
-                e.param.copy_(t.detach())
-            elif not torch.equal(t.detach(), e.param.to(e.dtype)):
-                e.param.copy_(t.detach())
+            if t._version != e.version:
+                if e.low_precision and not torch.equal(t.detach(), e.master.to(e.dtype)):
+                    e.master.copy_(t.detach())
+                e.version = t._version
 
-    def _gather_grads(self):
+    def _bind(self):
+        """The model's current parameters and gradients, by address, into the backend's table: no torch op
+        (data_ptr and attribute reads only; a non-contiguous gradient is the one exception, copied). The
+        table is handed over again only when an address changed."""
+        params, grads, dtypes, keep = [], [], [], []
+        for e in self._entries:
+            t = e.tensor
+            if not t.is_contiguous():
+                raise RuntimeError(f"parameter '{e.name}' is not contiguous; NorMuonAdamW steps parameters in place")
+            g = t.grad
+            e.has_grad = g is not None
+            if g is None:
+                grads.append(0)
+                dtypes.append("f32")
+            else:
+                if g.is_sparse:
+                    raise RuntimeError(f"parameter '{e.name}' has a sparse gradient, which NorMuonAdamW "
+                                       "does not support")
+                dtype = _DTYPES.get(g.dtype)
+                if dtype is None or g.shape != e.shape or g.device != self._device:
+                    raise RuntimeError(f"parameter '{e.name}': its gradient is {g.dtype} {list(g.shape)} on "
+                                       f"{g.device}; expected float32, bfloat16 or float16 {list(e.shape)} on "
+                                       f"{self._device}")
+                if not g.is_contiguous():
+                    g = g.contiguous()
+                    keep.append(g)
+                grads.append(g.data_ptr())
+                dtypes.append(dtype)
+            params.append(t.data_ptr())
+        bound = (params, grads, dtypes)
+        if bound != self._bound:
+            self._table.set(params, grads, dtypes)
+            self._bound = bound
+        return keep
+
+    def _set_group_steps(self, steps):
+        """Every copy of the step counters: the host's, the backend's and group['step']."""
+        steps = [int(t) for t in steps]
+        self._steps = list(steps)
+        if self._table_state is not None:
+            self._table_state.group_steps = steps
+        if self._cuda_backend is not None:
+            self._device_steps.copy_(torch.tensor(steps, dtype=torch.int64))
+        for g, t in zip(self.param_groups, steps):
+            g["step"] = t
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step over every parameter with a gradient (parameters without one are left as
+        they are). Raises RuntimeError for a NaN/Inf gradient under nonfinite='error', before anything
+        changes; under 'skip_step' nothing changes and last_skip_reason says why. On CUDA with
+        verdict='deferred' that verdict comes at the next step() (the bad step changed nothing)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        hypers = self._sync_hyper()
+        self._refresh_masters()
+        if self._reference is not None:
+            skipped = self._reference_step(hypers)
+        else:
+            keep = self._bind()
+            if self._cuda_backend is not None:
+                skipped = self._cuda_step()
+            else:
+                result = self._backend.step(self._table_state, self._table, self._options)
+                skipped = result.reason if result.skipped else None
+                if skipped is None:
+                    self._steps = self._table_state.group_steps
+            del keep
+        for g, t in zip(self.param_groups, self._steps):
+            g["step"] = t
+        self.last_skip_reason = skipped
+        return loss
+
+    def _reference_step(self, hypers):
+        """The old path, per parameter: fp32 gradients, the spec's ops, rounded parameters copied back."""
         for e in self._entries:
             g = e.tensor.grad
             e.has_grad = g is not None
@@ -475,92 +583,73 @@ class NorMuonAdamW(torch.optim.Optimizer):
                 if g.is_sparse:
                     raise RuntimeError(f"parameter '{e.name}' has a sparse gradient, which NorMuonAdamW "
                                        "does not support")
-                e.grad.copy_(g.detach())
-            if self._flat is not None:
-                self._has_grad[e.index] = e.has_grad
-
-    def _group_steps(self):
-        if self._cuda_backend is not None:  # the step counters live on the device
-            return [int(t) for t in self._device_flat["group_steps"].tolist()]
-        return list(self._flat.group_steps) if self._flat is not None else list(self._steps)
-
-    def _set_group_steps(self, steps):
-        if self._cuda_backend is not None:
-            self._device_flat["group_steps"].copy_(torch.tensor(steps, dtype=torch.int64))
-        self._mirror_group_steps(steps)
-
-    def _mirror_group_steps(self, steps):
-        """The host's copies of the step counters: the host FlatState (or the reference's list), and
-        group['step']. After a CUDA step the device already holds them."""
-        if self._flat is not None:
-            self._flat.group_steps = steps
-        else:
-            self._steps = list(steps)
-        for g, t in zip(self.param_groups, steps):
-            g["step"] = int(t)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One optimizer step over every parameter with a gradient (parameters without one are left as
-        they are). Raises RuntimeError for a NaN/Inf gradient under nonfinite='error', before anything
-        changes; under 'skip_step' nothing changes and last_skip_reason says why."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        hypers = self._sync_hyper()
-        self._refresh_masters()
-        self._gather_grads()
-        if self._cuda_backend is not None:
-            skipped = self._cuda_step()
-            steps = self._group_steps()
-        elif self._backend is not None:
-            result = self._backend.step(self._flat, self._options)
-            skipped = result.reason if result.skipped else None
-            steps = self._group_steps()
-        else:
-            steps = self._group_steps()
-            skipped = self._reference.step(self._entries, hypers, steps, self.nonfinite)
-        self._mirror_group_steps(steps)
-        self.last_skip_reason = skipped
+                e.grad = g.detach().to(torch.float32)
+        steps = list(self._steps)
+        skipped = self._reference.step(self._entries, hypers, steps, self.nonfinite)
         if skipped is None:
+            self._steps = steps
             for e in self._entries:
-                if e.has_grad:
-                    e.tensor.detach().copy_(e.param)  # rounds to the parameter's dtype
-        return loss
+                if e.has_grad and e.low_precision:
+                    e.tensor.detach().copy_(e.master)  # rounds to the parameter's dtype
+                e.version = e.tensor._version
+        return skipped
 
     def _cuda_step(self):
-        """One fused step on the caller's current stream (the gradient copies above were queued there).
-        finish_step waits for it: a NaN/Inf gradient raises (or skips) like on the CPU, nothing changed."""
+        """One fused step on the caller's current stream. The verdict on NaN/Inf gradients: now (one host
+        sync) or, with verdict='deferred', at the next step (no sync; the bad step already changed nothing)."""
         backend = self._cuda_backend
-        with torch.cuda.device(self._device):  # the stream handle and copies belong to the parameters' device
+        with torch.cuda.device(self._device):  # the stream handle belongs to the parameters' device
             backend.set_stream(torch.cuda.current_stream(self._device).cuda_stream)
-            self._device_flat["has_grad"].copy_(torch.from_numpy(self._has_grad))
-            # The host mirror of the counters (no device read): host-exact bias corrections.
-            backend.set_options(self._options, list(self._flat.group_steps))
+            earlier = None
+            if self.verdict == "deferred" and self._pending_steps_before is not None:
+                try:
+                    earlier = backend.poll_step(self._options)
+                except RuntimeError:  # nonfinite='error': the step before this one changed nothing
+                    self._steps, self._pending_steps_before = self._pending_steps_before, None
+                    raise
+                if earlier.skipped:
+                    self._steps = self._pending_steps_before
+            backend.set_tensors(self._table)
+            # The host's copy of the counters (no device read): host-exact bias corrections.
+            backend.set_options(self._options, self._steps)
             backend.enqueue_step()
+            before = list(self._steps)
+            active = {e.group for e in self._entries if e.has_grad}
+            self._steps = [t + (g in active) for g, t in enumerate(before)]
+            if self.verdict == "deferred":
+                self._pending_steps_before = before
+                return earlier.reason if earlier is not None and earlier.skipped else None
             result = backend.finish_step(self._options)
+        if result.skipped:
+            self._steps = before
         return result.reason if result.skipped else None
 
-    def _to_host(self):
-        """CUDA: the device's flat state into the host FlatState (before writing a state file)."""
-        if self._cuda_backend is not None:
-            with torch.cuda.device(self._device):
-                self._cuda_backend.set_stream(torch.cuda.current_stream(self._device).cuda_stream)
-                self._cuda_backend.download(self._flat)
-        elif self._device_flat is not None:
-            for k, t in self._device_flat.items():
-                torch.from_numpy(getattr(self._flat, k)).copy_(t)
+    def _to_flat(self):
+        """A host FlatState of this optimizer (parameters as fp32 masters, state, steps): what state files hold."""
+        flat = _C.FlatState(self._layout)
+        params = torch.from_numpy(flat.params)
+        for e, le in zip(self._entries, self._layout.entries):
+            src = e.master if e.low_precision else e.tensor.detach()
+            params[le.offset:le.offset + le.numel].copy_(src.reshape(-1))
+        for k, t in self._buffers.items():
+            if k != "masters":
+                torch.from_numpy(getattr(flat, k)).copy_(t)
+        flat.group_steps = self._steps
+        return flat
 
-    def _to_device(self):
-        """CUDA: the host FlatState (just loaded from a file) onto the device."""
-        if self._cuda_backend is not None:
-            with torch.cuda.device(self._device):
-                self._cuda_backend.set_stream(torch.cuda.current_stream(self._device).cuda_stream)
-                self._cuda_backend.upload(self._flat)
-        elif self._device_flat is not None:
-            for k, t in self._device_flat.items():
-                t.copy_(torch.from_numpy(getattr(self._flat, k)))
+    def _from_flat(self, flat):
+        """The optimizer (state, masters, steps) and the model's parameters from a host FlatState."""
+        params = torch.from_numpy(flat.params)
+        for k, t in self._buffers.items():
+            if k != "masters":
+                t.copy_(torch.from_numpy(getattr(flat, k)))
+        for e, le in zip(self._entries, self._layout.entries):
+            values = params[le.offset:le.offset + le.numel].view(e.shape)
+            if e.low_precision:
+                e.master.copy_(values)
+            e.tensor.detach().copy_(values)  # rounds to the parameter's dtype
+            e.version = e.tensor._version
+        self._set_group_steps(list(flat.group_steps))
 
     # ----------------------------------------------------------------------------------- inspection
 
@@ -571,6 +660,19 @@ class NorMuonAdamW(torch.optim.Optimizer):
             if native is not None:
                 return native.name
         return self._reference.name
+
+    def memory_report(self):
+        """Bytes the optimizer holds beyond the model's tensors: state_bytes (momentum, second moments,
+        exp_avg, exp_avg_sq), master_bytes (fp32 masters of bf16/fp16 parameters: 4 B per element) and
+        workspace_bytes (the native backend's Newton-Schulz buffers and scratch; 0 for the reference)."""
+        sizes = self._buffer_sizes() if self._layout is not None else {}
+        state = 4 * sum(n for k, n in sizes.items() if k != "masters")
+        if self._layout is None:
+            state = 4 * sum(t.numel() for e in self._entries for t in e.state)
+        masters = 4 * sizes.get("masters", sum(e.master.numel() for e in self._entries if e.low_precision))
+        native = self._cuda_backend or self._backend
+        return dict(state_bytes=state, master_bytes=masters,
+                    workspace_bytes=native.workspace_bytes if native is not None else 0)
 
     @property
     def layout(self):
@@ -628,7 +730,7 @@ class NorMuonAdamW(torch.optim.Optimizer):
                 e = by_tensor[id(t)]
                 s = {k: v.clone() for k, v in self._state_views(e).items()}
                 if e.low_precision:
-                    s["master_param"] = e.param.clone()
+                    s["master_param"] = e.master.clone()
                 state[index] = s
                 index += 1
             groups.append(packed)
@@ -673,7 +775,7 @@ class NorMuonAdamW(torch.optim.Optimizer):
                     s = {k: torch.zeros_like(v) for k, v in self._state_views(e).items()}  # never stepped
                 expected = dict(self._state_views(e))
                 if e.low_precision and "master_param" in s:
-                    expected["master_param"] = e.param
+                    expected["master_param"] = e.master
                 if set(s) != set(expected):
                     raise ValueError(f"state of parameter '{e.name}' ({e.algorithm}) has keys {sorted(s)}, "
                                      f"expected {sorted(expected)}")
@@ -688,6 +790,8 @@ class NorMuonAdamW(torch.optim.Optimizer):
                     writes.append((dst, src))
         for dst, src in writes:
             dst.copy_(src)
+        for e in self._entries:  # the masters just loaded win over the model's values as they are now
+            e.version = e.tensor._version
         for g, new in zip(self.param_groups, new_groups):
             g.clear()
             g.update(new)
@@ -707,36 +811,31 @@ class NorMuonAdamW(torch.optim.Optimizer):
         self._need_native("export_state")
         self._sync_hyper()
         self._refresh_masters()
-        self._to_host()
-        _C.save_state(os.fspath(path), self._flat, self._options, self.backend)
+        _C.save_state(os.fspath(path), self._to_flat(), self._options, self.backend)
 
     def import_state(self, path):
         """Loads a state file of this layout (written by export_state or `normuon run --save`): all or nothing
         (StateFileError). Sets the optimizer state, group steps and hyper-parameters (not nonfinite, not
         reduce_axis), and the model's parameters from the file's fp32 values."""
         self._need_native("import_state")
-        self._to_host()  # load_state is all or nothing: on an error the host copy must still be the live state
-        saved = _C.load_state(os.fspath(path), self._flat)
+        flat = _C.FlatState(self._layout)
+        saved = _C.load_state(os.fspath(path), flat)  # all or nothing, into a scratch state
         for i, g in enumerate(self.param_groups):  # what the CUDA plan fixed must match before anything moves
             if g["algorithm"] != "normuon":
                 continue
             h = saved.hyper(i)
             bad = [k for k in self._fixed_keys if k in h and check_value(k, h[k]) != self._fixed[i][k]]
             if bad:
-                self._to_host()  # the host copy back to the live (device) state: nothing changed
                 raise ValueError(f"{os.fspath(path)}: group '{g['name']}' was saved with "
                                  + ", ".join(f"{k}={h[k]!r}" for k in bad) + ", but this optimizer was built with "
                                  + ", ".join(f"{k}={self._fixed[i][k]!r}" for k in bad))
-        self._to_device()
+        self._from_flat(flat)
         for i, g in enumerate(self.param_groups):
             h = saved.hyper(i)
             if g["algorithm"] == "adamw":
                 g.update(lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"], weight_decay=h["weight_decay"])
             else:
                 g.update({k: v for k, v in h.items() if k not in FIXED_FIELDS})
-        self._set_group_steps(self._group_steps())
-        for e in self._entries:
-            e.tensor.detach().copy_(e.param)
         self._sync_hyper()
 
 

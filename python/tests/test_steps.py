@@ -159,13 +159,41 @@ def test_closure_and_training_reduces_the_loss(backend):
 
 
 def test_user_modified_parameters_are_picked_up(backend):
-    """The fp32 master follows the model: an fp32 tensor edited between steps (even through .data), and a
-    bf16 tensor whose value no longer rounds from the master, are re-read."""
+    """An fp32 parameter is its own master: any edit between steps is seen, even through .data. A bf16 one
+    is re-read when its version counter moved (an in-place write under no_grad, load_state_dict)."""
     for dtype in (torch.float32, torch.bfloat16):
         model = make_model(dtype=dtype)
         opt = normuon.NorMuonAdamW(model.named_parameters(), backend=backend, lr=0.0, adamw_lr=0.0)
         fill_grads(model, 1)
         opt.step()
-        model.ln_f.weight.data.fill_(3.0)
+        if dtype == torch.float32:
+            model.ln_f.weight.data.fill_(3.0)
+        else:
+            with torch.no_grad():
+                model.ln_f.weight.fill_(3.0)
         opt.step()  # lr 0: the step writes the master back, which must hold the edit
         assert torch.equal(model.ln_f.weight.detach(), torch.full_like(model.ln_f.weight, 3.0)), dtype
+
+
+def test_a_model_reloaded_after_the_optimizer_keeps_the_masters_low_bits(backend):
+    """Resume in either order: the model's load_state_dict moves the version counter, but a bf16 value that
+    still rounds from the loaded master leaves the master as it is (bit-exact resume)."""
+    model = make_model(dtype=torch.bfloat16)
+    opt = normuon.NorMuonAdamW(model.named_parameters(), backend=backend)
+    for s in (1, 2):
+        fill_grads(model, s)
+        opt.step()
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_opt = opt.state_dict()
+    fill_grads(model, 3)
+    opt.step()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+
+    twin = make_model(dtype=torch.bfloat16)
+    twin_opt = normuon.NorMuonAdamW(twin.named_parameters(), backend=backend)
+    twin_opt.load_state_dict(saved_opt)
+    twin.load_state_dict(saved_model)  # after the optimizer: versions move, values round from the masters
+    fill_grads(twin, 3)
+    twin_opt.step()
+    for k, v in twin.state_dict().items():
+        assert torch.equal(v, expected[k]), k
