@@ -531,7 +531,7 @@ int bench_cuda_command(const Argv& argv) {
   // ---- state: the generator's parameters and step-1 gradients, uploaded once
   FastCudaConfig config;
   config.device = dev;
-  config.grad_type = bf16_grads ? cuda::GradType::bf16 : cuda::GradType::f32;
+  config.grad_type = bf16_grads ? cuda::ElemType::bf16 : cuda::ElemType::f32;
   const GradientGenerator generator{static_cast<uint64_t>(a.get_int("seed", 1234)), 0};
   FastCudaBackend fast(layout, options, config);
   cuda::DeviceFlatState& ds = fast.device_state();

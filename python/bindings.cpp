@@ -317,18 +317,25 @@ PYBIND11_MODULE(_C, m) {
   auto stream_of = [](uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); };
   py::class_<FastCudaBackend>(m, "FastCudaBackend", "The fused CUDA backend (docs/fast-cuda.md)")
       .def(py::init([stream_of](const Layout& layout, const Options& options, int device, uintptr_t stream,
-                                const std::string& grad_dtype, bool bf16_params) {
+                                const std::string& grad_dtype, bool bf16_params, bool caller_tensors) {
              FastCudaConfig config;
              config.device = device;
              config.stream = stream_of(stream);
              if (grad_dtype != "f32" && grad_dtype != "bf16")
                throw std::invalid_argument("grad_dtype '" + grad_dtype + "': choose f32 | bf16");
-             config.grad_type = grad_dtype == "f32" ? cuda::GradType::f32 : cuda::GradType::bf16;
+             config.grad_type = grad_dtype == "f32" ? cuda::ElemType::f32 : cuda::ElemType::bf16;
              config.bf16_params = bf16_params;
+             config.caller_tensors = caller_tensors;
              return std::make_unique<FastCudaBackend>(layout, options, config);
            }),
            py::arg("layout"), py::arg("options"), py::arg("device") = 0, py::arg("stream") = 0,
-           py::arg("grad_dtype") = "f32", py::arg("bf16_params") = false, py::keep_alive<1, 2>())
+           py::arg("grad_dtype") = "f32", py::arg("bf16_params") = false, py::arg("caller_tensors") = false,
+           py::keep_alive<1, 2>())
+      .def("set_tensors", &FastCudaBackend::set_tensors, py::arg("table"),
+           "Table mode: the caller's device tensors; uploaded only when an address changed")
+      .def("poll_step", &FastCudaBackend::poll_step, py::arg("options"), py::call_guard<py::gil_scoped_release>(),
+           "The last enqueued step's verdict, waiting only for that step (deferred NaN/Inf report)")
+      .def_property_readonly("workspace_bytes", &FastCudaBackend::workspace_bytes)
       .def_property_readonly("name", &FastCudaBackend::name)
       .def_property_readonly("launches_per_step", &FastCudaBackend::launches_per_step)
       .def_property_readonly(
@@ -362,9 +369,13 @@ PYBIND11_MODULE(_C, m) {
                return py::make_tuple(reinterpret_cast<uintptr_t>(p), n, type);
              };
              py::dict out;
-             out["params"] = entry(d.params.data(), d.params.size(), "<f4");
-             out["grads"] = d.grad_type() == cuda::GradType::f32 ? entry(d.grads_f32.data(), d.grads_f32.size(), "<f4")
-                                                                 : entry(d.grads_bf16.data(), d.grads_bf16.size(), "<i2");  // bf16 bits: view(torch.bfloat16)
+             if (d.caller_tensors()) {  // table mode: the parameters and gradients are the caller's
+               out["masters"] = entry(d.masters.data(), d.masters.size(), "<f4");
+             } else {
+               out["params"] = entry(d.params.data(), d.params.size(), "<f4");
+               out["grads"] = d.grad_type() == cuda::ElemType::f32 ? entry(d.grads_f32.data(), d.grads_f32.size(), "<f4")
+                                                                   : entry(d.grads_bf16.data(), d.grads_bf16.size(), "<i2");  // bf16 bits: view(torch.bfloat16)
+             }
              out["momentum"] = entry(d.momentum.data(), d.momentum.size(), "<f4");
              out["row_var"] = entry(d.row_var.data(), d.row_var.size(), "<f4");
              out["exp_avg"] = entry(d.exp_avg.data(), d.exp_avg.size(), "<f4");

@@ -54,6 +54,8 @@ struct EmulatedCudaBackend::Impl {
   std::vector<double> stat_sums;
   std::vector<float> inv_scale;
   std::vector<__nv_bfloat16> grads_bf16;
+  std::vector<cuda::EntryOperands> operands;
+  std::vector<uint8_t> table_has_grad;
   cuda::StepStatus status{};
   int64_t gemms = 0;
 
@@ -87,7 +89,7 @@ struct EmulatedCudaBackend::Impl {
     }
     stat_sums.resize(static_cast<size_t>(layout.stat_floats));
     inv_scale.resize(static_cast<size_t>(layout.stat_floats));
-    if (config.grad_type == cuda::GradType::bf16) grads_bf16.resize(static_cast<size_t>(layout.param_floats));
+    if (config.grad_type == cuda::ElemType::bf16) grads_bf16.resize(static_cast<size_t>(layout.param_floats));
     std::memset(&status, 0xff, sizeof status);  // nothing bad reported
   }
 
@@ -115,29 +117,84 @@ EmulatedCudaBackend::~EmulatedCudaBackend() = default;
 void EmulatedCudaBackend::enqueue_step(FlatState& state, const Options& options, bool host_bias) {
   Impl& im = *impl_;
   if (state.layout != &im.layout) throw std::invalid_argument("fast-cuda-emulated: the state has another layout");
+  set_scalars(options, state.group_steps.data(), host_bias);
+
+  // The flat buffers as FastCudaBackend points the operand table at them.
+  const void* grads = state.grads.data();
+  if (im.config.grad_type == cuda::ElemType::bf16) {
+    for (size_t i = 0; i < im.grads_bf16.size(); ++i) im.grads_bf16[i] = __float2bfloat16_rn(state.grads[static_cast<int64_t>(i)]);
+    grads = im.grads_bf16.data();
+  }
+  const size_t grad_bytes = im.config.grad_type == cuda::ElemType::f32 ? 4 : 2;
+  im.operands.resize(im.layout.entries.size());
+  for (size_t e = 0; e < im.operands.size(); ++e) {
+    const int64_t at = im.layout.entries[e].offset;
+    im.operands[e] = cuda::EntryOperands{state.params.data() + at, params_bf16_.empty() ? nullptr : params_bf16_.data() + at,
+                                         static_cast<const char*>(grads) + static_cast<size_t>(at) * grad_bytes,
+                                         im.config.grad_type, cuda::ElemType::bf16};
+  }
+  run(state.momentum.data(), state.row_var.data(), state.exp_avg.data(), state.exp_avg_sq.data(),
+      state.has_grad.data(), state.group_steps.data());
+}
+
+void EmulatedCudaBackend::enqueue_step(TableState& state, const ParamTable& table, const Options& options) {
+  Impl& im = *impl_;
+  if (state.layout != &im.layout || table.layout != &im.layout)
+    throw std::invalid_argument("fast-cuda-emulated: the state has another layout");
+  const std::string reason = table.invalid_reason();
+  if (!reason.empty()) throw std::invalid_argument(reason);
+  set_scalars(options, state.group_steps.data(), true);
+  // As FastCudaBackend::set_tensors: the caller's tensors, masters for bf16 / fp16 parameters.
+  auto elem = [](DType d) {
+    return d == DType::f32 ? cuda::ElemType::f32 : d == DType::bf16 ? cuda::ElemType::bf16 : cuda::ElemType::f16;
+  };
+  im.operands.resize(im.layout.entries.size());
+  im.table_has_grad.resize(im.layout.entries.size());
+  for (size_t e = 0; e < im.operands.size(); ++e) {
+    const LayoutEntry& le = im.layout.entries[e];
+    cuda::EntryOperands op{};
+    if (le.master_offset < 0) {
+      op.master = static_cast<float*>(table.params[e].data);
+    } else {
+      op.master = state.master(static_cast<int>(e));
+      op.low = table.params[e].data;
+    }
+    op.low_type = elem(le.dtype);
+    op.grad = table.grads[e].data;
+    op.grad_type = elem(table.grads[e].dtype);
+    im.operands[e] = op;
+    im.table_has_grad[e] = table.grads[e].data != nullptr;
+  }
+  run(state.momentum.data(), state.row_var.data(), state.exp_avg.data(), state.exp_avg_sq.data(),
+      im.table_has_grad.data(), state.group_steps.data());
+}
+
+StepResult EmulatedCudaBackend::step(TableState& state, const ParamTable& table, const Options& options) {
+  enqueue_step(state, table, options);
+  return finish_step(options);
+}
+
+void EmulatedCudaBackend::set_scalars(const Options& options, const int64_t* group_steps, bool host_bias) {
+  Impl& im = *impl_;
   if (options.groups.size() != im.layout.group_names.size())
     throw std::invalid_argument("fast-cuda-emulated: the options have another number of groups");
   im.groups.clear();
   for (size_t g = 0; g < options.groups.size(); ++g)
-    im.groups.push_back(cuda::group_scalars(options.groups[g], host_bias ? &state.group_steps[g] : nullptr));
+    im.groups.push_back(cuda::group_scalars(options.groups[g], host_bias ? &group_steps[g] : nullptr));
   cuda::fill_matrix_scalars(im.plan.matrices, options, im.matrix_scalars);
+}
 
+void EmulatedCudaBackend::run(float* momentum, float* row_var, float* exp_avg, float* exp_avg_sq,
+                              const uint8_t* has_grad, int64_t* group_steps) {
+  Impl& im = *impl_;
   cuda::StepBuffers b{};
-  b.params = state.params.data();
-  if (im.config.grad_type == cuda::GradType::bf16) {
-    for (size_t i = 0; i < im.grads_bf16.size(); ++i) im.grads_bf16[i] = __float2bfloat16_rn(state.grads[static_cast<int64_t>(i)]);
-    b.grads = im.grads_bf16.data();
-  } else {
-    b.grads = state.grads.data();
-  }
-  b.grad_type = im.config.grad_type;
-  b.momentum = state.momentum.data();
-  b.row_var = state.row_var.data();
-  b.exp_avg = state.exp_avg.data();
-  b.exp_avg_sq = state.exp_avg_sq.data();
-  b.params_bf16 = params_bf16_.empty() ? nullptr : params_bf16_.data();
-  b.has_grad = state.has_grad.data();
-  b.group_steps = state.group_steps.data();
+  b.operands = im.operands.data();
+  b.momentum = momentum;
+  b.row_var = row_var;
+  b.exp_avg = exp_avg;
+  b.exp_avg_sq = exp_avg_sq;
+  b.has_grad = has_grad;
+  b.group_steps = group_steps;
   b.n_entries = static_cast<int32_t>(im.plan.entries.size());
   b.n_groups = static_cast<int32_t>(im.groups.size());
   b.entries = im.plan.entries.data();

@@ -18,6 +18,7 @@
 #include "normuon/flat_state.h"
 #include "normuon/layout.h"
 #include "normuon/options.h"
+#include "normuon/param_table.h"
 #include "step_kernels.h"
 
 namespace normuon::test {
@@ -25,7 +26,7 @@ namespace normuon::test {
 class EmulatedCudaBackend : public Backend {
  public:
   struct Config {
-    cuda::GradType grad_type = cuda::GradType::f32;  // bf16: gradients are rounded to bf16 before the step
+    cuda::ElemType grad_type = cuda::ElemType::f32;  // bf16: gradients are rounded to bf16 before the step
     bool bf16_params = false;                         // keep a bf16 copy of the parameters (params_bf16())
   };
 
@@ -42,12 +43,18 @@ class EmulatedCudaBackend : public Backend {
   // graph. finish_step reads (and clears) the sticky step status.
   void enqueue_step(FlatState& state, const Options& options, bool host_bias);
   StepResult finish_step(const Options& options);
+  // Table mode, as FastCudaBackend::set_tensors + enqueue_step: the caller's (host) tensors in place.
+  void enqueue_step(TableState& state, const ParamTable& table, const Options& options);
+  StepResult step(TableState& state, const ParamTable& table, const Options& options);
 
   // Kernel launches and GEMMs of the last enqueue_step, as counted while it ran.
   int64_t launches_last_step() const { return launches_last_step_; }
   const std::vector<uint16_t>& params_bf16() const { return params_bf16_; }
 
  private:
+  void set_scalars(const Options& options, const int64_t* group_steps, bool host_bias);
+  void run(float* momentum, float* row_var, float* exp_avg, float* exp_avg_sq, const uint8_t* has_grad,
+           int64_t* group_steps);  // the launches of one step over im.operands
   struct Impl;
   std::unique_ptr<Impl> impl_;
   std::vector<uint16_t> params_bf16_;

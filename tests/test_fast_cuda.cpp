@@ -78,7 +78,7 @@ bool same_bits(const float* a, const float* b, int64_t n) {
 // Gradients and has_grad of `host` into the backend's device state, on its stream (fp32 gradients).
 void upload_gradients(FastCudaBackend& backend, const FlatState& host) {
   cuda::DeviceFlatState& d = backend.device_state();
-  BOOST_REQUIRE(d.grad_type() == cuda::GradType::f32);
+  BOOST_REQUIRE(d.grad_type() == cuda::ElemType::f32);
   CHECK_CUDA(cudaMemcpyAsync(d.grads_f32.data(), host.grads.data(), d.grads_f32.bytes(), cudaMemcpyHostToDevice,
                              backend.stream()));
   CHECK_CUDA(cudaMemcpyAsync(d.has_grad.data(), host.has_grad.data(), d.has_grad.bytes(), cudaMemcpyHostToDevice,
@@ -801,7 +801,7 @@ BOOST_AUTO_TEST_CASE(nonfinite_bf16_gradients_are_reported_like_fp32_ones) {
   const Layout layout = Layout::build(preset_manifest("tiny"), options);
   const GradientGenerator gen{1234, 0};
   FastCudaConfig config;
-  config.grad_type = cuda::GradType::bf16;
+  config.grad_type = cuda::ElemType::bf16;
   FastCudaBackend backend(layout, options, config);
   FlatState state(layout);
   gen.fill_params(state);
@@ -856,7 +856,7 @@ BOOST_AUTO_TEST_CASE(bf16_gradients_equal_prerounded_fp32_gradients) {
       const Options options = odd ? odd_options() : with("");
       const Layout layout = Layout::build(odd ? odd_manifest() : preset_manifest("tiny"), options);
       FastCudaConfig bf16_config;
-      bf16_config.grad_type = cuda::GradType::bf16;
+      bf16_config.grad_type = cuda::ElemType::bf16;
       bf16_config.bf16_params = true;
       FastCudaBackend bf16(layout, options, bf16_config), f32(layout, options), resident(layout, options, bf16_config);
       FlatState a(layout);

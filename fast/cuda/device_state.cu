@@ -33,21 +33,24 @@ std::vector<uint16_t> bf16_bits(const float* x, int64_t n) {
 
 }  // namespace
 
-DeviceFlatState::DeviceFlatState(const Layout& layout, GradType grad_type, bool bf16_params)
-    : params(layout.param_floats),
+DeviceFlatState::DeviceFlatState(const Layout& layout, ElemType grad_type, bool bf16_params, bool caller_tensors)
+    : params(caller_tensors ? 0 : layout.param_floats),
       momentum(layout.normuon_floats),
       row_var(layout.stat_floats),
       exp_avg(layout.adam_floats),
       exp_avg_sq(layout.adam_floats),
-      grads_f32(grad_type == GradType::f32 ? layout.param_floats : 0),
-      grads_bf16(grad_type == GradType::bf16 ? layout.param_floats : 0),
-      params_bf16(bf16_params ? layout.param_floats : 0),
+      grads_f32(!caller_tensors && grad_type == ElemType::f32 ? layout.param_floats : 0),
+      grads_bf16(!caller_tensors && grad_type == ElemType::bf16 ? layout.param_floats : 0),
+      params_bf16(!caller_tensors && bf16_params ? layout.param_floats : 0),
+      masters(caller_tensors ? layout.master_floats : 0),
       has_grad(static_cast<int64_t>(layout.entries.size())),
       group_steps(static_cast<int64_t>(layout.group_names.size())),
       layout_(&layout),
-      grad_type_(grad_type) {
+      grad_type_(grad_type),
+      caller_tensors_(caller_tensors) {
+  if (grad_type == ElemType::f16) throw std::invalid_argument("device state: fp16 gradients need table mode");
   // Padding between slots is read by nothing, but zero it so device buffers hold defined values.
-  for (auto* b : {&params, &momentum, &row_var, &exp_avg, &exp_avg_sq, &grads_f32})
+  for (auto* b : {&params, &momentum, &row_var, &exp_avg, &exp_avg_sq, &grads_f32, &masters})
     if (b->size() > 0) NORMUON_CUDA_CHECK(cudaMemset(b->data(), 0, b->bytes()));
   for (auto* b : {&grads_bf16, &params_bf16})
     if (b->size() > 0) NORMUON_CUDA_CHECK(cudaMemset(b->data(), 0, b->bytes()));
@@ -61,16 +64,24 @@ DeviceFlatState::DeviceFlatState(const Layout& layout, GradType grad_type, bool 
 void DeviceFlatState::upload(const FlatState& host, cudaStream_t stream) {
   if (host.layout != layout_) throw std::invalid_argument("device state: the host state has another layout");
   const Layout& l = *layout_;
-  to_device(params, host.params.data(), l.param_floats, stream);
   to_device(momentum, host.momentum.data(), l.normuon_floats, stream);
+  to_device(group_steps, host.group_steps.data(), static_cast<int64_t>(host.group_steps.size()), stream);
   to_device(row_var, host.row_var.data(), l.stat_floats, stream);
   to_device(exp_avg, host.exp_avg.data(), l.adam_floats, stream);
   to_device(exp_avg_sq, host.exp_avg_sq.data(), l.adam_floats, stream);
+  if (caller_tensors_) {  // the masters from the host's fp32 values of the bf16 / fp16 parameters
+    for (const LayoutEntry& e : l.entries)
+      if (e.master_offset >= 0 && e.numel > 0)
+        NORMUON_CUDA_CHECK(cudaMemcpyAsync(masters.data() + e.master_offset, host.params.data() + e.offset,
+                                           static_cast<size_t>(e.numel) * sizeof(float), cudaMemcpyHostToDevice, stream));
+    NORMUON_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return;
+  }
+  to_device(params, host.params.data(), l.param_floats, stream);
   to_device(has_grad, host.has_grad.data(), static_cast<int64_t>(host.has_grad.size()), stream);
-  to_device(group_steps, host.group_steps.data(), static_cast<int64_t>(host.group_steps.size()), stream);
   // Host staging of the bf16 buffers; both live until the synchronisation below.
   std::vector<uint16_t> grads_staged, params_staged;
-  if (grad_type_ == GradType::f32) {
+  if (grad_type_ == ElemType::f32) {
     to_device(grads_f32, host.grads.data(), l.param_floats, stream);
   } else {
     grads_staged = bf16_bits(host.grads.data(), l.param_floats);
@@ -86,7 +97,14 @@ void DeviceFlatState::upload(const FlatState& host, cudaStream_t stream) {
 void DeviceFlatState::download(FlatState& host, cudaStream_t stream) const {
   if (host.layout != layout_) throw std::invalid_argument("device state: the host state has another layout");
   const Layout& l = *layout_;
-  to_host(host.params.data(), params, l.param_floats, stream);
+  if (caller_tensors_) {
+    for (const LayoutEntry& e : l.entries)
+      if (e.master_offset >= 0 && e.numel > 0)
+        NORMUON_CUDA_CHECK(cudaMemcpyAsync(host.params.data() + e.offset, masters.data() + e.master_offset,
+                                           static_cast<size_t>(e.numel) * sizeof(float), cudaMemcpyDeviceToHost, stream));
+  } else {
+    to_host(host.params.data(), params, l.param_floats, stream);
+  }
   to_host(host.momentum.data(), momentum, l.normuon_floats, stream);
   to_host(host.row_var.data(), row_var, l.stat_floats, stream);
   to_host(host.exp_avg.data(), exp_avg, l.adam_floats, stream);

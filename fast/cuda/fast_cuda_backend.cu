@@ -1,5 +1,7 @@
 #include "fast_cuda_backend.h"
 
+#include <algorithm>
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
 
@@ -60,7 +62,8 @@ FastCudaBackend::FastCudaBackend(const Layout& layout, const Options& options, c
     NORMUON_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     own_stream_ = true;
   }
-  device_ = std::make_unique<cuda::DeviceFlatState>(layout, config.grad_type, config.bf16_params);
+  caller_tensors_ = config.caller_tensors;
+  device_ = std::make_unique<cuda::DeviceFlatState>(layout, config.grad_type, config.bf16_params, config.caller_tensors);
 
   cuda::StepPlan plan = cuda::StepPlan::build(layout, options);
   ns_ = std::make_unique<cuda::BatchedNewtonSchulz>(plan.batches, stream_);
@@ -91,15 +94,37 @@ FastCudaBackend::FastCudaBackend(const Layout& layout, const Options& options, c
   status_ = DeviceBuffer<cuda::StepStatus>(1);
   NORMUON_CUDA_CHECK(cudaMemset(status_.data(), 0xff, sizeof(cuda::StepStatus)));  // nothing bad reported
 
+  // Per entry, where its tensors are: the flat buffers here; in table mode, set_tensors() says.
+  const size_t n_entries = layout.entries.size();
+  operands_ = DeviceBuffer<cuda::EntryOperands>(static_cast<int64_t>(n_entries));
+  host_operands_.assign(n_entries, cuda::EntryOperands{});
+  host_has_grad_.assign(n_entries, 0);
+  NORMUON_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&staged_operands_), std::max<size_t>(n_entries, 1) * sizeof(cuda::EntryOperands)));
+  NORMUON_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&staged_has_grad_), std::max<size_t>(n_entries, 1)));
+  NORMUON_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&polled_status_), sizeof(cuda::StepStatus)));
+  NORMUON_CUDA_CHECK(cudaEventCreateWithFlags(&staged_event_, cudaEventDisableTiming));
+  NORMUON_CUDA_CHECK(cudaEventCreateWithFlags(&status_event_, cudaEventDisableTiming));
+  if (!caller_tensors_) {
+    const size_t grad_bytes = device_->grad_type() == cuda::ElemType::f32 ? 4 : 2;
+    for (size_t e = 0; e < n_entries; ++e) {
+      const int64_t at = layout.entries[e].offset;
+      cuda::EntryOperands& op = host_operands_[e];
+      op.master = device_->params.data() + at;
+      op.low = config.bf16_params ? device_->params_bf16.data() + at : nullptr;
+      op.low_type = cuda::ElemType::bf16;
+      op.grad = static_cast<const char*>(device_->grads()) + static_cast<size_t>(at) * grad_bytes;
+      op.grad_type = device_->grad_type();
+    }
+    if (n_entries > 0)
+      NORMUON_CUDA_CHECK(cudaMemcpy(operands_.data(), host_operands_.data(), operands_.bytes(), cudaMemcpyHostToDevice));
+  }
+
   cuda::StepBuffers& b = buffers_;
-  b.params = device_->params.data();
-  b.grads = device_->grads();
-  b.grad_type = device_->grad_type();
+  b.operands = operands_.data();
   b.momentum = device_->momentum.data();
   b.row_var = device_->row_var.data();
   b.exp_avg = device_->exp_avg.data();
   b.exp_avg_sq = device_->exp_avg_sq.data();
-  b.params_bf16 = config.bf16_params ? device_->params_bf16.data() : nullptr;
   b.has_grad = device_->has_grad.data();
   b.group_steps = device_->group_steps.data();
   b.n_entries = static_cast<int32_t>(plan.entries.size());
@@ -132,6 +157,11 @@ FastCudaBackend::~FastCudaBackend() {
   release_graph();
   for (auto& event : events_)
     if (event) cudaEventDestroy(event);
+  for (cudaEvent_t event : {staged_event_, status_event_})
+    if (event) cudaEventDestroy(event);
+  for (void* pinned : {static_cast<void*>(staged_operands_), static_cast<void*>(staged_has_grad_),
+                       static_cast<void*>(polled_status_)})
+    if (pinned) cudaFreeHost(pinned);
   ns_.reset();
   if (own_stream_) cudaStreamDestroy(stream_);
   if (switched) cudaSetDevice(saved);
@@ -182,7 +212,70 @@ void FastCudaBackend::set_options(const Options& options, const std::vector<int6
                                        cudaMemcpyHostToDevice, stream_));
 }
 
+void FastCudaBackend::set_tensors(const ParamTable& table) {
+  if (!caller_tensors_) throw std::logic_error("fast-cuda backend: set_tensors() needs caller_tensors (table mode)");
+  if (table.layout != &layout_) throw std::invalid_argument("fast-cuda backend: the parameter table has another layout");
+  const std::string reason = table.invalid_reason();
+  if (!reason.empty()) throw std::invalid_argument("fast-cuda backend: " + reason);
+  auto elem = [](DType d) {
+    return d == DType::f32 ? cuda::ElemType::f32 : d == DType::bf16 ? cuda::ElemType::bf16 : cuda::ElemType::f16;
+  };
+  bool changed = !tensors_set_;
+  for (size_t e = 0; e < host_operands_.size(); ++e) {
+    const LayoutEntry& le = layout_.entries[e];
+    cuda::EntryOperands op{};
+    if (le.master_offset < 0) {
+      op.master = static_cast<float*>(table.params[e].data);
+    } else {
+      op.master = device_->masters.data() + le.master_offset;
+      op.low = table.params[e].data;
+    }
+    op.low_type = elem(le.dtype);
+    op.grad = table.grads[e].data;
+    op.grad_type = elem(table.grads[e].dtype);
+    const uint8_t has = table.grads[e].data != nullptr;
+    changed = changed || std::memcmp(&op, &host_operands_[e], sizeof op) != 0 || has != host_has_grad_[e];
+    host_operands_[e] = op;
+    host_has_grad_[e] = has;
+  }
+  if (changed) upload_operands();
+  tensors_set_ = true;
+}
+
+void FastCudaBackend::upload_operands() {
+  const DeviceScope scope(device_index_);
+  const size_t n = host_operands_.size();
+  if (n == 0) return;
+  NORMUON_CUDA_CHECK(cudaEventSynchronize(staged_event_));  // the previous upload has left the staging
+  std::memcpy(staged_operands_, host_operands_.data(), n * sizeof(cuda::EntryOperands));
+  std::memcpy(staged_has_grad_, host_has_grad_.data(), n);
+  NORMUON_CUDA_CHECK(cudaMemcpyAsync(operands_.data(), staged_operands_, operands_.bytes(), cudaMemcpyHostToDevice, stream_));
+  NORMUON_CUDA_CHECK(cudaMemcpyAsync(device_->has_grad.data(), staged_has_grad_, n, cudaMemcpyHostToDevice, stream_));
+  NORMUON_CUDA_CHECK(cudaEventRecord(staged_event_, stream_));
+}
+
+int64_t FastCudaBackend::workspace_bytes() const {
+  return ns_->workspace_bytes() +
+         static_cast<int64_t>(scan_chunks_.bytes() + normuon_chunks_.bytes() + adamw_chunks_.bytes() +
+                              stat_tasks_.bytes() + entries_.bytes() + operands_.bytes() + matrices_.bytes() +
+                              groups_.bytes() + matrix_scalars_.bytes() + stat_sums_.bytes() + inv_scale_.bytes() +
+                              status_.bytes());
+}
+
+StepResult FastCudaBackend::poll_step(const Options& options) {
+  if (!status_pending_) return {};
+  const DeviceScope scope(device_index_);
+  NORMUON_CUDA_CHECK(cudaEventSynchronize(status_event_));
+  status_pending_ = false;
+  const cuda::StepStatus status = *polled_status_;
+  if (status.reported_bad == cuda::kNoBadGradient) return {};
+  NORMUON_CUDA_CHECK(cudaMemsetAsync(status_.data(), 0xff, sizeof status, stream_));  // reported: cleared
+  return cuda::step_result(status, layout_, options);
+}
+
 void FastCudaBackend::enqueue_step() {
+  if (caller_tensors_ && !tensors_set_)
+    throw std::logic_error("fast-cuda backend: enqueue_step() in table mode before set_tensors()");
   const DeviceScope scope(device_index_);
   const cuda::NvtxRange step_range("normuon.step");
   const bool timed = timing_ && !capturing_;
@@ -200,12 +293,19 @@ void FastCudaBackend::enqueue_step() {
   };
   cuda::step_device::run_step(cuda::StreamLaunch{stream_}, buffers_, tables_, newton_schulz, phase);
   mark(5);
-  if (!capturing_) timed_step_pending_ = timed;
+  if (!capturing_) {
+    timed_step_pending_ = timed;
+    // This step's status for poll_step(): a small copy behind it, and an event to wait on.
+    NORMUON_CUDA_CHECK(cudaMemcpyAsync(polled_status_, status_.data(), sizeof(cuda::StepStatus), cudaMemcpyDeviceToHost, stream_));
+    NORMUON_CUDA_CHECK(cudaEventRecord(status_event_, stream_));
+    status_pending_ = true;
+  }
 }
 
 StepResult FastCudaBackend::finish_step(const Options& options) {
   const DeviceScope scope(device_index_);
   NORMUON_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  status_pending_ = false;  // this verdict covers it
   if (timed_step_pending_) {
     float ms[5];
     for (int i = 0; i < 5; ++i) NORMUON_CUDA_CHECK(cudaEventElapsedTime(&ms[i], events_[i], events_[i + 1]));
@@ -223,6 +323,9 @@ StepResult FastCudaBackend::finish_step(const Options& options) {
 
 StepResult FastCudaBackend::step(FlatState& state, const Options& options) {
   if (state.layout != &layout_) throw std::invalid_argument("fast-cuda backend: the state has another layout");
+  if (caller_tensors_)
+    throw std::logic_error("fast-cuda backend: step(FlatState&) on a table-mode backend (caller_tensors); use "
+                           "set_tensors() and enqueue_step()");
   const DeviceScope scope(device_index_);
   set_options(options, &state.group_steps);  // checks the groups first, before anything moves
   device_->upload(state, stream_);

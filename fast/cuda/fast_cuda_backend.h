@@ -6,11 +6,15 @@
 // synchronises and reads its hyper-parameters and step counters from device memory, so it can be
 // captured once in a CUDA graph and replayed.
 //
-// Two ways to use it:
+// Three ways to use it:
 //  - as a Backend: step(FlatState&) uploads the host state, steps and downloads it (synchronising);
 //    the comparator, golden traces and state files work unchanged.
 //  - device-resident: write gradients into device_state(), then set_options(), enqueue_step() (or
 //    replay_graph()), and finish_step() when the outcome is wanted (that synchronises).
+//  - table mode (caller_tensors): the caller's own device tensors by address (set_tensors), read and
+//    written in place; the pointer table is uploaded from pinned memory, asynchronously, only when an
+//    address changed. Then set_options(), enqueue_step(), and finish_step() (one sync) or, one step
+//    later, poll_step() (no stall).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -23,6 +27,7 @@
 #include "device_state.h"
 #include "normuon/backend.h"
 #include "normuon/layout.h"
+#include "normuon/param_table.h"
 #include "step_kernels.h"
 #include "step_tables.h"
 
@@ -35,8 +40,9 @@ namespace normuon {
 struct FastCudaConfig {
   int device = 0;
   cudaStream_t stream = nullptr;  // nullptr: the backend creates its own (non-blocking) stream
-  cuda::GradType grad_type = cuda::GradType::f32;
+  cuda::ElemType grad_type = cuda::ElemType::f32;
   bool bf16_params = false;       // keep a bf16 copy of the parameters, written in the same passes
+  bool caller_tensors = false;    // table mode: step the tensors set_tensors() names (param_table.h)
 };
 
 class FastCudaBackend : public Backend {
@@ -67,8 +73,16 @@ class FastCudaBackend : public Backend {
   // step only. Without them (and for later steps, graph replays) the device computes them from its own
   // counters.
   void set_options(const Options& options, const std::vector<int64_t>* group_steps = nullptr);
+  // Table mode: the caller's tensors for the next steps (device addresses, dense). Uploads the table
+  // only when it differs from the last one (asynchronously, from pinned memory; it waits only for the
+  // previous such upload). Throws std::invalid_argument on a bad table, before anything changes.
+  void set_tensors(const ParamTable& table);
   // Enqueues one step. No allocation, no synchronisation: capturable.
   void enqueue_step();
+  // The verdict of the last step enqueued (outside a graph), without stalling the stream: waits only
+  // for that step's own status copy (normally long done when the next step begins). As finish_step
+  // for that step; {} when there is none pending.
+  StepResult poll_step(const Options& options);
   // Waits for the stream and reports the steps enqueued since the last call: {} when they all ran;
   // when one had a NaN/Inf gradient (that step changed nothing, the others ran), the first such one as
   // skipped (nonfinite=skip_step) or std::runtime_error (nonfinite=error).
@@ -83,11 +97,13 @@ class FastCudaBackend : public Backend {
   int64_t graph_kernel_nodes() const { return graph_kernel_nodes_; }  // counted in the captured graph
 
   int64_t launches_per_step() const { return launches_per_step_; }  // kernels and matmuls enqueue_step issues
+  int64_t workspace_bytes() const;  // device memory beyond the state and masters (Newton-Schulz, tables)
   double newton_schulz_flops() const;                                // per step
   std::string describe() const;
 
  private:
   void release_graph();
+  void upload_operands();  // host_operands_ (and, in table mode, host_has_grad_) to the device
 
   const Layout& layout_;
   int device_index_;
@@ -108,6 +124,19 @@ class FastCudaBackend : public Backend {
   cuda::DeviceBuffer<cuda::StatTask> stat_tasks_;
   cuda::StepTables tables_{};  // where the step finds the four tables above
   cuda::DeviceBuffer<cuda::EntryInfo> entries_;
+  cuda::DeviceBuffer<cuda::EntryOperands> operands_;
+  std::vector<cuda::EntryOperands> host_operands_;  // as last uploaded
+  std::vector<uint8_t> host_has_grad_;
+  bool caller_tensors_ = false;
+  bool tensors_set_ = false;
+  // Pinned staging of the operand table and flags, and the event of its last upload.
+  cuda::EntryOperands* staged_operands_ = nullptr;
+  uint8_t* staged_has_grad_ = nullptr;
+  cudaEvent_t staged_event_ = nullptr;
+  // The last step's status, copied to pinned memory after it (poll_step).
+  cuda::StepStatus* polled_status_ = nullptr;
+  cudaEvent_t status_event_ = nullptr;
+  bool status_pending_ = false;
   cuda::DeviceBuffer<cuda::MatrixInfo> matrices_;
   cuda::DeviceBuffer<cuda::GroupScalars> groups_;
   cuda::DeviceBuffer<cuda::MatrixScalars> matrix_scalars_;

@@ -230,6 +230,14 @@ BatchedNewtonSchulz::~BatchedNewtonSchulz() = default;
 
 int BatchedNewtonSchulz::size() const { return static_cast<int>(impl_->batches.size()); }
 
+int64_t BatchedNewtonSchulz::workspace_bytes() const {
+  const Impl& im = *impl_;
+  size_t total = im.workspace.bytes() + im.gram.bytes() + im.bmat.bytes() + im.tmat.bytes() + im.umat.bytes() +
+                 im.partials.bytes();
+  for (const auto& b : im.batches) total += b->x.bytes();
+  return static_cast<int64_t>(total);
+}
+
 const NsBatchShape& BatchedNewtonSchulz::shape(int b) const { return impl_->batches.at(static_cast<size_t>(b))->shape; }
 
 void* BatchedNewtonSchulz::input(int b) { return impl_->batches.at(static_cast<size_t>(b))->x.data(); }

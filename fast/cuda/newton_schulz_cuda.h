@@ -53,6 +53,7 @@ class BatchedNewtonSchulz {
   void set_stream(cudaStream_t stream);
 
   int launches(int b) const;  // kernels plus cuBLASLt matmuls that one run(b) enqueues
+  int64_t workspace_bytes() const;  // every device buffer it holds
   double flops(int b) const;  // multiply-adds x 2 of one run(b)
   std::string describe() const;  // per batch: shape, count, precision, GEMM algorithm
 

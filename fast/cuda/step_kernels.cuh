@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include "step_kernels.h"
 
@@ -27,9 +28,12 @@ __device__ __forceinline__ float lerp(float a, float b, float w) {
   return fabsf(w) < 0.5f ? fmaf(w, b - a, a) : fmaf(w - 1.0f, b - a, b);
 }
 
-__device__ __forceinline__ float load_grad(const void* grads, GradType type, int64_t i) {
-  return type == GradType::f32 ? static_cast<const float*>(grads)[i]
-                               : __bfloat162float(static_cast<const __nv_bfloat16*>(grads)[i]);
+__device__ __forceinline__ float load_grad(const void* grad, ElemType type, int64_t i) {
+  switch (type) {
+    case ElemType::bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(grad)[i]);
+    case ElemType::f16: return __half2float(static_cast<const __half*>(grad)[i]);
+    default: return static_cast<const float*>(grad)[i];
+  }
 }
 
 __device__ __forceinline__ float load_ns(const void* data, bool bf16, int64_t i) {
@@ -41,9 +45,12 @@ __device__ __forceinline__ void store_ns(void* data, bool bf16, int64_t i, float
   else static_cast<float*>(data)[i] = x;
 }
 
-__device__ __forceinline__ void store_param(const StepBuffers& b, int64_t i, float p) {
-  b.params[i] = p;
-  if (b.params_bf16) reinterpret_cast<__nv_bfloat16*>(b.params_bf16)[i] = __float2bfloat16_rn(p);
+// The fp32 value, and the caller's bf16 / fp16 parameter rounded to nearest even (as torch's .to()).
+__device__ __forceinline__ void store_param(const EntryOperands& op, int64_t i, float p) {
+  op.master[i] = p;
+  if (!op.low) return;
+  if (op.low_type == ElemType::bf16) static_cast<__nv_bfloat16*>(op.low)[i] = __float2bfloat16_rn(p);
+  else static_cast<__half*>(op.low)[i] = __float2half_rn(p);
 }
 
 // Sum over the block in a fixed tree order; every thread gets the result.
@@ -62,10 +69,10 @@ __device__ double block_sum(double x, double* shared) {
 __global__ void scan_gradients_kernel(StepBuffers b, const Chunk* chunks) {
   const Chunk c = chunks[blockIdx.x];
   if (!b.has_grad[c.entry]) return;
-  const int64_t base = b.entries[c.entry].offset + c.begin;
+  const EntryOperands op = b.operands[c.entry];
   unsigned long long first = kNoBadGradient;
   for (int i = threadIdx.x; i < c.size; i += blockDim.x)
-    if (!isfinite(load_grad(b.grads, b.grad_type, base + i))) {
+    if (!isfinite(load_grad(op.grad, op.grad_type, c.begin + i))) {
       first = (static_cast<unsigned long long>(c.entry) << kBadElementBits) | static_cast<unsigned long long>(c.begin + i);
       break;  // later elements of this thread have larger indices
     }
@@ -83,7 +90,7 @@ __global__ void advance_steps_kernel(StepBuffers b) {
       const int64_t element = static_cast<int64_t>(status.first_bad & ((1ull << kBadElementBits) - 1));
       status.reported_bad = status.first_bad;
       status.reported_step = b.group_steps[b.entries[entry].group] + 1;
-      status.reported_value = load_grad(b.grads, b.grad_type, b.entries[entry].offset + element);
+      status.reported_value = load_grad(b.operands[entry].grad, b.operands[entry].grad_type, element);
     }
     return;
   }
@@ -107,6 +114,7 @@ __global__ void momentum_kernel(StepBuffers b, const Chunk* chunks) {
   const Chunk c = chunks[blockIdx.x];
   if (!b.has_grad[c.entry]) return;
   const EntryInfo e = b.entries[c.entry];
+  const EntryOperands op = b.operands[c.entry];
   const MatrixInfo m = b.matrices[e.matrix];
   const GroupScalars s = b.groups[e.group];
   const int64_t base = e.offset + c.begin;
@@ -116,7 +124,7 @@ __global__ void momentum_kernel(StepBuffers b, const Chunk* chunks) {
     for (int k = 0; k < kIlp; ++k) {
       const int i = i0 + k * kBlock;
       if (i < c.size) {
-        g[k] = load_grad(b.grads, b.grad_type, base + i);
+        g[k] = load_grad(op.grad, op.grad_type, c.begin + i);
         M[k] = b.momentum[base + i];
       }
     }
@@ -193,6 +201,7 @@ __global__ void normuon_update_kernel(StepBuffers b, const Chunk* chunks) {
   const Chunk c = chunks[blockIdx.x];
   if (!b.has_grad[c.entry]) return;
   const EntryInfo e = b.entries[c.entry];
+  const EntryOperands op = b.operands[c.entry];
   const MatrixInfo m = b.matrices[e.matrix];
   const GroupScalars s = b.groups[e.group];
   const MatrixScalars ms = b.matrix_scalars[e.matrix];
@@ -207,7 +216,7 @@ __global__ void normuon_update_kernel(StepBuffers b, const Chunk* chunks) {
         const uint32_t idx = static_cast<uint32_t>(c.begin + i);  // a matrix has < 2^32 elements
         const uint32_t row = idx / cols;
         o[k] = load_ns(m.ns_output, m.ns_bf16, idx);
-        p[k] = b.params[m.offset + idx];
+        p[k] = op.master[idx];
         scale[k] = inv_scale[m.stats_per_row ? row : idx - row * cols];
       }
     }
@@ -221,7 +230,7 @@ __global__ void normuon_update_kernel(StepBuffers b, const Chunk* chunks) {
           if (s.wd_mode == 0) pk = pk * s.decay_factor;
           else if (s.wd_mode == 1) pk = pk - (pk * (u * pk >= 0.0f ? 1.0f : 0.0f)) * s.lr_wd;
         }
-        store_param(b, m.offset + c.begin + i, fmaf(s.neg_lr, u, pk));
+        store_param(op, c.begin + i, fmaf(s.neg_lr, u, pk));
       }
     }
   }
@@ -232,16 +241,17 @@ __global__ void adamw_kernel(StepBuffers b, const Chunk* chunks) {
   const Chunk c = chunks[blockIdx.x];
   if (!b.has_grad[c.entry]) return;
   const EntryInfo e = b.entries[c.entry];
+  const EntryOperands op = b.operands[c.entry];
   const GroupScalars s = b.groups[e.group];
-  const int64_t base = e.offset + c.begin, adam_base = e.adam_offset + c.begin;
+  const int64_t adam_base = e.adam_offset + c.begin;
   for (int i0 = threadIdx.x; i0 < c.size; i0 += kBlock * kIlp) {
     float g[kIlp], p[kIlp], m[kIlp], v[kIlp];
 #pragma unroll
     for (int k = 0; k < kIlp; ++k) {
       const int i = i0 + k * kBlock;
       if (i < c.size) {
-        g[k] = load_grad(b.grads, b.grad_type, base + i);
-        p[k] = b.params[base + i];
+        g[k] = load_grad(op.grad, op.grad_type, c.begin + i);
+        p[k] = op.master[c.begin + i];
         m[k] = b.exp_avg[adam_base + i];
         v[k] = b.exp_avg_sq[adam_base + i];
       }
@@ -254,7 +264,7 @@ __global__ void adamw_kernel(StepBuffers b, const Chunk* chunks) {
         const float mk = lerp(m[k], g[k], s.adam_w1);                               // exp_avg.lerp_(g, 1 - beta1)
         const float vk = fmaf(s.adam_one_minus_beta2 * g[k], g[k], v[k] * s.adam_beta2);  // mul_(b2).addcmul_(g, g, 1-b2)
         const float denom = sqrtf(vk) / s.adam_bc2_sqrt + s.adam_eps;              // (sqrt(v) / bc2_sqrt).add_(eps)
-        store_param(b, base + i, pk + (s.adam_neg_step_size * mk) / denom);         // addcdiv_(m, denom, -step_size)
+        store_param(op, c.begin + i, pk + (s.adam_neg_step_size * mk) / denom);     // addcdiv_(m, denom, -step_size)
         b.exp_avg[adam_base + i] = mk;
         b.exp_avg_sq[adam_base + i] = vk;
       }

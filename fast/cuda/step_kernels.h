@@ -11,18 +11,26 @@
 
 namespace normuon::cuda {
 
-enum class GradType { f32, bf16 };
+// The element type of a gradient, or of a low-precision parameter the step writes rounded.
+enum class ElemType : int32_t { f32, bf16, f16 };
+
+// Where the step finds one parameter's tensors (one per layout entry, in device memory): the backend's
+// flat buffers, or the caller's own tensors (table mode, re-uploaded when an address changes).
+struct EntryOperands {
+  float* master;      // the fp32 values the step reads and writes
+  void* low;          // a bf16 / fp16 parameter written rounded from master in the same pass, or nullptr
+  const void* grad;   // the gradient (read only when has_grad)
+  ElemType grad_type;
+  ElemType low_type;
+};
 
 // The device buffers and tables one step works on (pointers into DeviceFlatState and the backend).
 struct StepBuffers {
-  float* params;
-  const void* grads;  // float or __nv_bfloat16 (grad_type)
-  GradType grad_type;
+  const EntryOperands* operands;  // per layout entry
   float* momentum;
   float* row_var;
   float* exp_avg;
   float* exp_avg_sq;
-  uint16_t* params_bf16;  // optional bf16 copy of the parameters written by the step (nullptr: none)
   const uint8_t* has_grad;
   int64_t* group_steps;
   int32_t n_entries, n_groups;

@@ -395,9 +395,7 @@ class NorMuonAdamW(torch.optim.Optimizer):
         self._fixed_keys = FIXED_FIELDS + CUDA_FIXED_FIELDS
         views = {k: _device_view(backend, ptr, n, typestr, self._device)
                  for k, (ptr, n, typestr) in backend.buffers().items()}
-        views["momentum"].zero_(), views["row_var"].zero_(), views["exp_avg"].zero_(), views["exp_avg_sq"].zero_()
-        self._device_steps = views["group_steps"]
-        self._device_steps.zero_()
+        self._device_steps = views["group_steps"]  # zero, like the rest of its state
         return views
 
     def _carve(self, buffers):
@@ -619,13 +617,36 @@ class NorMuonAdamW(torch.optim.Optimizer):
             if self.verdict == "deferred":
                 self._pending_steps_before = before
                 return earlier.reason if earlier is not None and earlier.skipped else None
-            result = backend.finish_step(self._options)
+            try:
+                result = backend.finish_step(self._options)
+            except RuntimeError:  # nonfinite='error': the step changed nothing, its counters included
+                self._steps = before
+                raise
         if result.skipped:
             self._steps = before
         return result.reason if result.skipped else None
 
+    def _settle(self):
+        """verdict='deferred': the pending step's verdict now, so the step counters are final (before
+        state_dict and state files). Raises as step() would under nonfinite='error'."""
+        if self._cuda_backend is None or self._pending_steps_before is None:
+            return
+        before, self._pending_steps_before = self._pending_steps_before, None
+        with torch.cuda.device(self._device):
+            try:
+                result = self._cuda_backend.poll_step(self._options)
+            except RuntimeError:
+                self._steps = before
+                raise
+        if result.skipped:
+            self._steps = before
+            self.last_skip_reason = result.reason
+        for g, t in zip(self.param_groups, self._steps):
+            g["step"] = t
+
     def _to_flat(self):
         """A host FlatState of this optimizer (parameters as fp32 masters, state, steps): what state files hold."""
+        self._settle()
         flat = _C.FlatState(self._layout)
         params = torch.from_numpy(flat.params)
         for e, le in zip(self._entries, self._layout.entries):
@@ -721,6 +742,7 @@ class NorMuonAdamW(torch.optim.Optimizer):
         cols) or exp_avg + exp_avg_sq (AdamW), plus master_param for non-fp32 parameters; "param_groups"
         with the hyper-parameters, names and the group's step."""
         self._refresh_masters()
+        self._settle()
         by_tensor = {id(e.tensor): e for e in self._entries}
         groups, state, index = [], {}, 0
         for g in self.param_groups:
