@@ -18,6 +18,7 @@
 #ifdef NORMUON_HAVE_FAST_CUDA
 #include "cuda_device.h"
 #include "fast_cuda_backend.h"
+#include "step_plan.h"
 #endif
 #include "normuon/backend.h"
 #include "normuon/flat_state.h"
@@ -314,6 +315,14 @@ PYBIND11_MODULE(_C, m) {
         },
         py::arg("device") = 0, "Empty when the fast CUDA backend can run on that device, else why not");
 #ifdef NORMUON_HAVE_FAST_CUDA
+  m.def(
+      "cuda_launches_per_step",
+      [](const Layout& layout, const Options& options) {
+        const cuda::StepPlan plan = cuda::StepPlan::build(layout, options);
+        return plan.elementwise_launches() + plan.newton_schulz_launches();
+      },
+      py::arg("layout"), py::arg("options"),
+      "Kernels and matmuls one fast-cuda step launches over this layout (from its plan; no GPU needed)");
   auto stream_of = [](uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); };
   py::class_<FastCudaBackend>(m, "FastCudaBackend", "The fused CUDA backend (docs/fast-cuda.md)")
       .def(py::init([stream_of](const Layout& layout, const Options& options, int device, uintptr_t stream,

@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""The front door, measured: one command, one run, the same threads, GPT-2 124M shapes (fp32, CPU).
+
+Times, side by side in this one process:
+  python     normuon.NorMuonAdamW.step() (table mode: the model's own tensors, in place)
+  cpp        the fast CPU backend's own call on the same tensors (what the Python wrapper adds is the gap)
+  reference  the pure-torch per-parameter reference from Python (NorMuonAdamW(backend="reference"): the old path)
+  adamw      torch.optim.AdamW (default implementation) over every parameter
+
+For each: median ms per step, ATen operators dispatched per step (TorchDispatchMode), optimizer bytes
+per parameter element beyond the model's tensors, and, for this layout on the fast CUDA backend, the
+launches per step from its plan and the host syncs per step of NorMuonAdamW (1, or 0 with
+verdict="deferred"). Writes <out>/python-step-<preset>.md and .csv.
+
+  python3 bench/python_step.py                     # gpt2-124m, all processors
+  python3 bench/python_step.py --preset tiny --repeats 1   # seconds: the smoke test
+"""
+import argparse
+import csv
+import datetime
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import normuon
+from normuon import _C
+
+PRESETS = {  # vocab, context, width, layers
+    "gpt2-124m": (50257, 1024, 768, 12),
+    "tiny": (512, 64, 64, 2),
+}
+
+
+class GPT2Shapes(nn.Module):
+    """The parameters of GPT-2 (tied head), named as Hugging Face names them; no forward needed."""
+
+    def __init__(self, vocab, ctx, d, layers):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(ctx, d)
+        self.h = nn.ModuleList()
+        for _ in range(layers):
+            block = nn.Module()
+            block.ln_1, block.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            block.c_attn, block.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            block.c_fc, block.mlp_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+            self.h.append(block)
+        self.ln_f = nn.LayerNorm(d)
+
+
+def fill_grads(model, step):
+    g = torch.Generator().manual_seed(step)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g) * 0.01
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def measure(name, step, model, warmup, repeats, log):
+    for s in range(warmup):
+        fill_grads(model, s + 1)
+        step()
+    times = []
+    for r in range(repeats):
+        fill_grads(model, warmup + r + 1)
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+        log(f"  {name}: step {r + 1}/{repeats}: {times[-1]:.1f} ms")
+    fill_grads(model, warmup + repeats + 1)
+    with CountOps() as ops:
+        step()
+    return statistics.median(times), ops.count
+
+
+def torch_state_bytes(opt):
+    return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+               if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="gpt2-124m")
+    ap.add_argument("--threads", type=int, default=0, help="threads of every contender (0: one per processor)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-reference", action="store_true", help="leave out the slow per-parameter reference")
+    ap.add_argument("--out", default="bench/results", help="folder of the .md and .csv reports")
+    args = ap.parse_args(argv)
+    if args.warmup < 0 or args.repeats < 1 or args.threads < 0:
+        ap.error("--warmup >= 0, --repeats >= 1, --threads >= 0")
+    threads = args.threads or os.cpu_count()
+    torch.set_num_threads(threads)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    torch.manual_seed(0)
+    model = GPT2Shapes(*PRESETS[args.preset])
+    numel = sum(p.numel() for p in model.parameters())
+    log(f"{args.preset}: {numel / 1e6:.1f}M parameters, {threads} threads")
+    rows = []
+
+    opt = normuon.NorMuonAdamW(model.named_parameters(), threads=threads)
+    launches = _C.cuda_launches_per_step(opt.layout, opt._options) if hasattr(_C, "cuda_launches_per_step") else None
+    mem = opt.memory_report()
+    held = mem["state_bytes"] + mem["master_bytes"] + mem["workspace_bytes"]
+    t, ops = measure("python", opt.step, model, args.warmup, args.repeats, log)
+    rows.append(dict(contender="python", ms=t, ops=ops, bytes_per_param=held / numel, state_bytes_per_param=(
+        mem["state_bytes"] + mem["master_bytes"]) / numel, cuda_launches=launches, cuda_syncs="1 (0 deferred)"))
+
+    def native_step():  # the same table the Python step bound, stepped by the backend alone
+        opt._bind()
+        opt._backend.step(opt._table_state, opt._table, opt._options)
+
+    t, ops = measure("cpp", native_step, model, args.warmup, args.repeats, log)
+    rows.append(dict(contender="cpp", ms=t, ops=ops, bytes_per_param=held / numel,
+                     state_bytes_per_param=(mem["state_bytes"] + mem["master_bytes"]) / numel,
+                     cuda_launches=launches, cuda_syncs=""))
+    del opt
+
+    if not args.skip_reference:
+        ref = normuon.NorMuonAdamW(model.named_parameters(), backend="reference")
+        mem = ref.memory_report()
+        t, ops = measure("reference", ref.step, model, min(args.warmup, 1), 1, log)
+        rows.append(dict(contender="reference", ms=t, ops=ops,
+                         bytes_per_param=(mem["state_bytes"] + mem["master_bytes"]) / numel,
+                         state_bytes_per_param=(mem["state_bytes"] + mem["master_bytes"]) / numel,
+                         cuda_launches="", cuda_syncs=""))
+        del ref
+
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    t, ops = measure("adamw", adamw.step, model, args.warmup, args.repeats, log)
+    rows.append(dict(contender="adamw", ms=t, ops=ops, bytes_per_param=torch_state_bytes(adamw) / numel,
+                     state_bytes_per_param=torch_state_bytes(adamw) / numel, cuda_launches="", cuda_syncs=""))
+
+    by = {r["contender"]: r for r in rows}
+    gap = by["python"]["ms"] / by["cpp"]["ms"] - 1
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    head = (f"# Python front door vs the C++ step: {args.preset}, CPU, {threads} threads\n\n"
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit or '?'}, torch "
+            f"{torch.__version__}, {numel / 1e6:.1f}M parameters. Command: `python3 bench/python_step.py "
+            f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n")
+    lines = ["| contender | ms / step (median) | ATen ops / step | optimizer bytes / param | of which state + masters "
+             "| fast-cuda launches / step | host syncs / step |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['contender']} | {r['ms']:.1f} | {r['ops']} | {r['bytes_per_param']:.2f} | "
+                     f"{r['state_bytes_per_param']:.2f} | {r['cuda_launches'] or ''} | {r['cuda_syncs']} |")
+    verdict = (f"\nPython step vs C++ step: {100 * gap:+.1f}% (target within 3%: "
+               f"{'met' if abs(gap) <= 0.03 else 'NOT met'}). Python vs the per-parameter reference: "
+               + (f"{by['reference']['ms'] / by['python']['ms']:.1f}x faster." if "reference" in by else "not run.")
+               + "\n")
+    report = head + "\n".join(lines) + "\n" + verdict
+    print(report)
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, f"python-step-{args.preset}")
+    for path, text in ((base + ".md", report), (base + ".csv", None)):
+        tmp = path + ".tmp"
+        with open(tmp, "w", newline="") as f:
+            if text is not None:
+                f.write(text)
+            else:
+                w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                w.writeheader()
+                w.writerows(rows)
+        os.replace(tmp, path)  # atomic: a reader never sees half a report
+    log(f"wrote {base}.md and .csv")
+
+
+if __name__ == "__main__":
+    main()
