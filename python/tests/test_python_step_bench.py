@@ -1,0 +1,25 @@
+"""bench/python_step.py end to end on the tiny preset: every contender timed, the report written."""
+import csv
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+from conftest import require_native  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+
+
+def test_tiny_run_writes_both_reports(tmp_path):
+    require_native()
+    import python_step
+
+    python_step.main(["--preset", "tiny", "--warmup", "1", "--repeats", "1", "--threads", "1", "--out", str(tmp_path)])
+    with open(tmp_path / "python-step-tiny.csv") as f:
+        rows = {r["contender"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"python", "cpp", "reference", "adamw"}
+    assert int(rows["cpp"]["ops"]) == 0  # the native call dispatches no torch operator
+    assert int(rows["reference"]["ops"]) > int(rows["python"]["ops"])
+    assert "Python step vs C++ step" in (tmp_path / "python-step-tiny.md").read_text()
+    assert not list(tmp_path.glob("*.tmp"))
