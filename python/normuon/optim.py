@@ -535,6 +535,10 @@ class NorMuonAdamW(torch.optim.Optimizer):
     def _set_group_steps(self, steps):
         """Every copy of the step counters: the host's, the backend's and group['step']."""
         steps = [int(t) for t in steps]
+        if steps == self._steps and self._pending_steps_before is None:  # every copy already holds them: no
+            for g, t in zip(self.param_groups, steps):                    # device write (a host sync on CUDA)
+                g["step"] = t
+            return
         self._steps = list(steps)
         if self._table_state is not None:
             self._table_state.group_steps = steps
