@@ -40,6 +40,26 @@ py::array_t<T> view(T* data, int64_t size, py::handle owner) {
   return py::array_t<T>({static_cast<py::ssize_t>(size)}, {static_cast<py::ssize_t>(sizeof(T))}, data, owner);
 }
 
+// A numpy view of one of a state's buffers, for def_property_readonly (FlatState and TableState alike).
+template <typename State>
+auto buffer_view(AlignedBuffer State::*member) {
+  return [member](py::object self) {
+    AlignedBuffer& b = self.cast<State&>().*member;
+    return view(b.data(), b.size(), self);
+  };
+}
+
+// group_steps of a FlatState or TableState, checked before anything is written.
+template <typename State>
+void set_group_steps(State& s, const std::vector<int64_t>& steps) {
+  if (steps.size() != s.layout->group_names.size())
+    throw std::invalid_argument(std::to_string(steps.size()) + " group steps for " +
+                                std::to_string(s.layout->group_names.size()) + " groups");
+  for (int64_t t : steps)
+    if (t < 0) throw std::invalid_argument("a group step is negative: " + std::to_string(t));
+  s.group_steps = steps;
+}
+
 std::optional<Algorithm> parse_override(const std::optional<std::string>& text) {
   if (!text || text->empty() || *text == "auto") return std::nullopt;
   return parse_algorithm(*text);
@@ -210,28 +230,19 @@ PYBIND11_MODULE(_C, m) {
   py::class_<FlatState>(m, "FlatState",
                         "Flat fp32 buffers of a layout; the buffer properties are numpy views of the C++ memory")
       .def(py::init<const Layout&>(), py::arg("layout"), py::keep_alive<1, 2>())
-      .def_property_readonly("params", [](py::object self) { auto& s = self.cast<FlatState&>(); return view(s.params.data(), s.params.size(), self); })
-      .def_property_readonly("grads", [](py::object self) { auto& s = self.cast<FlatState&>(); return view(s.grads.data(), s.grads.size(), self); })
-      .def_property_readonly("momentum", [](py::object self) { auto& s = self.cast<FlatState&>(); return view(s.momentum.data(), s.momentum.size(), self); })
-      .def_property_readonly("row_var", [](py::object self) { auto& s = self.cast<FlatState&>(); return view(s.row_var.data(), s.row_var.size(), self); })
-      .def_property_readonly("exp_avg", [](py::object self) { auto& s = self.cast<FlatState&>(); return view(s.exp_avg.data(), s.exp_avg.size(), self); })
-      .def_property_readonly("exp_avg_sq", [](py::object self) { auto& s = self.cast<FlatState&>(); return view(s.exp_avg_sq.data(), s.exp_avg_sq.size(), self); })
+      .def_property_readonly("params", buffer_view(&FlatState::params))
+      .def_property_readonly("grads", buffer_view(&FlatState::grads))
+      .def_property_readonly("momentum", buffer_view(&FlatState::momentum))
+      .def_property_readonly("row_var", buffer_view(&FlatState::row_var))
+      .def_property_readonly("exp_avg", buffer_view(&FlatState::exp_avg))
+      .def_property_readonly("exp_avg_sq", buffer_view(&FlatState::exp_avg_sq))
       // has_grad never reallocates (one flag per entry); group_steps is replaced by load_state, so it is
       // copied in and out rather than viewed.
       .def_property_readonly("has_grad", [](py::object self) {
         auto& s = self.cast<FlatState&>();
         return view(s.has_grad.data(), static_cast<int64_t>(s.has_grad.size()), self);
       })
-      .def_property(
-          "group_steps", [](const FlatState& s) { return s.group_steps; },
-          [](FlatState& s, const std::vector<int64_t>& steps) {
-            if (steps.size() != s.layout->group_names.size())
-              throw std::invalid_argument(std::to_string(steps.size()) + " group steps for " +
-                                          std::to_string(s.layout->group_names.size()) + " groups");
-            for (int64_t t : steps)
-              if (t < 0) throw std::invalid_argument("a group step is negative: " + std::to_string(t));
-            s.group_steps = steps;
-          })
+      .def_property("group_steps", [](const FlatState& s) { return s.group_steps; }, &set_group_steps<FlatState>)
       .def("same_optimizer_state", &FlatState::same_optimizer_state, py::arg("other"));
 
   // Table mode (param_table.h): the caller's tensors by address, the optimizer's own memory beside them.
@@ -261,19 +272,12 @@ PYBIND11_MODULE(_C, m) {
   py::class_<TableState>(m, "TableState",
                          "The optimizer's memory of table mode: state and the fp32 masters of bf16/fp16 parameters")
       .def(py::init<const Layout&>(), py::arg("layout"), py::keep_alive<1, 2>())
-      .def_property_readonly("masters", [](py::object self) { auto& s = self.cast<TableState&>(); return view(s.masters.data(), s.masters.size(), self); })
-      .def_property_readonly("momentum", [](py::object self) { auto& s = self.cast<TableState&>(); return view(s.momentum.data(), s.momentum.size(), self); })
-      .def_property_readonly("row_var", [](py::object self) { auto& s = self.cast<TableState&>(); return view(s.row_var.data(), s.row_var.size(), self); })
-      .def_property_readonly("exp_avg", [](py::object self) { auto& s = self.cast<TableState&>(); return view(s.exp_avg.data(), s.exp_avg.size(), self); })
-      .def_property_readonly("exp_avg_sq", [](py::object self) { auto& s = self.cast<TableState&>(); return view(s.exp_avg_sq.data(), s.exp_avg_sq.size(), self); })
-      .def_property(
-          "group_steps", [](const TableState& s) { return s.group_steps; },
-          [](TableState& s, const std::vector<int64_t>& steps) {
-            if (steps.size() != s.layout->group_names.size())
-              throw std::invalid_argument(std::to_string(steps.size()) + " group steps for " +
-                                          std::to_string(s.layout->group_names.size()) + " groups");
-            s.group_steps = steps;
-          });
+      .def_property_readonly("masters", buffer_view(&TableState::masters))
+      .def_property_readonly("momentum", buffer_view(&TableState::momentum))
+      .def_property_readonly("row_var", buffer_view(&TableState::row_var))
+      .def_property_readonly("exp_avg", buffer_view(&TableState::exp_avg))
+      .def_property_readonly("exp_avg_sq", buffer_view(&TableState::exp_avg_sq))
+      .def_property("group_steps", [](const TableState& s) { return s.group_steps; }, &set_group_steps<TableState>);
   m.def("table_to_flat", &table_to_flat, py::arg("state"), py::arg("table"), py::arg("flat"),
         "Table mode -> FlatState: parameters (fp32 or masters), gradients, state, steps");
   m.def("flat_to_table", &flat_to_table, py::arg("flat"), py::arg("state"), py::arg("table"),

@@ -145,24 +145,10 @@ void EmulatedCudaBackend::enqueue_step(TableState& state, const ParamTable& tabl
   if (!reason.empty()) throw std::invalid_argument(reason);
   set_scalars(options, state.group_steps.data(), true);
   // As FastCudaBackend::set_tensors: the caller's tensors, masters for bf16 / fp16 parameters.
-  auto elem = [](DType d) {
-    return d == DType::f32 ? cuda::ElemType::f32 : d == DType::bf16 ? cuda::ElemType::bf16 : cuda::ElemType::f16;
-  };
   im.operands.resize(im.layout.entries.size());
   im.table_has_grad.resize(im.layout.entries.size());
   for (size_t e = 0; e < im.operands.size(); ++e) {
-    const LayoutEntry& le = im.layout.entries[e];
-    cuda::EntryOperands op{};
-    if (le.master_offset < 0) {
-      op.master = static_cast<float*>(table.params[e].data);
-    } else {
-      op.master = state.master(static_cast<int>(e));
-      op.low = table.params[e].data;
-    }
-    op.low_type = elem(le.dtype);
-    op.grad = table.grads[e].data;
-    op.grad_type = elem(table.grads[e].dtype);
-    im.operands[e] = op;
+    im.operands[e] = cuda::entry_operands(table, static_cast<int>(e), state.masters.data());
     im.table_has_grad[e] = table.grads[e].data != nullptr;
   }
   run(state.momentum.data(), state.row_var.data(), state.exp_avg.data(), state.exp_avg_sq.data(),

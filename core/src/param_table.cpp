@@ -6,7 +6,6 @@
 #include <stdexcept>
 
 #include "normuon/low_precision.h"
-#include "normuon/step_prologue.h"
 
 namespace normuon {
 namespace {
@@ -55,6 +54,21 @@ void TableState::refresh_master(int e, const ParamTable& table) {
   widen(table.params[e].data, le.dtype, master(e), le.numel);
 }
 
+ParamOperand table_operand(const ParamTable& table, int e, float* masters) {
+  const LayoutEntry& le = table.layout->entries[e];
+  ParamOperand op;
+  if (le.master_offset < 0) {
+    op.master = static_cast<float*>(table.params[e].data);
+  } else {
+    op.master = masters + le.master_offset;
+    op.low = table.params[e].data;
+  }
+  op.low_dtype = le.dtype;
+  op.grad = table.grads[e].data;
+  op.grad_dtype = table.grads[e].dtype;
+  return op;
+}
+
 void StepOperands::bind(FlatState& state) {
   layout = state.layout;
   params.resize(layout->entries.size());
@@ -76,20 +90,7 @@ void StepOperands::bind(TableState& state, const ParamTable& table) {
   if (!reason.empty()) throw std::invalid_argument(reason);
   layout = state.layout;
   params.resize(layout->entries.size());
-  for (size_t e = 0; e < params.size(); ++e) {
-    const LayoutEntry& le = layout->entries[e];
-    ParamOperand& op = params[e];
-    if (le.master_offset < 0) {
-      op.master = static_cast<float*>(table.params[e].data);
-      op.low = nullptr;
-    } else {
-      op.master = state.master(static_cast<int>(e));
-      op.low = table.params[e].data;
-    }
-    op.low_dtype = le.dtype;
-    op.grad = table.grads[e].data;
-    op.grad_dtype = table.grads[e].dtype;
-  }
+  for (size_t e = 0; e < params.size(); ++e) params[e] = table_operand(table, static_cast<int>(e), state.masters.data());
   momentum = state.momentum.data();
   row_var = state.row_var.data();
   exp_avg = state.exp_avg.data();
@@ -97,42 +98,21 @@ void StepOperands::bind(TableState& state, const ParamTable& table) {
   group_steps = state.group_steps.data();
 }
 
-std::optional<StepResult> begin_step(StepOperands& ops, const Options& options) {
-  const Layout& layout = *ops.layout;
-  if (options.groups.size() != layout.group_names.size())
-    throw std::invalid_argument("the options define " + std::to_string(options.groups.size()) +
-                                " groups but the layout was built with " + std::to_string(layout.group_names.size()));
-  float chunk[256];
-  for (size_t e = 0; e < layout.entries.size(); ++e) {
-    const ParamOperand& op = ops.params[e];
-    if (!op.grad) continue;
-    const int64_t numel = layout.entries[e].numel;
-    for (int64_t begin = 0; begin < numel; begin += 256) {
-      const int64_t n = std::min<int64_t>(256, numel - begin);
-      widen(static_cast<const char*>(op.grad) + static_cast<size_t>(begin) * dtype_bytes(op.grad_dtype),
-            op.grad_dtype, chunk, n);
-      for (int64_t k = 0; k < n; ++k)
-        if (!std::isfinite(chunk[k])) {
-          const LayoutEntry& le = layout.entries[e];
-          return nonfinite_gradient(le.name, chunk[k], begin + k, ops.group_steps[le.group] + 1, options.nonfinite);
-        }
-    }
-  }
-  for (size_t g = 0; g < layout.group_names.size(); ++g)
-    for (size_t e = 0; e < layout.entries.size(); ++e)
-      if (ops.params[e].grad && layout.entries[e].group == static_cast<int>(g)) {
-        ++ops.group_steps[g];
-        break;
-      }
-  return std::nullopt;
+namespace {
+
+// Both directions between the modes need one layout and a complete table.
+void check_crossing(const char* what, const TableState& state, const ParamTable& table, const FlatState& flat) {
+  if (flat.layout != state.layout || table.layout != state.layout)
+    throw std::invalid_argument(std::string(what) + ": the states have different layouts");
+  const std::string reason = table.invalid_reason();
+  if (!reason.empty()) throw std::invalid_argument(std::string(what) + ": " + reason);
 }
 
+}  // namespace
+
 void table_to_flat(const TableState& state, const ParamTable& table, FlatState& flat) {
+  check_crossing("table_to_flat", state, table, flat);
   const Layout& layout = *state.layout;
-  if (flat.layout != &layout || table.layout != &layout)
-    throw std::invalid_argument("table_to_flat: the states have different layouts");
-  const std::string reason = table.invalid_reason();
-  if (!reason.empty()) throw std::invalid_argument("table_to_flat: " + reason);
   for (size_t e = 0; e < layout.entries.size(); ++e) {
     const LayoutEntry& le = layout.entries[e];
     const int i = static_cast<int>(e);
@@ -153,11 +133,8 @@ void table_to_flat(const TableState& state, const ParamTable& table, FlatState& 
 }
 
 void flat_to_table(const FlatState& flat, TableState& state, const ParamTable& table) {
+  check_crossing("flat_to_table", state, table, flat);
   const Layout& layout = *state.layout;
-  if (flat.layout != &layout || table.layout != &layout)
-    throw std::invalid_argument("flat_to_table: the states have different layouts");
-  const std::string reason = table.invalid_reason();
-  if (!reason.empty()) throw std::invalid_argument("flat_to_table: " + reason);
   for (size_t e = 0; e < layout.entries.size(); ++e) {
     const LayoutEntry& le = layout.entries[e];
     const float* master = flat.param(static_cast<int>(e));

@@ -1,29 +1,48 @@
 #include "normuon/step_prologue.h"
 
+#include <algorithm>
+#include <cmath>
 #include <sstream>
 #include <stdexcept>
 
+#include "normuon/low_precision.h"
+
 namespace normuon {
 
-std::optional<StepResult> begin_step(FlatState& state, const Options& options) {
-  const Layout& layout = *state.layout;
+std::optional<StepResult> begin_step(StepOperands& ops, const Options& options) {
+  const Layout& layout = *ops.layout;
   if (options.groups.size() != layout.group_names.size())
     throw std::invalid_argument("the options define " + std::to_string(options.groups.size()) +
                                 " groups but the layout was built with " + std::to_string(layout.group_names.size()));
-  int64_t element = -1;
-  const int bad = find_nonfinite_gradient(state, &element);
-  if (bad >= 0) {
-    const LayoutEntry& e = layout.entries[bad];
-    return nonfinite_gradient(e.name, state.grad(bad)[element], element, state.group_steps[e.group] + 1,
-                              options.nonfinite);
+  float chunk[256];
+  for (size_t e = 0; e < layout.entries.size(); ++e) {
+    const ParamOperand& op = ops.params[e];
+    if (!op.grad) continue;
+    const int64_t numel = layout.entries[e].numel;
+    for (int64_t begin = 0; begin < numel; begin += 256) {
+      const int64_t n = std::min<int64_t>(256, numel - begin);
+      widen(static_cast<const char*>(op.grad) + static_cast<size_t>(begin) * dtype_bytes(op.grad_dtype),
+            op.grad_dtype, chunk, n);
+      for (int64_t k = 0; k < n; ++k)
+        if (!std::isfinite(chunk[k])) {
+          const LayoutEntry& le = layout.entries[e];
+          return nonfinite_gradient(le.name, chunk[k], begin + k, ops.group_steps[le.group] + 1, options.nonfinite);
+        }
+    }
   }
   for (size_t g = 0; g < layout.group_names.size(); ++g)
-    for (size_t i = 0; i < layout.entries.size(); ++i)
-      if (state.has_grad[i] && layout.entries[i].group == static_cast<int>(g)) {
-        ++state.group_steps[g];
+    for (size_t e = 0; e < layout.entries.size(); ++e)
+      if (ops.params[e].grad && layout.entries[e].group == static_cast<int>(g)) {
+        ++ops.group_steps[g];
         break;
       }
   return std::nullopt;
+}
+
+std::optional<StepResult> begin_step(FlatState& state, const Options& options) {
+  StepOperands ops;
+  ops.bind(state);
+  return begin_step(ops, options);
 }
 
 StepResult nonfinite_gradient(const std::string& param, float value, int64_t element, int64_t step,

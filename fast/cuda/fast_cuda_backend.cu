@@ -217,22 +217,9 @@ void FastCudaBackend::set_tensors(const ParamTable& table) {
   if (table.layout != &layout_) throw std::invalid_argument("fast-cuda backend: the parameter table has another layout");
   const std::string reason = table.invalid_reason();
   if (!reason.empty()) throw std::invalid_argument("fast-cuda backend: " + reason);
-  auto elem = [](DType d) {
-    return d == DType::f32 ? cuda::ElemType::f32 : d == DType::bf16 ? cuda::ElemType::bf16 : cuda::ElemType::f16;
-  };
   bool changed = !tensors_set_;
   for (size_t e = 0; e < host_operands_.size(); ++e) {
-    const LayoutEntry& le = layout_.entries[e];
-    cuda::EntryOperands op{};
-    if (le.master_offset < 0) {
-      op.master = static_cast<float*>(table.params[e].data);
-    } else {
-      op.master = device_->masters.data() + le.master_offset;
-      op.low = table.params[e].data;
-    }
-    op.low_type = elem(le.dtype);
-    op.grad = table.grads[e].data;
-    op.grad_type = elem(table.grads[e].dtype);
+    const cuda::EntryOperands op = cuda::entry_operands(table, static_cast<int>(e), device_->masters.data());
     const uint8_t has = table.grads[e].data != nullptr;
     changed = changed || std::memcmp(&op, &host_operands_[e], sizeof op) != 0 || has != host_has_grad_[e];
     host_operands_[e] = op;

@@ -11,19 +11,6 @@
 
 namespace normuon::cuda {
 
-// The element type of a gradient, or of a low-precision parameter the step writes rounded.
-enum class ElemType : int32_t { f32, bf16, f16 };
-
-// Where the step finds one parameter's tensors (one per layout entry, in device memory): the backend's
-// flat buffers, or the caller's own tensors (table mode, re-uploaded when an address changes).
-struct EntryOperands {
-  float* master;      // the fp32 values the step reads and writes
-  void* low;          // a bf16 / fp16 parameter written rounded from master in the same pass, or nullptr
-  const void* grad;   // the gradient (read only when has_grad)
-  ElemType grad_type;
-  ElemType low_type;
-};
-
 // The device buffers and tables one step works on (pointers into DeviceFlatState and the backend).
 struct StepBuffers {
   const EntryOperands* operands;  // per layout entry

@@ -11,6 +11,7 @@
 #include "normuon/backend.h"
 #include "normuon/layout.h"
 #include "normuon/options.h"
+#include "normuon/param_table.h"
 #include "step_tables.h"
 
 namespace normuon::cuda {
@@ -56,6 +57,23 @@ void fill_matrix_scalars(const std::vector<MatrixInfo>& matrices, const Options&
 // reports a NaN/Inf gradient the same way: {} when none was reported; a skipped step under
 // nonfinite=skip_step; std::runtime_error under nonfinite=error.
 StepResult step_result(const StepStatus& status, const Layout& layout, const Options& options);
+
+// The kernels' element type of a manifest dtype.
+inline ElemType elem_type(DType d) {
+  return d == DType::f32 ? ElemType::f32 : d == DType::bf16 ? ElemType::bf16 : ElemType::f16;
+}
+
+// Entry e of the caller's table as the kernels read it (table_operand, with the masters at `masters`).
+inline EntryOperands entry_operands(const ParamTable& table, int e, float* masters) {
+  const ParamOperand op = table_operand(table, e, masters);
+  EntryOperands out{};  // value-initialised: compared bytewise when deciding to re-upload
+  out.master = op.master;
+  out.low = op.low;
+  out.grad = op.grad;
+  out.grad_type = elem_type(op.grad_dtype);
+  out.low_type = elem_type(op.low_dtype);
+  return out;
+}
 
 // Why the plan cannot be built, or empty.
 std::string plan_unsupported_reason(const Layout& layout, const Options& options);

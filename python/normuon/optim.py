@@ -506,15 +506,12 @@ class NorMuonAdamW(torch.optim.Optimizer):
             t = e.tensor
             if not t.is_contiguous():
                 raise RuntimeError(f"parameter '{e.name}' is not contiguous; NorMuonAdamW steps parameters in place")
-            g = t.grad
+            g = _dense_grad(e)
             e.has_grad = g is not None
             if g is None:
                 grads.append(0)
                 dtypes.append("f32")
             else:
-                if g.is_sparse:
-                    raise RuntimeError(f"parameter '{e.name}' has a sparse gradient, which NorMuonAdamW "
-                                       "does not support")
                 dtype = _DTYPES.get(g.dtype)
                 if dtype is None or g.shape != e.shape or g.device != self._device:
                     raise RuntimeError(f"parameter '{e.name}': its gradient is {g.dtype} {list(g.shape)} on "
@@ -579,12 +576,9 @@ class NorMuonAdamW(torch.optim.Optimizer):
     def _reference_step(self, hypers):
         """The old path, per parameter: fp32 gradients, the spec's ops, rounded parameters copied back."""
         for e in self._entries:
-            g = e.tensor.grad
+            g = _dense_grad(e)
             e.has_grad = g is not None
             if g is not None:
-                if g.is_sparse:
-                    raise RuntimeError(f"parameter '{e.name}' has a sparse gradient, which NorMuonAdamW "
-                                       "does not support")
                 e.grad = g.detach().to(torch.float32)
         steps = list(self._steps)
         skipped = self._reference.step(self._entries, hypers, steps, self.nonfinite)
@@ -602,15 +596,7 @@ class NorMuonAdamW(torch.optim.Optimizer):
         backend = self._cuda_backend
         with torch.cuda.device(self._device):  # the stream handle belongs to the parameters' device
             backend.set_stream(torch.cuda.current_stream(self._device).cuda_stream)
-            earlier = None
-            if self.verdict == "deferred" and self._pending_steps_before is not None:
-                try:
-                    earlier = backend.poll_step(self._options)
-                except RuntimeError:  # nonfinite='error': the step before this one changed nothing
-                    self._steps, self._pending_steps_before = self._pending_steps_before, None
-                    raise
-                if earlier.skipped:
-                    self._steps = self._pending_steps_before
+            earlier = self._settle()  # verdict='deferred': the step before this one
             backend.set_tensors(self._table)
             # The host's copy of the counters (no device read): host-exact bias corrections.
             backend.set_options(self._options, self._steps)
@@ -620,7 +606,7 @@ class NorMuonAdamW(torch.optim.Optimizer):
             self._steps = [t + (g in active) for g, t in enumerate(before)]
             if self.verdict == "deferred":
                 self._pending_steps_before = before
-                return earlier.reason if earlier is not None and earlier.skipped else None
+                return earlier
             try:
                 result = backend.finish_step(self._options)
             except RuntimeError:  # nonfinite='error': the step changed nothing, its counters included
@@ -631,10 +617,11 @@ class NorMuonAdamW(torch.optim.Optimizer):
         return result.reason if result.skipped else None
 
     def _settle(self):
-        """verdict='deferred': the pending step's verdict now, so the step counters are final (before
-        state_dict and state files). Raises as step() would under nonfinite='error'."""
+        """verdict='deferred': the pending step's verdict now (the next step(), state_dict, state files), so
+        the step counters are final. Returns the reason that step was skipped, or None; raises as step()
+        would under nonfinite='error'. That step changed nothing, its counters included."""
         if self._cuda_backend is None or self._pending_steps_before is None:
-            return
+            return None
         before, self._pending_steps_before = self._pending_steps_before, None
         with torch.cuda.device(self._device):
             try:
@@ -647,6 +634,7 @@ class NorMuonAdamW(torch.optim.Optimizer):
             self.last_skip_reason = result.reason
         for g, t in zip(self.param_groups, self._steps):
             g["step"] = t
+        return result.reason if result.skipped else None
 
     def _to_flat(self):
         """A host FlatState of this optimizer (parameters as fp32 masters, state, steps): what state files hold."""
@@ -690,11 +678,13 @@ class NorMuonAdamW(torch.optim.Optimizer):
         """Bytes the optimizer holds beyond the model's tensors: state_bytes (momentum, second moments,
         exp_avg, exp_avg_sq), master_bytes (fp32 masters of bf16/fp16 parameters: 4 B per element) and
         workspace_bytes (the native backend's Newton-Schulz buffers and scratch; 0 for the reference)."""
-        sizes = self._buffer_sizes() if self._layout is not None else {}
-        state = 4 * sum(n for k, n in sizes.items() if k != "masters")
-        if self._layout is None:
+        if self._layout is None:  # standalone tensors
             state = 4 * sum(t.numel() for e in self._entries for t in e.state)
-        masters = 4 * sizes.get("masters", sum(e.master.numel() for e in self._entries if e.low_precision))
+            masters = 4 * sum(e.master.numel() for e in self._entries if e.low_precision)
+        else:
+            sizes = self._buffer_sizes()
+            masters = 4 * sizes.pop("masters")
+            state = 4 * sum(sizes.values())
         native = self._cuda_backend or self._backend
         return dict(state_bytes=state, master_bytes=masters,
                     workspace_bytes=native.workspace_bytes if native is not None else 0)
@@ -897,6 +887,14 @@ def _named_tensors(params, names, group_index, prefix):
             raise TypeError(f"parameter '{name}' is a {type(tensor).__name__}, not a torch.Tensor")
         pairs.append((name, tensor))
     return pairs
+
+
+def _dense_grad(e):
+    """The parameter's gradient, or None; a sparse one is refused."""
+    g = e.tensor.grad
+    if g is not None and g.is_sparse:
+        raise RuntimeError(f"parameter '{e.name}' has a sparse gradient, which NorMuonAdamW does not support")
+    return g
 
 
 def _make_entry(index, name, tensor, role):

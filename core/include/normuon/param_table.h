@@ -55,6 +55,10 @@ struct ParamOperand {
   DType grad_dtype = DType::f32;
 };
 
+// Entry e of the caller's table as a step sees it: an fp32 parameter is its own master; a bf16 / fp16
+// one is written rounded from its master in `masters` (host or device memory) at the layout's offset.
+ParamOperand table_operand(const ParamTable& table, int e, float* masters);
+
 // What one step reads and writes: per-entry operands and the state buffers. Binding again reuses the
 // storage, so a backend that keeps one allocates nothing per step.
 struct StepOperands {
@@ -67,10 +71,6 @@ struct StepOperands {
   void bind(TableState& state, const ParamTable& table);    // throws std::invalid_argument on a bad table
   bool has_grad(int e) const { return params[e].grad != nullptr; }
 };
-
-// begin_step (step_prologue.h) over operands: NaN/Inf scan of every gradient in its own dtype, then the
-// group steps. The same words, the same outcome.
-std::optional<StepResult> begin_step(StepOperands& operands, const Options& options);
 
 // Between the modes. table_to_flat: the flat parameters (fp32 tensors or masters), gradients (widened,
 // has_grad from presence), state and steps. flat_to_table: state, steps and masters, and the caller's

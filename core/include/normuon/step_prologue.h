@@ -1,6 +1,7 @@
 // What every backend does first in a step, so that all of them say and do the same: refuse or skip a
 // step with a NaN/Inf gradient before anything changes, then advance the step counter of every group
-// that has at least one gradient (docs/spec.md section 5). Allocates nothing.
+// that has at least one gradient (docs/spec.md section 5). The operand form allocates nothing; the
+// FlatState form binds the state's operands first (the reference's prologue).
 #pragma once
 
 #include <cstdint>
@@ -8,12 +9,15 @@
 #include <string>
 
 #include "normuon/backend.h"
+#include "normuon/param_table.h"
 
 namespace normuon {
 
 // Throws std::runtime_error (nonfinite=error) or returns a skipped StepResult (nonfinite=skip_step)
 // naming the parameter, element and step; otherwise advances the group steps and returns nullopt.
 std::optional<StepResult> begin_step(FlatState& state, const Options& options);
+// The same over operands (either mode): each gradient is scanned in its own dtype.
+std::optional<StepResult> begin_step(StepOperands& operands, const Options& options);
 
 // A step that found a NaN/Inf gradient, in the words every backend uses: parameter, value, element and
 // the step number the step would have had. Throws std::runtime_error under nonfinite=error; returns the
