@@ -17,6 +17,7 @@ only inside `register()`.
 import importlib
 import math
 import re
+import warnings
 from collections import defaultdict
 
 import torch
@@ -31,6 +32,9 @@ KNOWN_GOOD_VERSIONS = ((0, 18), (0, 20))
 # Megatron / Emerging-Optimizers value -> this project's option.
 COEFFICIENT_TYPES = {"simple": "quintic"}  # EO "simple" is Keller's (3.4445, -4.7750, 2.0315) every iteration
 MATMUL_PRECISIONS = {"medium": "bf16", "high": "fp32", "highest": "fp32"}
+# Megatron's --muon-fp32-matmul-prec also offers "low", which torch.set_float32_matmul_precision ignores (with
+# a warning): Emerging-Optimizers' Newton-Schulz then runs at the process's float32 matmul precision.
+FOLLOWS_TORCH = ("low",)
 # scale_mode -> (lr_scale of the spec, c): Megatron's factor extra * S(m, n) equals (c * extra) * kappa(m, n).
 SCALE_MODES = {
     "shape_scaling": ("official", 1.0),    # sqrt(max(1, m/n))
@@ -97,6 +101,20 @@ def _as_number(label, where, key, value, high, below=False):
     return number
 
 
+def ns_precision_for(fp32_matmul_prec):
+    """The spec's ns_precision for Megatron's fp32_matmul_prec. "low" does what it does in Megatron with
+    Emerging-Optimizers: torch ignores it, so the process's float32 matmul precision (read now) decides."""
+    if fp32_matmul_prec in FOLLOWS_TORCH:
+        current = torch.get_float32_matmul_precision()
+        ns_precision = MATMUL_PRECISIONS.get(current, "fp32")
+        warnings.warn(f"MegatronNorMuon: fp32_matmul_prec={fp32_matmul_prec!r} is not a torch precision (torch "
+                      "ignores it, and so Megatron's own Muon runs at the process's float32 matmul precision, "
+                      f"now {current!r}): Newton-Schulz runs in {ns_precision}. Choose 'medium' (bf16) or "
+                      "'high' (fp32) to say which", stacklevel=3)
+        return ns_precision
+    return MATMUL_PRECISIONS[fp32_matmul_prec]
+
+
 def _tp_sharded(p):
     """Megatron's tensor-parallel metadata: the parameter is one rank's slice along partition_dim."""
     return bool(getattr(p, "tensor_model_parallel", False)) and getattr(p, "partition_dim", -1) not in (-1, None)
@@ -124,11 +142,14 @@ class _MegatronFlat(torch.optim.Optimizer):
     _algorithm = None
     _state_keys = ()
 
-    def _setup(self, backend, threads, nonfinite):
+    def _setup(self, backend, threads, nonfinite, verdict):
         """Before torch's __init__ (which calls add_param_group)."""
         if nonfinite not in ("error", "skip_step"):
             self._fail(f"nonfinite={nonfinite!r}: choose error | skip_step")
+        if verdict not in ("sync", "deferred"):
+            self._fail(f"verdict={verdict!r}: choose sync | deferred")
         self.nonfinite = nonfinite
+        self.verdict = verdict
         self._choice = _optim._resolve_choice(backend)
         if _optim.native_error() is not None and self._choice != "reference":
             raise RuntimeError(f"{self._label}: backend '{self._choice}' needs the native module normuon._C, "
@@ -138,6 +159,7 @@ class _MegatronFlat(torch.optim.Optimizer):
         self._signature = None  # what it was built for
         self._slots = {}        # id(param) -> _Slot
         self._group_map = []    # (index in param_groups, index in the inner optimizer's groups)
+        self._advanced = []     # groups whose step the last step() advanced (taken back if it was skipped)
         self.last_skip_reason = None
 
     def _fail(self, message):
@@ -169,6 +191,8 @@ class _MegatronFlat(torch.optim.Optimizer):
     def _ensure_built(self):
         """The layout matches param_groups, and self.state holds this optimizer's views (after a rebuild,
         or values someone else put into self.state, copied in)."""
+        if self._inner is not None:
+            self._settle()  # the previous step's deferred verdict, before its counters or state are read
         signature = self._current_signature()
         if signature != self._signature:
             self._rebuild(signature)
@@ -205,7 +229,7 @@ class _MegatronFlat(torch.optim.Optimizer):
                                    **self._inner_defaults()))
             try:
                 inner = _optim.NorMuonAdamW(groups, backend=self._choice, threads=self._threads,
-                                            nonfinite=self.nonfinite)
+                                            nonfinite=self.nonfinite, verdict=self.verdict)
             except ValueError as error:
                 raise ValueError(f"{self._label}: {error} (gI.pK is param_groups[I]['params'][K])") from None
             entries = {id(e.tensor): e for e in inner._entries}
@@ -361,10 +385,32 @@ class _MegatronFlat(torch.optim.Optimizer):
                 self._install_state()
         self.last_skip_reason = skipped
         if skipped is None:
-            for g in self.param_groups:
-                if len(g["params"]) > 0:
-                    g["step"] = _step_value(self._label, g.get("step", 0), "a param group") + 1
+            self._advanced = [i for i, g in enumerate(self.param_groups) if len(g["params"]) > 0]
+            for i in self._advanced:
+                g = self.param_groups[i]
+                g["step"] = _step_value(self._label, g.get("step", 0), "a param group") + 1
         return loss
+
+    def _settle(self):
+        """verdict='deferred' on CUDA: the previous step's NaN/Inf verdict, taken from a status copy that step
+        already made (no device sync). A skipped step changed nothing on the device, so the counters step()
+        advanced for it go back; nonfinite='error' raises here, one step late."""
+        try:
+            skipped = self._inner._settle()
+        except RuntimeError:
+            self._take_back()
+            raise
+        if skipped is not None:
+            self._take_back()
+            self.last_skip_reason = skipped
+        self._advanced = []
+
+    def _take_back(self):
+        for i in self._advanced:
+            if i < len(self.param_groups):
+                g = self.param_groups[i]
+                g["step"] = max(0, _step_value(self._label, g.get("step", 0), "a param group") - 1)
+        self._advanced = []
 
     @property
     def backend(self):
@@ -457,7 +503,8 @@ class MegatronNorMuon(_MegatronFlat):
 
     Keyword-only extras: backend ('auto' | 'fast' | 'reference'; None reads NORMUON_BACKEND, then 'auto',
     which is the fast backend), threads (fast backend; 0 = one per processor), nonfinite ('error' |
-    'skip_step').
+    'skip_step'), verdict ('deferred', the default: on CUDA a step's NaN/Inf verdict is read at the next
+    step, so no host sync; 'sync': in the same step).
     """
 
     _label = "MegatronNorMuon"
@@ -468,7 +515,8 @@ class MegatronNorMuon(_MegatronFlat):
                  use_decoupled_weight_decay=True, split_qkv=False, is_qkv_fn=None, qkv_split_shapes=None,
                  fp32_matmul_prec="medium", coefficient_type="simple", num_ns_steps=5, scale_mode="spectral",
                  extra_scale_factor=1.0, pg_collection=None, tp_mode="duplicated", use_syrk=False,
-                 moment2_method="normuon", beta2=0.95, eps=1e-8, *, backend=None, threads=0, nonfinite="error"):
+                 moment2_method="normuon", beta2=0.95, eps=1e-8, *, backend=None, threads=0, nonfinite="error",
+                 verdict="deferred"):
         if moment2_method != "normuon":
             self._fail(f"moment2_method={moment2_method!r}: this optimizer runs NorMuon only ('normuon'); use "
                        "Megatron's adaptive_muon for 'adamuon' or 'namo'")
@@ -482,8 +530,10 @@ class MegatronNorMuon(_MegatronFlat):
             self._fail(f"coefficient_type={coefficient_type!r} is not supported ({hint}); use 'simple' "
                        "(--muon-coefficient-type simple): Keller's quintic (3.4445, -4.7750, 2.0315) at every "
                        "iteration, the official NorMuon's orthogonaliser")
-        if fp32_matmul_prec not in MATMUL_PRECISIONS:
-            self._fail(f"fp32_matmul_prec={fp32_matmul_prec!r}: choose {' | '.join(MATMUL_PRECISIONS)}")
+        if fp32_matmul_prec not in MATMUL_PRECISIONS and fp32_matmul_prec not in FOLLOWS_TORCH:
+            choices = " | ".join(FOLLOWS_TORCH + tuple(MATMUL_PRECISIONS))
+            self._fail(f"fp32_matmul_prec={fp32_matmul_prec!r}: choose {choices}")
+        ns_precision = ns_precision_for(fp32_matmul_prec)
         if isinstance(num_ns_steps, bool) or not isinstance(num_ns_steps, int) or not 1 <= num_ns_steps <= 100:
             self._fail(f"num_ns_steps={num_ns_steps!r} is not an integer in [1, 100]")
         if scale_mode not in SCALE_MODES:
@@ -500,7 +550,7 @@ class MegatronNorMuon(_MegatronFlat):
             self._fail(f"nesterov={nesterov!r} is not a boolean")
         if qkv_split_shapes is not None:
             self._split_shapes(qkv_split_shapes, "qkv_split_shapes")
-        self._setup(backend, threads, nonfinite)
+        self._setup(backend, threads, nonfinite, verdict)
         self.split_qkv = bool(split_qkv)
         self.is_qkv_fn = is_qkv_fn if is_qkv_fn is not None else (lambda p: bool(getattr(p, "is_qkv", False)))
         self.qkv_split_shapes = qkv_split_shapes
@@ -520,7 +570,7 @@ class MegatronNorMuon(_MegatronFlat):
         self._fold = c * extra
         self._fixed = dict(reference.NORMUON_DEFAULTS, nesterov=self.nesterov, ns_steps=num_ns_steps,
                            ns_coefficients=COEFFICIENT_TYPES[coefficient_type],
-                           ns_precision=MATMUL_PRECISIONS[fp32_matmul_prec], reduce_axis="longer_dim",
+                           ns_precision=ns_precision, reduce_axis="longer_dim",
                            lr_scale=lr_scale, weight_decay_mode="decoupled", eps_placement="clamp")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, beta2=beta2, eps=eps)
         super().__init__(params, defaults)
@@ -659,7 +709,7 @@ class MegatronAdamW(_MegatronFlat):
     group's 'step', else a common per-parameter one, reading its value and never keeping the tensor (a
     loaded step tensor may be shared by every parameter).
 
-    Keyword-only extras: backend, threads, nonfinite (as MegatronNorMuon).
+    Keyword-only extras: backend, threads, nonfinite, verdict (as MegatronNorMuon).
     """
 
     _label = "MegatronAdamW"
@@ -670,7 +720,8 @@ class MegatronAdamW(_MegatronFlat):
                  bias_correction=True, adam_w_mode=True, capturable=False, master_weights=False,
                  master_weight_dtype=torch.float32, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
                  use_decoupled_grad=False, store_param_remainders=False, set_grad_none=None, maximize=False,
-                 foreach=None, fused=None, differentiable=False, backend=None, threads=0, nonfinite="error"):
+                 foreach=None, fused=None, differentiable=False, backend=None, threads=0, nonfinite="error",
+                 verdict="deferred"):
         precision = ("master_weights, exp_avg_dtype, exp_avg_sq_dtype, use_decoupled_grad and "
                      "store_param_remainders are TE's precision-aware options (--use-precision-aware-optimizer), "
                      "which this optimizer does not implement: Megatron keeps fp32 master weights and state")
@@ -695,7 +746,7 @@ class MegatronAdamW(_MegatronFlat):
                        "adam_w_mode=config.decoupled_weight_decay: keep it True)")
         if bias_correction not in (True, 1):
             self._fail(f"bias_correction={bias_correction!r}: only bias-corrected AdamW is implemented")
-        self._setup(backend, threads, nonfinite)
+        self._setup(backend, threads, nonfinite, verdict)
         self.set_grad_none = set_grad_none
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults)
@@ -814,6 +865,22 @@ def config_to_kwargs(config, model_chunks=None, pg_collection=None, *, backend=N
     kwargs["backend"] = backend
     kwargs["threads"] = threads
     return kwargs
+
+
+# Megatron applies config.muon_scalar_optimizer to the non-matrix parameters only for these registry names.
+REROUTED_NAMES = ("muon", "adaptive_muon")
+
+
+def check_scalar_routing(name, config):
+    """Registered under another name, Megatron keeps the registry's 'adam' for embeddings, the output head,
+    norms and biases and ignores --muon-scalar-optimizer: refuse that rather than run Adam silently."""
+    scalar = getattr(config, "muon_scalar_optimizer", "adam")
+    if name not in REROUTED_NAMES and scalar != "adam":
+        raise ValueError(f"normuon.megatron: muon_scalar_optimizer={scalar!r} (--muon-scalar-optimizer), but "
+                         f"Megatron reroutes the non-matrix parameters to it only for the optimizer names "
+                         f"{' and '.join(map(repr, REROUTED_NAMES))}; registered as {name!r} they would silently "
+                         "get Adam. Use --muon-scalar-optimizer adam, or register(name='muon', "
+                         "replace_existing=True) and --optimizer muon so that Megatron applies it")
 
 
 def megatron_core_version():
@@ -942,6 +1009,7 @@ def register(name="normuon", *, replace_existing=False, replace_adam=False, allo
     template = registry.get("adaptive_muon") or registry.get("muon")
 
     def to_kwargs(config, model_chunks=None, pg_collection=None):
+        check_scalar_routing(name, config)
         return config_to_kwargs(config, model_chunks, pg_collection, backend=backend, threads=threads)
 
     fields = dict(optimizer_cls=MegatronNorMuon, init_state_fn=init_state_fn, config_to_kwargs=to_kwargs)
@@ -968,4 +1036,5 @@ def adamw_init_state_fn(opt, config=None):
 
 
 __all__ = ["MegatronNorMuon", "MegatronAdamW", "register", "replace_adam", "init_state_fn", "adamw_init_state_fn",
-           "config_to_kwargs", "check_version", "megatron_core_version", "KNOWN_GOOD_VERSIONS", "CONFIG_FIELDS"]
+           "config_to_kwargs", "check_scalar_routing", "ns_precision_for", "check_version", "megatron_core_version",
+           "KNOWN_GOOD_VERSIONS", "CONFIG_FIELDS"]

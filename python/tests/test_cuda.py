@@ -190,3 +190,91 @@ def test_bf16_parameters_keep_fp32_masters():
             assert torch.equal(params[name].detach(), m.to(torch.bfloat16)), name
             checked += 1
     assert checked == len(params)
+
+
+@needs_gpu
+def test_deferred_steps_make_no_torch_sync():
+    # verdict='deferred': step() binds addresses and enqueues; torch's sync debug mode raises on any
+    # synchronising torch call (.item(), a pageable copy) made in it. bf16: masters, version counters.
+    gpu = _model("cuda", dtype=torch.bfloat16)
+    opt = normuon.NorMuonAdamW(gpu.named_parameters(), verdict="deferred")
+    _grads(gpu, 1)
+    opt.step()  # the first step uploads the address table
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(2, 5):
+            _grads(gpu, step)
+            opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    opt.state_dict()  # settles the last verdict
+    assert [g["step"] for g in opt.param_groups] == [4, 4] and opt.last_skip_reason is None
+
+
+@needs_gpu
+def test_megatron_split_qkv_runs_on_cuda_and_matches_the_cpu():
+    # Megatron's default (split_qkv) crashed at the first CUDA step: the block row indices were CPU tensors.
+    from normuon.megatron import MegatronAdamW, MegatronNorMuon
+
+    def build(device):
+        torch.manual_seed(3)
+        qkv = torch.nn.Parameter(torch.randn(24, 16, device=device))
+        qkv.is_qkv, qkv.qkv_split_shapes = True, [4, 1, 1]  # 4 query groups of (q, k, v) rows
+        dense = torch.nn.Parameter(torch.randn(16, 32, device=device))
+        bias = torch.nn.Parameter(torch.randn(16, device=device))
+        backend = "fast" if device == "cuda" else CPU_BACKEND
+        muon = MegatronNorMuon([{"params": [qkv, dense], "lr": 1e-2, "weight_decay": 0.1}], split_qkv=True,
+                               coefficient_type="simple", fp32_matmul_prec="highest", backend=backend)
+        adam = MegatronAdamW([{"params": [bias], "lr": 1e-2, "weight_decay": 0.0}], backend=backend)
+        return [qkv, dense, bias], muon, adam
+
+    cpu, gpu = build("cpu"), build("cuda")
+    for step in range(1, 4):
+        gen = torch.Generator().manual_seed(50 + step)
+        grads = [torch.randn(p.shape, generator=gen) for p in cpu[0]]
+        for params, muon, adam in (cpu, gpu):
+            for p, g in zip(params, grads):
+                p.grad = g.to(p.device)
+            muon.step()
+            adam.step()
+    assert gpu[1].backend == gpu[2].backend == "fast-cuda"
+    for a, b in zip(cpu[0], gpu[0]):
+        assert torch.allclose(a.detach(), b.detach().cpu(), rtol=0, atol=1e-4)
+
+
+@needs_gpu
+def test_megatron_halves_add_no_torch_sync_and_a_nan_is_reported_one_step_late():
+    from normuon.megatron import MegatronAdamW, MegatronNorMuon
+
+    torch.manual_seed(4)
+    matrices = [torch.nn.Parameter(torch.randn(32, 16, device="cuda")) for _ in range(3)]
+    vectors = [torch.nn.Parameter(torch.randn(16, device="cuda")) for _ in range(2)]
+    muon = MegatronNorMuon([{"params": matrices, "lr": 1e-2, "weight_decay": 0.1}], coefficient_type="simple")
+    adam = MegatronAdamW([{"params": vectors, "lr": 1e-2, "weight_decay": 0.0}])
+
+    def grads(nan=False):
+        for p in matrices + vectors:
+            p.grad = torch.randn_like(p)
+        if nan:
+            matrices[1].grad[0, 0] = float("nan")
+
+    grads()
+    muon.step()
+    adam.step()  # the first steps upload the address tables
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            grads()
+            muon.step()
+            adam.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert muon.param_groups[0]["step"] == adam.param_groups[0]["step"] == 4
+    before = [p.detach().clone() for p in matrices]
+    grads(nan=True)
+    muon.step()  # enqueued; the device skips it
+    grads()
+    with pytest.raises(RuntimeError, match="gradient of .* holds nan"):
+        muon.step()  # the verdict of the step before
+    assert muon.param_groups[0]["step"] == 4
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, matrices))

@@ -527,7 +527,8 @@ class FakeGroup:
     (dict(coefficient_type="quintic"), "five different triples.*use 'simple'"),
     (dict(coefficient_type="polar_express"), "eight triples"),
     (dict(coefficient_type="cans"), "coefficient_type='cans' is not supported"),
-    (dict(fp32_matmul_prec="low"), "fp32_matmul_prec='low'"),
+    (dict(fp32_matmul_prec="lowest"), "fp32_matmul_prec='lowest': choose low | medium | high | highest"),
+    (dict(verdict="later"), "verdict='later': choose sync | deferred"),
     (dict(num_ns_steps=0), "num_ns_steps=0"),
     (dict(scale_mode="rms"), "scale_mode='rms'"),
     (dict(extra_scale_factor=0.0), "extra_scale_factor=0.0"),
@@ -545,6 +546,60 @@ def test_tp_one_and_any_tp_mode_are_accepted(backend):
     one = SimpleNamespace(tp=FakeGroup(1), expt_tp=FakeGroup(1))
     for mode in ("duplicated", "blockwise", "distributed"):
         build(make_params(), backend, pg_collection=one, tp_mode=mode, use_syrk=True)
+
+
+@pytest.mark.parametrize("process_precision,expected", [("medium", "bf16"), ("high", "fp32"), ("highest", "fp32")])
+def test_fp32_matmul_prec_low_follows_the_process_precision_as_megatron_does(process_precision, expected):
+    # Megatron's CLI offers --muon-fp32-matmul-prec low; torch ignores 'low' (it keeps the current precision),
+    # so Megatron's own Muon runs its Newton-Schulz at the process's float32 matmul precision. Before, the
+    # adapter refused 'low' outright.
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision(process_precision)
+        with pytest.warns(UserWarning, match=f"Newton-Schulz runs in {expected}"):
+            opt = MegatronNorMuon(make_params(), coefficient_type="simple", fp32_matmul_prec="low",
+                                  backend="reference")
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert opt._fixed["ns_precision"] == expected and opt.fp32_matmul_prec == "low"
+    assert nm.ns_precision_for("medium") == "bf16" and nm.ns_precision_for("highest") == "fp32"
+
+
+def test_the_adapters_default_to_the_deferred_verdict_and_hand_it_on(backend):
+    # On CUDA the NorMuon and Adam halves of a Megatron step then add no host sync between them (the verdict
+    # of each is read from a status copy at its next step); on the CPU both verdicts are the same.
+    params = make_params(seed=21)
+    opt = build(params, backend)
+    adam = nm.MegatronAdamW([torch.randn(5, requires_grad=True)], backend=backend)
+    assert opt.verdict == adam.verdict == "deferred"
+    set_grads(params, grads_for(params, 1))
+    opt.step()
+    assert opt._inner.verdict == "deferred"
+    assert build(make_params(), backend, verdict="sync").verdict == "sync"
+
+
+def test_a_deferred_skip_takes_back_the_step_counters(backend):
+    # The verdict of a deferred step arrives at the next step(): a skipped step changed nothing, and the
+    # counters step() advanced for it go back before the next step reads them. Simulated here by answering
+    # for the inner optimizer as a deferred CUDA verdict would.
+    params = make_params(seed=22)
+    opt = build(params, backend, nonfinite="skip_step")
+    set_grads(params, grads_for(params, 1))
+    opt.step()
+    assert [g["step"] for g in opt.param_groups] == [1]
+    answers = iter(["nonfinite gradient in 'g0.p1'", None])
+    opt._inner._settle = lambda: next(answers)
+    opt.step()  # settles the first step as skipped (1 -> 0), then runs this one (0 -> 1)
+    assert [g["step"] for g in opt.param_groups] == [1]
+    opt.step()
+    assert [g["step"] for g in opt.param_groups] == [2] and opt.last_skip_reason is None
+
+    def fails():
+        raise RuntimeError("nonfinite gradient in 'g0.p1'")
+    opt._inner._settle = fails
+    with pytest.raises(RuntimeError, match="nonfinite"):
+        opt.state_dict()
+    assert [g["step"] for g in opt.param_groups] == [1]
 
 
 def test_non_matrices_are_refused():
@@ -656,6 +711,20 @@ def test_10_register_into_a_stub_megatron_and_build_like_megatron(monkeypatch, b
     set_grads(params, grads_for(params, 2))
     opt.step()
     assert opt.param_groups[0]["step"] == 1
+
+
+def test_10_scalar_rerouting_applies_or_is_refused(monkeypatch):
+    # Megatron applies --muon-scalar-optimizer only for the names 'muon' and 'adaptive_muon'. Registered as
+    # 'normuon', a 'lion' request used to be dropped silently (the scalars got Adam); now it is refused.
+    mopt, eo = install_stub_megatron(monkeypatch)
+    entry = nm.register(backend="reference")
+    pg = SimpleNamespace(tp=FakeGroup(1), expt_tp=FakeGroup(1))
+    with pytest.raises(ValueError, match=r"muon_scalar_optimizer='lion'.*registered as 'normuon'.*name='muon'"):
+        entry.config_to_kwargs(megatron_config(muon_scalar_optimizer="lion"), [None], pg)
+    assert entry.config_to_kwargs(megatron_config(), [None], pg)["momentum"] == 0.95  # adam: as Megatron routes
+    muon = nm.register("muon", replace_existing=True, backend="reference")
+    assert muon.default_param_overrides is MUON_OVERRIDES  # Megatron rewrites their 'adam' for these names
+    assert "momentum" in muon.config_to_kwargs(megatron_config(muon_scalar_optimizer="lion"), [None], pg)
 
 
 def megatron_builds_adam(mopt, config, param_groups):
