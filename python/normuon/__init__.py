@@ -1,7 +1,7 @@
 """normuon: the NorMuon + AdamW hybrid optimizer for torch (docs/python.md).
 
     import normuon
-    opt = normuon.NorMuonAdamW(model.named_parameters(), lr=0.02, adamw_lr=3e-4)
+    opt = normuon.NorMuonAdamW(model, lr=0.02, adamw_lr=3e-4)
     opt.print_routing()   # which parameter got NorMuon, which AdamW, and why
 """
 from . import reference

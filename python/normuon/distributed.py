@@ -12,7 +12,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .optim import ADAMW_KEYS, NORMUON_FIELDS, NorMuonAdamW
+from .optim import ADAMW_KEYS, NORMUON_FIELDS, NorMuonAdamW, resolve_inputs
+from .routing import ROUTING_COLUMNS, routing_text
 from .reference import nonfinite_gradient
 
 # Group keys that are bookkeeping, not hyper-parameters: never copied into the per-rank optimizer.
@@ -74,6 +75,11 @@ class DistributedNorMuonAdamW(torch.optim.Optimizer):
         self._backend_choice = kwargs.pop("backend", None)
         self._threads = kwargs.pop("threads", 0)
         self.nonfinite = kwargs.pop("nonfinite", "error")
+        # A model, model= and normuon_params= / adamw_params= become named parameters and roles here, so the
+        # stand-ins below (and the rebuilds for saving and loading) route exactly as the real tensors do.
+        params, kwargs["roles"] = resolve_inputs(params, kwargs.pop("normuon_params", None),
+                                                 kwargs.pop("adamw_params", None), kwargs.pop("model", None),
+                                                 kwargs.pop("roles", None))
         # Kept to rebuild the single-process optimizer (same manifest order, so the same layout and state
         # files) for saving and loading; generators are turned into lists so they can be walked again.
         self._ctor_params = _listed(params)
@@ -92,6 +98,7 @@ class DistributedNorMuonAdamW(torch.optim.Optimizer):
             return s
 
         plan = self._single_process(stand_in)
+        self._routing = plan.routing_table()
         groups = [dict(g, params=[real.get(id(t), t) for t in g["params"]]) for g in plan.param_groups]
         self._params = []
         for e in plan._entries:  # manifest order
@@ -184,6 +191,20 @@ class DistributedNorMuonAdamW(torch.optim.Optimizer):
         steps it) and cost (Newton-Schulz FLOPs for a matrix, elements for AdamW)."""
         return [dict(index=p.index, name=p.name, algorithm=p.algorithm, shape=tuple(p.tensor.shape),
                      owner="all" if p.owner is None else p.owner, cost=p.cost) for p in self._params]
+
+    def routing_table(self):
+        """NorMuonAdamW's routing table (the same on every rank) with each parameter's owner: the rank that
+        steps it and sends its values, or 'all' when every rank steps it."""
+        owners = {p.name: "all" if p.owner is None else p.owner for p in self._params}
+        return [dict(r, owner=owners[r["name"]]) for r in self._routing]
+
+    def routing_text(self):
+        return routing_text("DistributedNorMuonAdamW", self.routing_table(),
+                            f"{self.world_size} ranks, this one {self.rank}; backend {self.backend}",
+                            ROUTING_COLUMNS[:-1] + ("owner", "why"))
+
+    def print_routing(self, file=None):
+        print(self.routing_text(), file=file)
 
     def owned_names(self, rank=None):
         """Names of the parameters that `rank` (default: this one) owns and sends to the others."""

@@ -12,6 +12,7 @@ import warnings
 import torch
 
 from . import reference
+from .routing import infer_role, module_roles, routing_text, vocabulary_lookalikes
 
 try:
     from . import _C
@@ -44,8 +45,6 @@ _RANGES = {"lr": 1e6, "weight_decay": 1e6, "beta1": 1.0, "beta2": 1.0, "eps": 1.
            "denom_eps": 1.0, "renorm_eps": 1.0}
 
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-_EMBEDDING_MARKERS = ("embed", "wte", "wpe", "tok_embeddings")
-_HEAD_FIRST = ("output", "head")  # a top-level module of these names is the output head (Llama: output.weight)
 
 
 class StateFileError(RuntimeError):
@@ -59,24 +58,6 @@ if _C is not None:
 def native_error():
     """Why normuon._C could not be imported, or None."""
     return _C_IMPORT_ERROR
-
-
-def infer_role(name, shape):
-    """The manifest role of a parameter from its name and shape (routing reads it, docs/python.md)."""
-    lname = name.lower()
-    parts = lname.split(".")
-    if any(m in lname for m in _EMBEDDING_MARKERS):
-        return "embedding"
-    if "lm_head" in parts or parts[0] in _HEAD_FIRST:
-        return "head"
-    if len(shape) == 2:
-        return "matrix"
-    if len(shape) < 2:
-        if parts[-1] == "bias":
-            return "bias"
-        if "norm" in lname or any(p.startswith("ln") for p in parts):
-            return "norm"
-    return "other"
 
 
 def route(name, shape, role, override=None):
@@ -128,7 +109,7 @@ class _Entry:
     """One parameter: the user's tensor, its state (views of the optimizer's buffers) and, when it is
     bf16/fp16, its fp32 master."""
 
-    __slots__ = ("index", "name", "tensor", "shape", "dtype", "role", "algorithm", "why", "group", "override",
+    __slots__ = ("index", "name", "tensor", "shape", "dtype", "role", "evidence", "algorithm", "why", "group", "override",
                  "master", "version", "grad", "state", "stats_per_row", "stat_len", "has_grad")
 
     @property
@@ -144,11 +125,13 @@ class _Entry:
 class NorMuonAdamW(torch.optim.Optimizer):
     """NorMuon on 2-D hidden matrices, AdamW on everything else (docs/spec.md, docs/python.md).
 
-    params: model.named_parameters() (recommended: names drive the routing), plain tensors, or param
-        groups: dicts with "params" (tensors or (name, tensor) pairs), optional "names", "name",
-        "algorithm" ("auto" | "normuon" | "adamw") and hyper-parameters. An "auto" group (the default) is
-        split by the routing rule into a NorMuon and an AdamW group; it takes NorMuon keys plus
-        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay.
+    params: the model (recommended: its modules tell the embeddings and the head, routing.py),
+        model.named_parameters(), plain tensors, or param groups: dicts with "params" (tensors or (name,
+        tensor) pairs), optional "names", "name", "algorithm" ("auto" | "normuon" | "adamw") and
+        hyper-parameters. An "auto" group (the default) is split by the routing rule into a NorMuon and an
+        AdamW group; it takes NorMuon keys plus adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay.
+    normuon_params, adamw_params: instead of params, an explicit split (one group each).
+    model: beside params, the module they come from: bare tensors get its names and its modules' roles.
     lr, beta1 (alias momentum), beta2, weight_decay, nesterov, ns_steps, **knobs: NorMuon defaults
         (knobs: ns_coefficients, ns_precision, reduce_axis, lr_scale, weight_decay_mode, eps_placement,
         ns_eps, denom_eps, renorm_eps).
@@ -163,9 +146,10 @@ class NorMuonAdamW(torch.optim.Optimizer):
     model; a bf16/fp16 parameter gets an fp32 master, written back rounded in the same pass.
     """
 
-    def __init__(self, params, lr=0.02, beta1=0.95, beta2=0.95, weight_decay=0.0, nesterov=True, ns_steps=5, *,
+    def __init__(self, params=None, lr=0.02, beta1=0.95, beta2=0.95, weight_decay=0.0, nesterov=True, ns_steps=5, *,
                  momentum=None, adamw_lr=3e-4, adamw_betas=(0.9, 0.95), adamw_eps=1e-10, adamw_weight_decay=0.0,
-                 overrides=None, roles=None, backend=None, threads=0, nonfinite="error", verdict="sync", **knobs):
+                 normuon_params=None, adamw_params=None, model=None, overrides=None, roles=None, backend=None,
+                 threads=0, nonfinite="error", verdict="sync", **knobs):
         unknown = sorted(set(knobs) - set(NORMUON_KNOBS))
         if unknown:
             raise TypeError(f"NorMuonAdamW got unexpected keyword argument(s) {', '.join(unknown)} "
@@ -185,7 +169,7 @@ class NorMuonAdamW(torch.optim.Optimizer):
                                 weight_decay=weight_decay, nesterov=nesterov, ns_steps=ns_steps, **knobs)
         adamw_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)
         overrides = dict(overrides or {})
-        roles = dict(roles or {})
+        params, roles = resolve_inputs(params, normuon_params, adamw_params, model, roles)
 
         groups, entries = self._build_groups(params, normuon_defaults, adamw_defaults, overrides, roles)
         self._entries = entries
@@ -207,11 +191,19 @@ class NorMuonAdamW(torch.optim.Optimizer):
         for e in entries:  # live views, for inspection as with torch's optimizers
             self.state[e.tensor] = self._state_views(e)
         self.last_skip_reason = None
+        suspects = vocabulary_lookalikes(entries)
+        if suspects:
+            warnings.warn(f"NorMuonAdamW: {', '.join(repr(e.name) for e in suspects)} went to NorMuon on their "
+                          "names alone but are shaped like an embedding or output head (the token embedding's "
+                          "shape, or a vocabulary-sized dimension no hidden matrix has). Pass the model "
+                          "(NorMuonAdamW(model) or model=), or roles= / overrides= to say what they are. The "
+                          "routing:\n" + self.routing_text(), stacklevel=2)
 
     # ------------------------------------------------------------------------------------------- building
 
     def _build_groups(self, params, normuon_defaults, adamw_defaults, overrides, roles):
-        """User input -> (param groups of one algorithm each, entries in manifest order)."""
+        """User input -> (param groups of one algorithm each, entries in manifest order). roles: {name: role
+        or (role, evidence)} (resolve_inputs); a parameter without one is judged by its name (routing.py)."""
         params = list(params)
         if not params:
             raise ValueError("NorMuonAdamW got an empty parameter list")
@@ -219,11 +211,7 @@ class NorMuonAdamW(torch.optim.Optimizer):
             user_groups, named = params, False
         else:
             user_groups, named = [{"params": params}], True
-            if any(isinstance(p, torch.Tensor) and p.dim() == 2 for p in params):
-                warnings.warn("NorMuonAdamW got matrices without names, so it cannot tell embeddings and the "
-                              "output head from hidden matrices: every 2-D tensor goes to NorMuon. Pass "
-                              "model.named_parameters() (or roles/overrides by the names param0, param1, ...)",
-                              stacklevel=3)
+        unnamed = []  # auto-routed matrices with neither a name nor a module to tell their role
         entries, groups, seen_names, seen_tensors = [], [], set(), set()
         for gi, ug in enumerate(user_groups):
             if not isinstance(ug, dict) or "params" not in ug:
@@ -263,14 +251,17 @@ class NorMuonAdamW(torch.optim.Optimizer):
                 names = {algorithm: base}
             sub = {alg: {"params": [], "names": [], "name": n, "algorithm": alg,
                          **(nm if alg == "normuon" else aw)} for alg, n in names.items()}
-            for name, tensor in pairs:
+            for name, tensor, given in pairs:
                 if name in seen_names:
                     raise ValueError(f"two parameters are named '{name}'")
                 if id(tensor) in seen_tensors:
                     raise ValueError(f"parameter '{name}' appears twice (the same tensor under two names or groups)")
                 seen_names.add(name)
                 seen_tensors.add(id(tensor))
-                e = _make_entry(len(entries), name, tensor, roles.pop(name, None))
+                told = roles.pop(name, (None, "name"))
+                role, evidence = told if isinstance(told, tuple) else (told, "roles=")
+                e = _make_entry(len(entries), name, tensor, role)
+                e.evidence = evidence
                 explicit = overrides.pop(name, None)
                 override = explicit
                 if algorithm != "auto":  # the group's algorithm is an override of all its parameters
@@ -282,12 +273,22 @@ class NorMuonAdamW(torch.optim.Optimizer):
                 e.algorithm, e.why = route(name, e.shape, e.role, override)
                 if algorithm != "auto" and explicit not in ("normuon", "adamw"):
                     e.why = f"group '{base}'"
+                elif e.why.startswith("rule: ") and e.role in ("embedding", "head"):
+                    e.why += f" ({evidence})"  # what told the role: a module, the name, or roles=
+                if not given and evidence == "name" and e.algorithm == "normuon" and override is None:
+                    unnamed.append(name)
                 sub[e.algorithm]["params"].append(tensor)
                 sub[e.algorithm]["names"].append(name)
                 entries.append(e)
             for alg, g in sub.items():
                 if named or algorithm != "auto" or g["params"]:  # drop the empty half of a split group
                     groups.append(g)
+        if unnamed:
+            warnings.warn(f"NorMuonAdamW got matrices without names ({', '.join(unnamed[:4])}"
+                          f"{', ...' if len(unnamed) > 4 else ''}), so it cannot tell embeddings and the output head "
+                          "from hidden matrices: every 2-D tensor goes to NorMuon. Pass the model "
+                          "(NorMuonAdamW(model) or model=model), model.named_parameters(), normuon_params= / "
+                          "adamw_params=, or roles/overrides by these names", stacklevel=3)
         if overrides:
             raise ValueError(f"overrides name unknown parameter(s): {', '.join(sorted(overrides))}")
         if roles:
@@ -702,18 +703,8 @@ class NorMuonAdamW(torch.optim.Optimizer):
                 for e in self._entries]
 
     def routing_text(self):
-        rows = self.routing_table()
-        n_nm = sum(math.prod(r["shape"]) for r in rows if r["algorithm"] == "normuon")
-        n_aw = sum(math.prod(r["shape"]) for r in rows if r["algorithm"] == "adamw")
         layout = f"; layout {self._layout.fingerprint}" if self._layout is not None else ""
-        head = (f"NorMuonAdamW: {len(rows)} parameters, {n_nm} values on NorMuon, {n_aw} on AdamW; "
-                f"backend {self.backend}{layout}")
-        cols = ["name", "shape", "dtype", "role", "algorithm", "group", "stats", "why"]
-        cells = [[r[c] if c != "shape" else "x".join(map(str, r["shape"])) or "scalar" for c in cols] for r in rows]
-        widths = [max(len(str(x)) for x in [c] + [row[j] for row in cells]) for j, c in enumerate(cols)]
-        lines = [head, "  " + "  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
-        lines += ["  " + "  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in cells]
-        return "\n".join(lines)
+        return routing_text("NorMuonAdamW", self.routing_table(), f"backend {self.backend}{layout}")
 
     def print_routing(self, file=None):
         print(self.routing_text(), file=file)
@@ -867,8 +858,8 @@ def _resolve_choice(backend):
 
 
 def _named_tensors(params, names, group_index, prefix):
-    """(name, tensor) pairs from tensors (named prefix + position), (name, tensor) pairs, or tensors with a
-    parallel names list."""
+    """(name, tensor, given) triples from tensors (named prefix + position), (name, tensor) pairs, or tensors
+    with a parallel names list; given: the caller named it."""
     if isinstance(params, torch.Tensor):
         params = [params]
     params = list(params)
@@ -877,16 +868,82 @@ def _named_tensors(params, names, group_index, prefix):
         if len(names) != len(params):
             raise ValueError(f"param group #{group_index}: {len(names)} names for {len(params)} parameters")
         params = list(zip(names, params))
-    pairs = []
+    triples = []
     for k, p in enumerate(params):
         if isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str):
-            name, tensor = p
+            (name, tensor), given = p, True
         else:
-            name, tensor = f"{prefix}{k}", p
+            name, tensor, given = f"{prefix}{k}", p, False
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"parameter '{name}' is a {type(tensor).__name__}, not a torch.Tensor")
-        pairs.append((name, tensor))
-    return pairs
+        triples.append((name, tensor, given))
+    return triples
+
+
+def resolve_inputs(params, normuon_params=None, adamw_params=None, model=None, roles=None):
+    """(params, roles) from the constructor's forms: an nn.Module (routed by its modules), parameters or
+    groups (model= adds the modules' evidence and names the bare tensors of the model), or an explicit split
+    into normuon_params / adamw_params (as Muon users split by hand). roles: {name: role} from roles= (which
+    wins) and {name: (role, evidence)} from the modules."""
+    if isinstance(params, torch.nn.Module):
+        if model is not None and model is not params:
+            raise ValueError("NorMuonAdamW got a module as params and another one as model=")
+        model, params = params, list(params.named_parameters())
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model= must be a torch.nn.Module, not {type(model).__name__}")
+    if normuon_params is None and adamw_params is None:
+        if params is None:
+            raise TypeError("NorMuonAdamW needs params (a model, its named_parameters() or param groups) or "
+                            "normuon_params= / adamw_params=")
+    elif params is not None:
+        raise ValueError("NorMuonAdamW: pass either params or normuon_params= / adamw_params=, not both")
+    else:
+        params = []
+        for name, given in (("normuon", normuon_params), ("adamw", adamw_params)):
+            if isinstance(given, torch.nn.Module):
+                given = list(given.named_parameters())
+            given = [] if given is None else [given] if isinstance(given, torch.Tensor) else list(given)
+            if given:
+                params.append({"params": given, "algorithm": name, "name": name})
+    told = {}
+    if model is not None:
+        by_module = module_roles(model)
+        params = _named_by(params, {id(p): n for n, p in model.named_parameters()})
+        told = {n: by_module[id(t)] for n, t in _pairs(params) if id(t) in by_module}
+    told.update(roles or {})
+    return params, told
+
+
+def _pairs(params):
+    """Every (name, tensor) that params names, in groups or not."""
+    for item in params:
+        if isinstance(item, dict) and "params" in item:
+            ps = item["params"]
+            ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+            if "names" in item:
+                yield from zip(item["names"], ps)
+            else:
+                yield from (x for x in ps if isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], str))
+        elif isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str):
+            yield item
+
+
+def _named_by(params, names):
+    """params with each bare tensor that `names` knows (by identity) as a (name, tensor) pair."""
+    def name(x):
+        return (names[id(x)], x) if isinstance(x, torch.Tensor) and id(x) in names else x
+
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    out = []
+    for item in params:
+        if isinstance(item, dict) and "params" in item:
+            ps = item["params"]
+            ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)  # walked again: no generators
+            item = dict(item, params=ps if "names" in item else [name(x) for x in ps])
+        elif not isinstance(item, dict):
+            item = name(item)
+        out.append(item)
+    return out
 
 
 def _dense_grad(e):

@@ -54,7 +54,7 @@ def test_overrides_and_roles(native):
     assert rows["blocks.0.proj.weight"]["algorithm"] == "adamw" and rows["blocks.0.proj.weight"]["why"] == "override"
     assert rows["lm_head.weight"]["algorithm"] == "normuon"
     assert rows["blocks.1.proj.weight"]["algorithm"] == "adamw"
-    assert rows["blocks.1.proj.weight"]["why"] == "rule: embedding"
+    assert rows["blocks.1.proj.weight"]["why"] == "rule: embedding (roles=)"
     csv = opt.manifest_csv()
     assert "blocks.0.proj.weight,32x32,f32,matrix,,adamw" in csv
     assert "lm_head.weight,64x32,f32,head,,normuon" in csv
