@@ -24,8 +24,22 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
+# A current torch from PyPI beside Debian's 1.13, for the Python tests (users run torch 2.x). Debian's python3
+# and numpy < 2, so the native module built below (Debian's pybind11) imports in both. NORMUON_TORCH2=0 skips it.
+torch2_venv=.venv-torch2
+torch2_pin="torch==2.11.0"
+if [ "${NORMUON_TORCH2:-1}" != 0 ] && ! "$torch2_venv/bin/python" -c "import torch, pytest" 2>/dev/null; then
+  echo "setup: creating $torch2_venv with $torch2_pin from PyPI (about 5 GB with its CUDA libraries)"
+  python3 -m venv --clear "$torch2_venv"
+  "$torch2_venv/bin/pip" install -q --disable-pip-version-check "$torch2_pin" "numpy<2" pytest
+fi
+torch2_python=""
+[ "${NORMUON_TORCH2:-1}" != 0 ] && torch2_python="$PWD/$torch2_venv/bin/python"
+
 build_dir=${NORMUON_BUILD_DIR:-build}
 if [ ! -f "$build_dir/build.ninja" ]; then
-  cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+  cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNORMUON_TORCH2_PYTHON="$torch2_python" >/dev/null
+elif [ -n "$torch2_python" ]; then
+  cmake "$build_dir" -DNORMUON_TORCH2_PYTHON="$torch2_python" >/dev/null
 fi
 cmake --build "$build_dir" -j "$(nproc)"

@@ -36,6 +36,22 @@ def backend(request):
     return request.param
 
 
+def torch_sqrt_rounding_errors(n=1 << 16, seed=0):
+    """Elements of a random fp32 vector whose torch.sqrt is not the correctly rounded square root (on some
+    CPUs torch 2.x takes a vectorised sqrt that is off by an ulp on ~20% of the elements). The spec and the
+    fast backends round every sqrt correctly, so bitwise agreement with torch.optim.AdamW needs 0 here."""
+    x = torch.rand(n, generator=torch.Generator().manual_seed(seed)) * 4
+    return int((x.sqrt() != x.double().sqrt().float()).sum())
+
+
+def require_exact_torch_sqrt():
+    wrong = torch_sqrt_rounding_errors()
+    if wrong:
+        pytest.skip(f"torch {torch.__version__}: torch.sqrt on this CPU rounds {wrong} of {1 << 16} values wrongly, "
+                    "so no implementation with a correctly rounded sqrt (this one) can match torch.optim.AdamW bit "
+                    "for bit here; the tolerance tests cover it")
+
+
 def cli_path():
     """The `normuon` tool from the build (CTest passes NORMUON_CLI), or skip."""
     path = os.environ.get("NORMUON_CLI", "")

@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Pyth
 import normuon  # noqa: E402
 from normuon import reference  # noqa: E402
 from conftest import fill_grads, make_model, params_of  # noqa: E402
+from conftest import require_exact_torch_sqrt, torch_sqrt_rounding_errors  # noqa: E402
 from torch import nn  # noqa: E402
 
 ADAM = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -39,6 +40,7 @@ def set_grads(a, b, step):
 def test_adamw_bitwise_with_torch_when_the_moment_forms_coincide(native):
     """With beta1 = 0 torch 1.13's m.mul_(beta1).add_(g, alpha=1-beta1) and the spec's lerp both give m = g
     exactly, so every other operation (decay, v, bias corrections, addcdiv) must match bit for bit."""
+    require_exact_torch_sqrt()
     a, b, ours, theirs = adam_pair((0.0, 0.999))
     for step in range(1, 21):
         set_grads(a, b, step)
@@ -59,7 +61,7 @@ def test_adamw_agrees_with_torch_within_fp32_tolerance(native):
         set_grads(a, b, step)
         ours.step()
         theirs.step()
-        if step == 1:  # m = 0: both forms round (1-beta1)*g once
+        if step == 1 and torch_sqrt_rounding_errors() == 0:  # m = 0: both forms round (1-beta1)*g once
             assert all(torch.equal(a[n], b[n]) for n in a)
     state = ours.state_dict()["state"]
     for i, n in enumerate(a):
