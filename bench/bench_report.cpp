@@ -1,10 +1,26 @@
 #include "bench_report.h"
 
 #include <algorithm>
+#include <cstdarg>
 #include <cstdio>
 #include <ctime>
 
-namespace normuon::cli {
+namespace normuon::bench {
+namespace {
+
+std::string vformat(const char* fmt, va_list args) {
+  va_list copy;
+  va_copy(copy, args);
+  const int n = std::vsnprintf(nullptr, 0, fmt, copy);
+  va_end(copy);
+  if (n <= 0) return "";
+  std::string out(static_cast<size_t>(n) + 1, '\0');
+  std::vsnprintf(out.data(), out.size(), fmt, args);
+  out.resize(static_cast<size_t>(n));
+  return out;
+}
+
+}  // namespace
 
 double ms_between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
@@ -20,6 +36,10 @@ Summary summarise(std::vector<double> v) {
   s.min = v.front();
   s.max = v.back();
   return s;
+}
+
+double other_ms(const PhaseTimes& p) {
+  return std::max(0.0, p.total - (p.momentum + p.newton_schulz + p.normalisation + p.update + p.adamw));
 }
 
 std::string ms_cell(const Summary& s) {
@@ -61,4 +81,24 @@ std::string utc_now(const char* format) {
   return buf;
 }
 
-}  // namespace normuon::cli
+std::string format(const char* fmt, ...) {
+  va_list args;
+  va_start(args, fmt);
+  std::string s = vformat(fmt, args);
+  va_end(args);
+  return s;
+}
+
+void Transcript::say(const char* fmt, ...) {
+  va_list args;
+  va_start(args, fmt);
+  const std::string s = vformat(fmt, args);
+  va_end(args);
+  if (echo_) {
+    std::fputs(s.c_str(), echo_);
+    std::fflush(echo_);
+  }
+  text_ += s;
+}
+
+}  // namespace normuon::bench

@@ -90,7 +90,7 @@ void* pvalloc(size_t size) noexcept {
 
 }  // extern "C"
 
-namespace normuon::cli {
+namespace normuon::bench {
 
 uint64_t allocation_count() { return g_allocations.load(std::memory_order_relaxed); }
 
@@ -104,4 +104,4 @@ bool allocation_counting_active() {
   return after > before;
 }
 
-}  // namespace normuon::cli
+}  // namespace normuon::bench

@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-namespace normuon::cli {
+namespace normuon::bench {
 
 // malloc-family calls since the process started. Take the difference around the code to measure.
 uint64_t allocation_count();
@@ -16,4 +16,4 @@ uint64_t allocation_count();
 // counter reads 0 allocations for everything, so callers report "not measured" instead.
 bool allocation_counting_active();
 
-}  // namespace normuon::cli
+}  // namespace normuon::bench
