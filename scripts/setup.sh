@@ -28,10 +28,10 @@ fi
 # and numpy < 2, so the native module built below (Debian's pybind11) imports in both. NORMUON_TORCH2=0 skips it.
 torch2_venv=.venv-torch2
 torch2_pin="torch==2.11.0"
-if [ "${NORMUON_TORCH2:-1}" != 0 ] && ! "$torch2_venv/bin/python" -c "import torch, pytest" 2>/dev/null; then
+if [ "${NORMUON_TORCH2:-1}" != 0 ] && ! "$torch2_venv/bin/python" -c "import torch, pytest, wheel" 2>/dev/null; then
   echo "setup: creating $torch2_venv with $torch2_pin from PyPI (about 5 GB with its CUDA libraries)"
   python3 -m venv --clear "$torch2_venv"
-  "$torch2_venv/bin/pip" install -q --disable-pip-version-check "$torch2_pin" "numpy<2" pytest
+  "$torch2_venv/bin/pip" install -q --disable-pip-version-check "$torch2_pin" "numpy<2" pytest setuptools wheel
 fi
 torch2_python=""
 [ "${NORMUON_TORCH2:-1}" != 0 ] && torch2_python="$PWD/$torch2_venv/bin/python"

@@ -60,6 +60,12 @@ BOOST_AUTO_TEST_CASE(bad_keys_and_values_are_clear_errors) {
                         [](const auto& e) { return message_contains(e, "rows | longer_dim"); });
   BOOST_CHECK_EXCEPTION(o.set("normuon.beta1=1.5"), std::invalid_argument,
                         [](const auto& e) { return message_contains(e, "outside"); });
+  // beta = 1, as torch refuses it: AdamW's bias correction 1 - beta^t is 0 and every value became NaN.
+  BOOST_CHECK_EXCEPTION(o.set("adamw.beta2=1"), std::invalid_argument,
+                        [](const auto& e) { return message_contains(e, "outside [0, 1)"); });
+  BOOST_CHECK_EXCEPTION(o.set("normuon.beta1=1"), std::invalid_argument,
+                        [](const auto& e) { return message_contains(e, "outside [0, 1)"); });
+  o.set("adamw.beta1=0");  // the low end stays closed
   BOOST_CHECK_EXCEPTION(o.set("normuon.lr=abc"), std::invalid_argument,
                         [](const auto& e) { return message_contains(e, "not a finite number"); });
   BOOST_CHECK_EXCEPTION(o.set("normuon.lr=nan"), std::invalid_argument,

@@ -95,14 +95,16 @@ struct Field {
   std::function<void(H&, const Json&)> from_json;
 };
 
+// below_hi: the range is [lo, hi), as torch has it for betas (beta = 1 never forgets, and AdamW's bias
+// correction divides by 1 - beta^t = 0).
 template <typename H>
-Field<H> number_field(const char* name, double H::*member, double lo, double hi) {
+Field<H> number_field(const char* name, double H::*member, double lo, double hi, bool below_hi = false) {
   return {name,
-          [member, lo, hi](H& h, const std::string& key, const std::string& text) {
+          [member, lo, hi, below_hi](H& h, const std::string& key, const std::string& text) {
             double v = parse_double(key, text);
-            if (v < lo || v > hi)
+            if (v < lo || v > hi || (below_hi && v == hi))
               throw std::invalid_argument("option '" + key + "': " + text + " is outside [" + format_double(lo) +
-                                          ", " + format_double(hi) + "]");
+                                          ", " + format_double(hi) + (below_hi ? ")" : "]"));
             h.*member = v;
           },
           [member](const H& h) { return format_double(h.*member); },
@@ -123,8 +125,8 @@ const std::vector<Field<NorMuonHyper>>& normuon_fields() {
   using H = NorMuonHyper;
   static const std::vector<Field<H>> fields{
       number_field<H>("lr", &H::lr, 0, 1e6),
-      number_field<H>("beta1", &H::beta1, 0, 1),
-      number_field<H>("beta2", &H::beta2, 0, 1),
+      number_field<H>("beta1", &H::beta1, 0, 1, true),
+      number_field<H>("beta2", &H::beta2, 0, 1, true),
       number_field<H>("weight_decay", &H::weight_decay, 0, 1e6),
       {"nesterov",
        [](H& h, const std::string& key, const std::string& text) { h.nesterov = parse_bool(key, text); },
@@ -158,8 +160,8 @@ const std::vector<Field<AdamWHyper>>& adamw_fields() {
   using H = AdamWHyper;
   static const std::vector<Field<H>> fields{
       number_field<H>("lr", &H::lr, 0, 1e6),
-      number_field<H>("beta1", &H::beta1, 0, 1),
-      number_field<H>("beta2", &H::beta2, 0, 1),
+      number_field<H>("beta1", &H::beta1, 0, 1, true),
+      number_field<H>("beta2", &H::beta2, 0, 1, true),
       number_field<H>("eps", &H::eps, 0, 1),
       number_field<H>("weight_decay", &H::weight_decay, 0, 1e6),
   };

@@ -12,7 +12,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .optim import ADAMW_KEYS, NORMUON_FIELDS, NorMuonAdamW, resolve_inputs
+from .optim import ADAMW_KEYS, NORMUON_FIELDS, NorMuonAdamW, not_copyable, resolve_inputs
 from .routing import ROUTING_COLUMNS, routing_text
 from .reference import nonfinite_gradient
 
@@ -214,6 +214,15 @@ class DistributedNorMuonAdamW(torch.optim.Optimizer):
     @property
     def backend(self):
         return self._local.backend
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(not_copyable(type(self).__name__))
+
+    def __copy__(self):
+        raise TypeError(not_copyable(type(self).__name__))
+
+    def __deepcopy__(self, memo):
+        raise TypeError(not_copyable(type(self).__name__))
 
     def add_param_group(self, param_group):
         if getattr(self, "_built", False):

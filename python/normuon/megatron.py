@@ -23,6 +23,7 @@ from collections import defaultdict
 import torch
 
 from . import optim as _optim
+from .optim import not_copyable
 from . import reference
 
 # megatron-core releases whose emerging-optimizer registry this adapter was written against (major, minor),
@@ -161,6 +162,15 @@ class _MegatronFlat(torch.optim.Optimizer):
         self._group_map = []    # (index in param_groups, index in the inner optimizer's groups)
         self._advanced = []     # groups whose step the last step() advanced (taken back if it was skipped)
         self.last_skip_reason = None
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(not_copyable(type(self).__name__))
+
+    def __copy__(self):
+        raise TypeError(not_copyable(type(self).__name__))
+
+    def __deepcopy__(self, memo):
+        raise TypeError(not_copyable(type(self).__name__))
 
     def _fail(self, message):
         raise ValueError(f"{self._label}: {message}")
@@ -647,8 +657,8 @@ class MegatronNorMuon(_MegatronFlat):
         lr = _number(label, where, group, "lr", 1e6)
         weight_decay = _number(label, where, group, "weight_decay", 1e6)
         h = dict(self._fixed, lr=lr * self._fold, weight_decay=weight_decay / self._fold,
-                 beta1=_number(label, where, group, "momentum", 1.0),
-                 beta2=_number(label, where, group, "beta2", 1.0),
+                 beta1=_number(label, where, group, "momentum", 1.0, below=True),
+                 beta2=_number(label, where, group, "beta2", 1.0, below=True),
                  denom_eps=_number(label, where, group, "eps", 1.0))
         if h["lr"] > 1e6:
             self._fail(f"{where}: lr={lr!r} times the folded scale {self._fold:g} exceeds 1e6")

@@ -41,6 +41,7 @@ _ENUMS = {
     "weight_decay_mode": ("decoupled", "cautious", "none"),
     "eps_placement": ("add", "clamp"),
 }
+_BELOW_TOP = ("beta1", "beta2")  # [0, 1), as torch: beta = 1 never forgets (and AdamW divides by 1 - beta^t = 0)
 _RANGES = {"lr": 1e6, "weight_decay": 1e6, "beta1": 1.0, "beta2": 1.0, "eps": 1.0, "ns_eps": 1.0,
            "denom_eps": 1.0, "renorm_eps": 1.0}
 
@@ -94,8 +95,8 @@ def check_value(key, value):
         if number != int(number) or not 1 <= number <= 100:
             raise ValueError(f"ns_steps={value!r} is not an integer in [1, 100]")
         return int(number)
-    if not 0 <= number <= _RANGES[key]:
-        raise ValueError(f"{key}={value!r} is outside [0, {_RANGES[key]:g}]")
+    if not 0 <= number <= _RANGES[key] or (key in _BELOW_TOP and number == _RANGES[key]):
+        raise ValueError(f"{key}={value!r} is outside [0, {_RANGES[key]:g}{')' if key in _BELOW_TOP else ']'}")
     return number
 
 
@@ -424,6 +425,15 @@ class NorMuonAdamW(torch.optim.Optimizer):
         if e.algorithm == "normuon":
             return {"momentum_buffer": e.state[0], "moment2_buffer": e.state[1]}
         return {"exp_avg": e.state[0], "exp_avg_sq": e.state[1]}
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(not_copyable(type(self).__name__))
+
+    def __copy__(self):
+        raise TypeError(not_copyable(type(self).__name__))
+
+    def __deepcopy__(self, memo):
+        raise TypeError(not_copyable(type(self).__name__))
 
     def add_param_group(self, param_group):
         if getattr(self, "_built", False):
@@ -844,6 +854,14 @@ class NorMuonAdamW(torch.optim.Optimizer):
             else:
                 g.update({k: v for k, v in h.items() if k not in FIXED_FIELDS})
         self._sync_hyper()
+
+
+def not_copyable(name):
+    """Why an optimizer of this package cannot be pickled or copied (a copy would share or lose the native
+    buffers and the bindings to the model's tensors, and step wrongly)."""
+    return (f"{name} cannot be pickled or copied: its state lives in native buffers bound to the model's own "
+            "tensors. Save opt.state_dict() (torch.save) or opt.export_state(path), and build a new optimizer "
+            "over the new model, then load it")
 
 
 def _resolve_choice(backend):

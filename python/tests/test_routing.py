@@ -1,4 +1,6 @@
 """Routing (spec section 2), overrides, param groups, the routing table and the backend selector."""
+import io
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Python tests need it")
@@ -112,6 +114,23 @@ def test_param_group_errors():
         normuon.NorMuonAdamW(model.named_parameters(), reduce_axis="cols")
 
 
+def test_betas_are_in_zero_to_one_open_as_torch_has_them(backend):
+    # beta = 1 was accepted: AdamW's bias correction 1 - beta^t is then 0 and every AdamW value became NaN.
+    model = make_model()
+    with pytest.raises(ValueError, match=r"beta2=1.0 is outside \[0, 1\)"):
+        normuon.NorMuonAdamW(model.named_parameters(), adamw_betas=(0.9, 1.0), backend=backend)
+    with pytest.raises(ValueError, match=r"beta1=1 is outside \[0, 1\)"):
+        normuon.NorMuonAdamW(model.named_parameters(), beta1=1, backend=backend)
+    opt = normuon.NorMuonAdamW(model.named_parameters(), adamw_betas=(0.0, 0.999), backend=backend)
+    opt.param_groups[1]["betas"] = (0.9, 1.0)  # a scheduler's value is checked at the step, before any change
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"beta2=1.0 is outside \[0, 1\)"):
+        opt.step()
+    assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
+
+
 def test_add_param_group_after_build_is_refused(native):
     model = make_model()
     opt = normuon.NorMuonAdamW(list(model.named_parameters())[:4])
@@ -159,3 +178,21 @@ def test_unnamed_matrices_warn(native):
     with pytest.warns(UserWarning, match="matrices without names"):
         opt = normuon.NorMuonAdamW(model.parameters())
     assert opt.routing_table()[0]["name"] == "param0" and opt.routing_table()[0]["algorithm"] == "normuon"
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy", "copy"])
+def test_pickling_and_copying_raise_a_clear_type_error(how, backend):
+    # They used to succeed and return an optimizer whose native buffers were lost or shared.
+    import copy
+    import pickle
+
+    from normuon.megatron import MegatronAdamW
+
+    do = {"pickle": pickle.dumps, "deepcopy": copy.deepcopy, "copy": copy.copy}[how]
+    model = make_model()
+    for opt in (normuon.NorMuonAdamW(model, backend=backend),
+                MegatronAdamW([torch.zeros(3, requires_grad=True)], backend=backend)):
+        with pytest.raises(TypeError, match="cannot be pickled or copied.*state_dict"):
+            do(opt)
+    with pytest.raises(TypeError, match="NorMuonAdamW cannot be pickled"):
+        torch.save(normuon.NorMuonAdamW(model, backend=backend), io.BytesIO())
