@@ -246,6 +246,8 @@ class DistributedNorMuonAdamW(torch.optim.Optimizer):
         for g, lg in zip(self.param_groups, local.param_groups):
             lg.update({k: v for k, v in g.items() if k not in _GROUP_BOOKKEEPING})
         local._sync_hyper()  # a bad value raises here, on every rank alike, before any collective
+        for g, lg in zip(self.param_groups, local.param_groups):  # NorMuon's betas and beta1/beta2 as resolved
+            g.update({k: lg[k] for k in ("beta1", "beta2", "betas") if k in lg})
         local._set_group_steps(self._steps)
         start = time.perf_counter()
         self.last_step_comm = dict(collectives=0, bytes_sent=0, bytes_received=0)

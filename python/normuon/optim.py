@@ -183,8 +183,12 @@ class NorMuonAdamW(torch.optim.Optimizer):
             raise RuntimeError(f"backend '{self._choice}' needs the native module normuon._C, which could not be "
                                f"imported ({_C_IMPORT_ERROR}); no fallback to the reference: build it "
                                "(docs/python.md) or ask for backend='reference'")
-        super().__init__(groups, {})
+        # torch's schedulers read the keys of `defaults`: "betas" makes OneCycleLR and CyclicLR cycle betas[0]
+        # (beta1) in every group; NorMuon groups carry their (beta1, beta2) as betas too.
+        super().__init__(groups, dict(lr=lr, betas=(beta1, beta2), weight_decay=weight_decay))
         self._built = True
+        self._betas_seen = [(g["beta1"], g["beta2"]) if g["algorithm"] == "normuon" else None
+                            for g in self.param_groups]
         self._hypers = [self._validated(i, g) for i, g in enumerate(self.param_groups)]  # checked values
         self._fixed = [{k: h.get(k) for k in FIXED_FIELDS + CUDA_FIXED_FIELDS} for h in self._hypers]
         self._fixed_keys = FIXED_FIELDS  # plus CUDA_FIXED_FIELDS once the fast CUDA backend is built
@@ -224,7 +228,7 @@ class NorMuonAdamW(torch.optim.Optimizer):
             if algorithm == "adamw":
                 allowed |= set(ADAMW_KEYS)
             else:
-                allowed |= set(NORMUON_FIELDS) | {"momentum"}
+                allowed |= set(NORMUON_FIELDS) | {"momentum", "betas"}
             if algorithm == "auto":
                 allowed |= set(ADAMW_PREFIXED)
             unknown = sorted(set(ug) - allowed)
@@ -241,6 +245,8 @@ class NorMuonAdamW(torch.optim.Optimizer):
                 nm.update({k: ug[k] for k in NORMUON_FIELDS if k in ug})
                 if "momentum" in ug:
                     nm["beta1"] = ug["momentum"]
+                if "betas" in ug:
+                    nm["betas"] = ug["betas"]
                 aw.update({k[len("adamw_"):]: ug[k] for k in ADAMW_PREFIXED if k in ug})
             aw["betas"] = tuple(aw["betas"])
             base = ug.get("name", None if named else f"group{gi}")
@@ -250,6 +256,10 @@ class NorMuonAdamW(torch.optim.Optimizer):
                 names = {"normuon": f"{base}_normuon", "adamw": f"{base}_adamw"}
             else:
                 names = {algorithm: base}
+            try:
+                _normuon_betas(nm, None)  # both forms of NorMuon's pair, as the schedulers expect
+            except ValueError as error:
+                raise ValueError(f"param group #{gi}: {error}") from None
             sub = {alg: {"params": [], "names": [], "name": n, "algorithm": alg,
                          **(nm if alg == "normuon" else aw)} for alg, n in names.items()}
             for name, tensor, given in pairs:
@@ -443,10 +453,12 @@ class NorMuonAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------ hyper-parameters
 
-    def _validated(self, i, group):
-        """The group's hyper-parameters in the spec's field names, checked; ValueError names the group."""
+    def _validated(self, i, group, seen=None):
+        """The group's hyper-parameters in the spec's field names, checked; ValueError names the group.
+        seen: a NorMuon group's (beta1, beta2) as last read, to tell which of its two forms changed."""
         try:
             if group["algorithm"] == "normuon":
+                _normuon_betas(group, seen)
                 raw = {k: group[k] for k in NORMUON_FIELDS}
             else:
                 betas = tuple(group["betas"])
@@ -468,7 +480,9 @@ class NorMuonAdamW(torch.optim.Optimizer):
         """Reads every group's values (schedulers change them between steps) into the options."""
         if self.nonfinite not in ("error", "skip_step"):
             raise ValueError(f"nonfinite={self.nonfinite!r}: choose error | skip_step")
-        hypers = [self._validated(i, g) for i, g in enumerate(self.param_groups)]
+        hypers = [self._validated(i, g, self._betas_seen[i]) for i, g in enumerate(self.param_groups)]
+        self._betas_seen = [(g["beta1"], g["beta2"]) if g["algorithm"] == "normuon" else None
+                            for g in self.param_groups]
         for i, h in enumerate(hypers):
             for k in self._fixed_keys:
                 if k in h and h[k] != self._fixed[i][k]:
@@ -854,6 +868,30 @@ class NorMuonAdamW(torch.optim.Optimizer):
             else:
                 g.update({k: v for k, v in h.items() if k not in FIXED_FIELDS})
         self._sync_hyper()
+
+
+def _normuon_betas(group, seen):
+    """A NorMuon group keeps its pair as beta1 and beta2 (the spec's names) and as betas (what torch's
+    schedulers cycle). Whichever form changed since `seen` (the pair last read) wins; both changed and
+    different is a ValueError. Writes both forms back."""
+    pair = (group.get("beta1"), group.get("beta2"))
+    betas = group.get("betas")
+    if betas is not None:
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas={betas!r} is not a pair")
+        betas = tuple(betas)
+    if betas is None or betas == pair:
+        resolved = pair
+    elif None in pair or (seen is not None and pair == tuple(seen)):
+        resolved = betas  # given as betas, or a scheduler moved betas
+    elif seen is not None and betas == tuple(seen):
+        resolved = pair  # beta1 / beta2 were set
+    else:
+        raise ValueError(f"betas={betas!r} and beta1={pair[0]!r}, beta2={pair[1]!r} disagree (betas is "
+                         "(beta1, beta2) for torch's schedulers: set one form)")
+    group["beta1"], group["beta2"] = resolved
+    group["betas"] = resolved
+    return resolved
 
 
 def not_copyable(name):

@@ -101,7 +101,7 @@ def test_param_groups(native):
 def test_param_group_errors():
     model = make_model()
     with pytest.raises(ValueError, match="unknown key"):
-        normuon.NorMuonAdamW([{"params": list(model.named_parameters()), "betas": (0.9, 0.9)}])
+        normuon.NorMuonAdamW([{"params": list(model.named_parameters()), "bettas": (0.9, 0.9)}])
     with pytest.raises(ValueError, match="appears twice"):
         normuon.NorMuonAdamW([("a", model.lm_head.weight), ("b", model.lm_head.weight)])
     with pytest.raises(ValueError, match="empty parameter list"):

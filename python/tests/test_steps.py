@@ -197,3 +197,49 @@ def test_a_model_reloaded_after_the_optimizer_keeps_the_masters_low_bits(backend
     twin_opt.step()
     for k, v in twin.state_dict().items():
         assert torch.equal(v, expected[k]), k
+
+
+@pytest.mark.parametrize("scheduler", ["OneCycleLR", "CyclicLR"])
+def test_momentum_cycling_schedulers_work_with_their_defaults(scheduler, backend):
+    # OneCycleLR and CyclicLR (cycle_momentum=True by default) refused the optimizer: they need "betas" or
+    # "momentum" in its defaults. NorMuon groups now carry (beta1, beta2) as betas too, and the scheduler's
+    # beta1 reaches the step.
+    def make(optimizer):
+        if scheduler == "OneCycleLR":
+            return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.02, total_steps=10)
+        return torch.optim.lr_scheduler.CyclicLR(optimizer, base_lr=0.001, max_lr=0.02, step_size_up=3)
+
+    model = make_model()
+    opt = normuon.NorMuonAdamW(model, backend=backend)
+    try:  # torch 1.13's CyclicLR cycles only a "momentum" key: it refuses torch's own AdamW too
+        make(torch.optim.AdamW(model.parameters()))
+    except ValueError as error:
+        with pytest.raises(ValueError, match=str(error).split(" with")[0]):
+            make(opt)
+        return
+    sched = make(opt)
+    seen = []
+    for step in range(1, 6):
+        fill_grads(model, step)
+        opt.step()  # reads what the scheduler set last: both forms agree, and the options hold them
+        nm, aw = opt.param_groups
+        assert nm["betas"] == (nm["beta1"], nm["beta2"]) and nm["beta2"] == 0.95
+        assert opt._hypers[0]["beta1"] == nm["beta1"] and opt._hypers[1]["beta1"] == aw["betas"][0]
+        seen.append((nm["beta1"], aw["betas"][0]))
+        sched.step()
+    assert len({s[0] for s in seen}) > 1 and len({s[1] for s in seen}) > 1, seen  # beta1 moved in both
+
+
+def test_betas_and_beta1_disagreeing_is_an_error(backend):
+    model = make_model()
+    opt = normuon.NorMuonAdamW(model, backend=backend)
+    opt.param_groups[0]["beta1"] = 0.9  # the spec's name wins when only it moved
+    fill_grads(model, 1)
+    opt.step()
+    assert opt.param_groups[0]["betas"] == (0.9, 0.95)
+    opt.param_groups[0]["beta1"], opt.param_groups[0]["betas"] = 0.8, (0.7, 0.95)
+    with pytest.raises(ValueError, match=r"betas=\(0.7, 0.95\) and beta1=0.8, beta2=0.95 disagree"):
+        opt.step()
+    with pytest.raises(ValueError, match="disagree"):
+        normuon.NorMuonAdamW([{"params": list(model.named_parameters()), "betas": (0.9, 0.9), "beta1": 0.5}],
+                             backend=backend)
