@@ -8,6 +8,8 @@ model's own tensors (rounded to their dtype).
 import math
 import os
 import warnings
+import weakref
+from collections import defaultdict
 
 import torch
 
@@ -171,30 +173,23 @@ class NorMuonAdamW(torch.optim.Optimizer):
         adamw_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)
         overrides = dict(overrides or {})
         params, roles = resolve_inputs(params, normuon_params, adamw_params, model, roles)
-
-        groups, entries = self._build_groups(params, normuon_defaults, adamw_defaults, overrides, roles)
-        self._entries = entries
-        devices = sorted({str(e.tensor.device) for e in entries})
-        if len(devices) > 1:
-            raise ValueError(f"NorMuonAdamW needs every parameter on one device; got {', '.join(devices)}")
-        self._device = entries[0].tensor.device if entries else torch.device("cpu")
+        # What add_param_group needs later: the constructor's values for a new group, and the model to name
+        # and route its tensors (a weak reference: the optimizer must not keep a model alive).
+        self._defaults_by_algorithm = (normuon_defaults, adamw_defaults)
+        self._model = weakref.ref(model if model is not None else params) \
+            if isinstance(model if model is not None else params, torch.nn.Module) else None
+        self._threads = threads
         self._choice = _resolve_choice(backend)
         if _C is None and self._choice != "reference":
             raise RuntimeError(f"backend '{self._choice}' needs the native module normuon._C, which could not be "
                                f"imported ({_C_IMPORT_ERROR}); no fallback to the reference: build it "
                                "(docs/python.md) or ask for backend='reference'")
+        groups, entries = self._build_groups(params, normuon_defaults, adamw_defaults, overrides, roles)
         # torch's schedulers read the keys of `defaults`: "betas" makes OneCycleLR and CyclicLR cycle betas[0]
         # (beta1) in every group; NorMuon groups carry their (beta1, beta2) as betas too.
         super().__init__(groups, dict(lr=lr, betas=(beta1, beta2), weight_decay=weight_decay))
         self._built = True
-        self._betas_seen = [(g["beta1"], g["beta2"]) if g["algorithm"] == "normuon" else None
-                            for g in self.param_groups]
-        self._hypers = [self._validated(i, g) for i, g in enumerate(self.param_groups)]  # checked values
-        self._fixed = [{k: h.get(k) for k in FIXED_FIELDS + CUDA_FIXED_FIELDS} for h in self._hypers]
-        self._fixed_keys = FIXED_FIELDS  # plus CUDA_FIXED_FIELDS once the fast CUDA backend is built
-        self._allocate(threads)
-        for e in entries:  # live views, for inspection as with torch's optimizers
-            self.state[e.tensor] = self._state_views(e)
+        self._build(entries)
         self.last_skip_reason = None
         suspects = vocabulary_lookalikes(entries)
         if suspects:
@@ -205,6 +200,23 @@ class NorMuonAdamW(torch.optim.Optimizer):
                           "routing:\n" + self.routing_text(), stacklevel=2)
 
     # ------------------------------------------------------------------------------------------- building
+
+    def _build(self, entries):
+        """Everything below the param groups: checked values, layout, buffers, backend, the state views."""
+        devices = sorted({str(e.tensor.device) for e in entries})
+        if len(devices) > 1:
+            raise ValueError(f"NorMuonAdamW needs every parameter on one device; got {', '.join(devices)}")
+        self._entries = entries
+        self._device = entries[0].tensor.device if entries else torch.device("cpu")
+        self._betas_seen = [(g["beta1"], g["beta2"]) if g["algorithm"] == "normuon" else None
+                            for g in self.param_groups]
+        self._hypers = [self._validated(i, g) for i, g in enumerate(self.param_groups)]  # checked values
+        self._fixed = [{k: h.get(k) for k in FIXED_FIELDS + CUDA_FIXED_FIELDS} for h in self._hypers]
+        self._fixed_keys = FIXED_FIELDS  # plus CUDA_FIXED_FIELDS once the fast CUDA backend is built
+        self._allocate(self._threads)
+        self.state = defaultdict(dict)
+        for e in entries:  # live views, for inspection as with torch's optimizers
+            self.state[e.tensor] = self._state_views(e)
 
     def _build_groups(self, params, normuon_defaults, adamw_defaults, overrides, roles):
         """User input -> (param groups of one algorithm each, entries in manifest order). roles: {name: role
@@ -263,10 +275,10 @@ class NorMuonAdamW(torch.optim.Optimizer):
             sub = {alg: {"params": [], "names": [], "name": n, "algorithm": alg,
                          **(nm if alg == "normuon" else aw)} for alg, n in names.items()}
             for name, tensor, given in pairs:
-                if name in seen_names:
-                    raise ValueError(f"two parameters are named '{name}'")
                 if id(tensor) in seen_tensors:
                     raise ValueError(f"parameter '{name}' appears twice (the same tensor under two names or groups)")
+                if name in seen_names:
+                    raise ValueError(f"two parameters are named '{name}'")
                 seen_names.add(name)
                 seen_tensors.add(id(tensor))
                 told = roles.pop(name, (None, "name"))
@@ -446,10 +458,47 @@ class NorMuonAdamW(torch.optim.Optimizer):
         raise TypeError(not_copyable(type(self).__name__))
 
     def add_param_group(self, param_group):
-        if getattr(self, "_built", False):
-            raise NotImplementedError("NorMuonAdamW fixes its layout when it is built: create a new optimizer "
-                                      "with all parameter groups")
-        super().add_param_group(param_group)
+        """torch's add_param_group (a layer unfrozen, a head added): a dict with "params" and, optionally,
+        "name", "algorithm" and hyper-parameters, as in the constructor ("auto" splits it by the routing
+        rule; the model given to the constructor names and routes its tensors). The layout, buffers and
+        backend are built again over every parameter: the parameters already here keep their state, masters
+        and routing and the groups their step counters; the new group starts from zero. Nothing changes on
+        an error."""
+        if not getattr(self, "_built", False):  # torch's __init__ adds the constructor's groups
+            return super().add_param_group(param_group)
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            raise ValueError("add_param_group takes a dict with 'params' (and optionally 'name', 'algorithm' and "
+                             "hyper-parameters)")
+        self._sync_hyper()  # the current values of the existing groups, checked
+        self._settle()
+        self._refresh_masters()
+        kept = []
+        for g in self.param_groups:
+            keys = NORMUON_FIELDS if g["algorithm"] == "normuon" else ADAMW_KEYS
+            kept.append(dict({k: g[k] for k in keys}, params=list(zip(g["names"], g["params"])), name=g["name"],
+                             algorithm=g["algorithm"]))
+        model = self._model() if self._model is not None else None
+        added, roles = resolve_inputs([dict(param_group)], model=model)
+        old = {id(e.tensor): e for e in self._entries}
+        roles.update({e.name: (e.role, e.evidence) for e in self._entries})
+        groups, entries = self._build_groups(kept + added, *self._defaults_by_algorithm, {}, roles)
+        saved = {i: ([t.clone() for t in e.state], e.master.clone() if e.low_precision else None)
+                 for i, e in old.items()}
+        steps = {g["name"]: t for g, t in zip(self.param_groups, self._steps)}
+        self.param_groups = []
+        for g in groups:
+            super().add_param_group(g)
+        self._build(entries)
+        for e in entries:
+            if id(e.tensor) in old:  # routing as it was, state and masters as they were
+                was = old[id(e.tensor)]
+                e.role, e.evidence, e.why, e.override = was.role, was.evidence, was.why, was.override
+                state, master = saved[id(e.tensor)]
+                for dst, src in zip(e.state, state):
+                    dst.copy_(src)
+                if master is not None:
+                    e.master.copy_(master)
+        self._set_group_steps([steps.get(g["name"], 0) for g in self.param_groups])
 
     # ------------------------------------------------------------------------------ hyper-parameters
 

@@ -131,11 +131,55 @@ def test_betas_are_in_zero_to_one_open_as_torch_has_them(backend):
     assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
 
 
-def test_add_param_group_after_build_is_refused(native):
+def test_add_param_group_keeps_what_was_there_and_starts_the_new_group_fresh(backend):
+    # It raised NotImplementedError. Now: the optimizer over the first parameters, then a group added (a
+    # layer unfrozen), equals two optimizers, one continuing and one started when the group was added.
+    from conftest import fill_grads
+
+    model, twin = make_model(), make_model()
+    blocks = [n for n, _ in model.named_parameters() if n.startswith("blocks.0.")]
+    rest = [n for n, _ in model.named_parameters() if n not in blocks]
+
+    def params(m, names):
+        return [(n, p) for n, p in m.named_parameters() if n in names]
+
+    opt = normuon.NorMuonAdamW(params(model, rest), backend=backend, weight_decay=0.1, adamw_weight_decay=0.05)
+    first = normuon.NorMuonAdamW(params(twin, rest), backend=backend, weight_decay=0.1, adamw_weight_decay=0.05)
+    for step in (1, 2):
+        for m in (model, twin):
+            fill_grads(m, step, skip=blocks)
+        opt.step()
+        first.step()
+    opt.add_param_group({"params": params(model, blocks), "name": "late", "lr": 0.01, "adamw_lr": 1e-3})
+    second = normuon.NorMuonAdamW([{"params": params(twin, blocks), "name": "late", "lr": 0.01, "adamw_lr": 1e-3}],
+                                  backend=backend, weight_decay=0.1, adamw_weight_decay=0.05)  # the defaults
+    assert [g["name"] for g in opt.param_groups] == ["normuon", "adamw", "late_normuon", "late_adamw"]
+    assert [g["step"] for g in opt.param_groups] == [2, 2, 0, 0]
+    assert table(opt)["wte.weight"]["why"] == "rule: embedding (name)"  # routing as it was
+    for step in (3, 4):
+        for m in (model, twin):
+            fill_grads(m, step)
+        opt.step()
+        first.step()
+        second.step()
+    for (n, a), b in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(a.detach(), b.detach()), n
+    assert [g["step"] for g in opt.param_groups] == [4, 4, 2, 2]
+    assert torch.equal(opt.state[model.wte.weight]["exp_avg"], first.state[twin.wte.weight]["exp_avg"])
+
+
+def test_add_param_group_names_from_the_model_and_refuses_cleanly(native):
     model = make_model()
-    opt = normuon.NorMuonAdamW(list(model.named_parameters())[:4])
-    with pytest.raises(NotImplementedError, match="fixes its layout"):
-        opt.add_param_group({"params": [model.lm_head.weight]})
+    head = model.lm_head.weight
+    opt = normuon.NorMuonAdamW([(n, p) for n, p in model.named_parameters() if p is not head], model=model)
+    with pytest.raises(ValueError, match="appears twice"):
+        opt.add_param_group({"params": [model.wte.weight]})
+    with pytest.raises(ValueError, match="a dict with 'params'"):
+        opt.add_param_group([head])
+    assert len(opt.param_groups) == 2 and head not in opt.state
+    opt.add_param_group({"params": [head]})  # named and routed by the model: the head goes to AdamW
+    row = {r["name"]: r for r in opt.routing_table()}["lm_head.weight"]
+    assert row["algorithm"] == "adamw" and row["group"] == "group2_adamw" and "vocabulary" in row["why"]
 
 
 def test_backend_selector(monkeypatch, native):
