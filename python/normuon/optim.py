@@ -14,7 +14,7 @@ from collections import defaultdict
 import torch
 
 from . import reference
-from .routing import infer_role, module_roles, routing_text, vocabulary_lookalikes
+from .routing import infer_role, module_roles, routing_text, strip_wrappers, vocabulary_lookalikes
 
 try:
     from . import _C
@@ -360,10 +360,7 @@ class NorMuonAdamW(torch.optim.Optimizer):
         self._options.set("nonfinite", self.nonfinite)
         self._synced = [dict() for _ in names]
         self._push_options()
-        specs = [_C.ParamSpec(e.name, list(e.shape), _DTYPES[e.dtype], e.role,
-                              "" if names[e.group] == default_group[e.algorithm] else names[e.group], e.override)
-                 for e in self._entries]
-        self._manifest = _C.Manifest(specs)
+        self._manifest = _C.Manifest(self._specs())
         self._layout = _C.Layout.build(self._manifest, self._options)
         for e, le in zip(self._entries, self._layout.entries):
             assert le.name == e.name and le.algorithm == e.algorithm and le.group == e.group, le.name
@@ -378,6 +375,15 @@ class NorMuonAdamW(torch.optim.Optimizer):
             buffers = self._allocate_cpu(threads)
         self._carve(buffers)
         self._init_masters()
+
+    def _specs(self, names=None):
+        """The C++ manifest's rows (ParamSpec) of this optimizer, under other parameter names if given."""
+        groups = [g["name"] for g in self.param_groups]
+        default_group = {"normuon": "normuon", "adamw": "adamw"}
+        names = names or [e.name for e in self._entries]
+        return [_C.ParamSpec(n, list(e.shape), _DTYPES[e.dtype], e.role,
+                             "" if groups[e.group] == default_group[e.algorithm] else groups[e.group], e.override)
+                for n, e in zip(names, self._entries)]
 
     def _buffer_sizes(self):
         l = self._layout
@@ -798,7 +804,10 @@ class NorMuonAdamW(torch.optim.Optimizer):
         """torch's structure: "state" by parameter index (param_groups order) with fp32 copies of
         momentum_buffer + moment2_buffer (NorMuon; moment2 is the reduced second moment, length rows or
         cols) or exp_avg + exp_avg_sq (AdamW), plus master_param for non-fp32 parameters; "param_groups"
-        with the hyper-parameters, names and the group's step."""
+        with the hyper-parameters, names and the group's step. torch's state-dict hooks (torch >= 2.1:
+        register_state_dict_pre_hook / _post_hook) run around it as around torch's own."""
+        for hook in list(getattr(self, "_optimizer_state_dict_pre_hooks", {}).values()):
+            hook(self)
         self._refresh_masters()
         self._settle()
         by_tensor = {id(e.tensor): e for e in self._entries}
@@ -814,11 +823,28 @@ class NorMuonAdamW(torch.optim.Optimizer):
                 state[index] = s
                 index += 1
             groups.append(packed)
-        return {"state": state, "param_groups": groups}
+        state_dict = {"state": state, "param_groups": groups}
+        for hook in list(getattr(self, "_optimizer_state_dict_post_hooks", {}).values()):
+            result = hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        return state_dict
 
     def load_state_dict(self, state_dict):
         """Checks everything first (group count, algorithms, parameter counts and names, state keys and
-        shapes, hyper-parameters), then writes into the flat state: nothing changes on an error."""
+        shapes, hyper-parameters), then writes into the flat state: nothing changes on an error. Parameter
+        names are compared without wrapper prefixes (module., _orig_mod., ...), so a state dict saved under
+        DDP or torch.compile loads without them, and back. torch's load-state-dict hooks (torch >= 2.1) run
+        around it as around torch's own."""
+        if isinstance(state_dict, dict):
+            state_dict = dict(state_dict)  # a pre-hook may edit it: never the caller's
+        for hook in list(getattr(self, "_optimizer_load_state_dict_pre_hooks", {}).values()):
+            result = hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        self._load_state_dict(state_dict)
+        for hook in list(getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values()):
+            hook(self)
+
+    def _load_state_dict(self, state_dict):
         if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
             raise ValueError("not a NorMuonAdamW state dict: expected the keys 'state' and 'param_groups'")
         saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
@@ -833,8 +859,10 @@ class NorMuonAdamW(torch.optim.Optimizer):
                 raise ValueError(f"{where}: saved as a {sg.get('algorithm')} group, this one is {g['algorithm']}")
             if len(sg["params"]) != len(g["params"]):
                 raise ValueError(f"{where}: {len(sg['params'])} parameters saved, {len(g['params'])} here")
-            if "names" in sg and list(sg["names"]) != list(g["names"]):
-                diff = next(f"'{a}' saved vs '{b}' here" for a, b in zip(sg["names"], g["names"]) if a != b)
+            saved_names = list(map(strip_wrappers, sg.get("names", g["names"])))
+            if saved_names != list(map(strip_wrappers, g["names"])):
+                diff = next((f"'{a}' saved vs '{b}' here" for a, b in zip(sg["names"], g["names"])
+                             if strip_wrappers(a) != strip_wrappers(b)), "a different count")
                 raise ValueError(f"{where}: parameter names differ ({diff})")
             step = sg.get("step", 0)
             if not isinstance(step, int) or step < 0:
@@ -893,12 +921,32 @@ class NorMuonAdamW(torch.optim.Optimizer):
         self._refresh_masters()
         _C.save_state(os.fspath(path), self._to_flat(), self._options, self.backend)
 
+    def _file_layout(self, path):
+        """This layout, or, when the file names the parameters with other wrapper prefixes (saved under DDP
+        or torch.compile and loaded without, or back), the same layout under the file's names: the values
+        sit at the same places, so the scratch state loads and moves over unchanged."""
+        header = _C.read_state_header(path, False)
+        in_file = {t["name"] for t in header["tensors"]}
+        ours = [e.name for e in self._entries]
+        if header["layout_fingerprint"] == self._layout.fingerprint or set(ours) <= in_file:
+            return self._layout  # load_state says what is wrong, if anything
+        by_stripped = {}
+        for name in in_file:
+            by_stripped.setdefault(strip_wrappers(name), []).append(name)
+        renamed = [by_stripped.get(strip_wrappers(n), [None]) for n in ours]
+        if any(len(r) != 1 or r[0] is None for r in renamed):
+            return self._layout
+        layout = _C.Layout.build(_C.Manifest(self._specs([r[0] for r in renamed])), self._options)
+        same_places = all((a.offset, a.stat_offset, a.adam_offset) == (b.offset, b.stat_offset, b.adam_offset)
+                          for a, b in zip(layout.entries, self._layout.entries))
+        return layout if same_places and layout.fingerprint == header["layout_fingerprint"] else self._layout
+
     def import_state(self, path):
         """Loads a state file of this layout (written by export_state or `normuon run --save`): all or nothing
         (StateFileError). Sets the optimizer state, group steps and hyper-parameters (not nonfinite, not
         reduce_axis), and the model's parameters from the file's fp32 values."""
         self._need_native("import_state")
-        flat = _C.FlatState(self._layout)
+        flat = _C.FlatState(self._file_layout(os.fspath(path)))
         saved = _C.load_state(os.fspath(path), flat)  # all or nothing, into a scratch state
         for i, g in enumerate(self.param_groups):  # what the CUDA plan fixed must match before anything moves
             if g["algorithm"] != "normuon":

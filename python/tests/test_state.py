@@ -180,3 +180,54 @@ def test_state_file_errors(backend, tmp_path, native):
         opt.import_state(truncated)
     with pytest.raises(normuon.StateFileError):
         opt.import_state(tmp_path / "missing.safetensors")
+
+
+@pytest.mark.parametrize("saved_prefix,loaded_prefix", [("module.", ""), ("", "module."), ("_orig_mod.", "module.")])
+def test_state_dicts_and_files_cross_wrapper_prefixes(tmp_path, saved_prefix, loaded_prefix, native):
+    # A checkpoint saved under DDP (module.) or torch.compile (_orig_mod.) refused to load without the
+    # prefix, and back: the names differed. Both forms now load and resume bit for bit.
+    def build(prefix, seed):
+        model = make_model(seed=seed)
+        return model, normuon.NorMuonAdamW([(prefix + n, p) for n, p in model.named_parameters()], threads=1)
+
+    model, opt = build(saved_prefix, 0)
+    for step in (1, 2):
+        fill_grads(model, step)
+        opt.step()
+    sd = opt.state_dict()
+    opt.export_state(tmp_path / "state.safetensors")
+    for how in ("state_dict", "file"):
+        other, other_opt = build(loaded_prefix, 5)
+        if how == "state_dict":
+            other.load_state_dict(model.state_dict())
+            other_opt.load_state_dict(sd)
+        else:
+            other_opt.import_state(tmp_path / "state.safetensors")
+        assert [g["step"] for g in other_opt.param_groups] == [2, 2]
+        for m, o in ((other, other_opt),):
+            fill_grads(m, 3)
+            o.step()
+    fill_grads(model, 3)
+    opt.step()
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(model.parameters(), other.parameters()))
+    wrong = make_model()
+    wrong_opt = normuon.NorMuonAdamW([("module.extra." + n, p) for n, p in wrong.named_parameters()])
+    with pytest.raises(ValueError, match="parameter names differ"):
+        wrong_opt.load_state_dict(sd)
+    with pytest.raises(normuon.StateFileError, match="fingerprint"):
+        wrong_opt.import_state(tmp_path / "state.safetensors")
+
+
+def test_torch_state_dict_hooks_fire(native):
+    opt = normuon.NorMuonAdamW(make_model())
+    if not hasattr(opt, "register_state_dict_post_hook"):
+        pytest.skip(f"torch {torch.__version__} has no optimizer state-dict hooks (torch >= 2.1)")
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("save-pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: dict(sd, extra=1) if calls.append("save-post") is None else sd)
+    opt.register_load_state_dict_pre_hook(lambda o, sd: {k: v for k, v in sd.items() if k != "extra"})
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load-post"))
+    sd = opt.state_dict()
+    assert sd["extra"] == 1
+    opt.load_state_dict(sd)  # the pre-hook takes "extra" out again, on a copy
+    assert calls == ["save-pre", "save-post", "load-post"] and "extra" in sd
