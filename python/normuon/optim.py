@@ -946,24 +946,35 @@ class NorMuonAdamW(torch.optim.Optimizer):
         (StateFileError). Sets the optimizer state, group steps and hyper-parameters (not nonfinite, not
         reduce_axis), and the model's parameters from the file's fp32 values."""
         self._need_native("import_state")
-        flat = _C.FlatState(self._file_layout(os.fspath(path)))
-        saved = _C.load_state(os.fspath(path), flat)  # all or nothing, into a scratch state
-        for i, g in enumerate(self.param_groups):  # what the CUDA plan fixed must match before anything moves
-            if g["algorithm"] != "normuon":
-                continue
-            h = saved.hyper(i)
-            bad = [k for k in self._fixed_keys if k in h and check_value(k, h[k]) != self._fixed[i][k]]
-            if bad:
-                raise ValueError(f"{os.fspath(path)}: group '{g['name']}' was saved with "
-                                 + ", ".join(f"{k}={h[k]!r}" for k in bad) + ", but this optimizer was built with "
-                                 + ", ".join(f"{k}={self._fixed[i][k]!r}" for k in bad))
-        self._from_flat(flat)
+        path = os.fspath(path)
+        flat = _C.FlatState(self._file_layout(path))
+        saved = _C.load_state(path, flat)  # all or nothing, into a scratch state
+        # Every saved value is checked before anything moves: what the layout and the CUDA plan fixed, and
+        # each group's values as a step would check them (a file with ns_steps=0 changed the state first).
+        updated = []
         for i, g in enumerate(self.param_groups):
             h = saved.hyper(i)
             if g["algorithm"] == "adamw":
-                g.update(lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"], weight_decay=h["weight_decay"])
+                new = dict(g, lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"], weight_decay=h["weight_decay"])
             else:
-                g.update({k: v for k, v in h.items() if k not in FIXED_FIELDS})
+                new = dict(g, **{k: v for k, v in h.items() if k not in FIXED_FIELDS})
+                new.pop("betas", None)  # follows beta1 / beta2
+            try:
+                values = self._validated(i, new)
+            except ValueError as error:
+                raise ValueError(f"{path}: {error}") from None
+            if g["algorithm"] == "normuon":
+                file_values = {k: check_value(k, h[k]) for k in self._fixed_keys if k in h}
+                bad = [k for k, v in file_values.items() if v != self._fixed[i][k]]
+                if bad:
+                    raise ValueError(f"{path}: group '{g['name']}' was saved with "
+                                     + ", ".join(f"{k}={h[k]!r}" for k in bad) + ", but this optimizer was built "
+                                     "with " + ", ".join(f"{k}={self._fixed[i][k]!r}" for k in bad))
+            del values
+            updated.append(new)
+        self._from_flat(flat)
+        for g, new in zip(self.param_groups, updated):
+            g.update(new)
         self._sync_hyper()
 
 

@@ -231,3 +231,51 @@ def test_torch_state_dict_hooks_fire(native):
     assert sd["extra"] == 1
     opt.load_state_dict(sd)  # the pre-hook takes "extra" out again, on a copy
     assert calls == ["save-pre", "save-post", "load-post"] and "extra" in sd
+
+
+def edit_state_options(path, edit):
+    """Rewrites the options inside a state file's header as a hostile writer would, re-signing the header
+    (header_crc32 over the canonical JSON) so that the edit reaches the checks after it."""
+    import json
+    import struct
+    import zlib
+
+    raw = open(path, "rb").read()
+    n, = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    meta = header["__metadata__"]
+    options = json.loads(meta["options"])
+    edit(options)
+    meta["options"] = json.dumps(options)
+    meta.pop("header_crc32")
+    canonical = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    meta["header_crc32"] = "%08x" % zlib.crc32(canonical)
+    text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * ((8 - (8 + len(text)) % 8) % 8)
+    open(path, "wb").write(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+@pytest.mark.parametrize("field,value", [("ns_steps", 0), ("lr", -1.0), ("beta1", 5.0)])
+def test_import_state_checks_the_files_values_before_changing_anything(tmp_path, field, value, native):
+    # A file with ns_steps=0 (or a negative lr, or beta1=5) was imported in full (state, masters, the
+    # model's parameters) before the error, or used as it was.
+    model = make_model()
+    opt = normuon.NorMuonAdamW(model)
+    fill_grads(model, 1)
+    opt.step()
+    path = tmp_path / "s.safetensors"
+    opt.export_state(path)
+
+    def edit(options):
+        group = next(g for g in options["groups"] if g["name"] == "normuon")
+        group["hyper"][field] = value
+    edit_state_options(path, edit)
+    fill_grads(model, 2)
+    opt.step()
+    before = (params_of(model), opt.state_dict())
+    with pytest.raises((ValueError, normuon.StateFileError), match=field):
+        opt.import_state(path)
+    after = (params_of(model), opt.state_dict())
+    assert all(torch.equal(before[0][n], after[0][n]) for n in before[0])
+    assert all(torch.equal(v, after[1]["state"][i][k]) for i, s in before[1]["state"].items() for k, v in s.items())
+    assert before[1]["param_groups"] == after[1]["param_groups"]
