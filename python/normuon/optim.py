@@ -972,9 +972,9 @@ class NorMuonAdamW(torch.optim.Optimizer):
                                      "with " + ", ".join(f"{k}={self._fixed[i][k]!r}" for k in bad))
             del values
             updated.append(new)
-        self._from_flat(flat)
+        self._from_flat(flat)  # the group steps too
         for g, new in zip(self.param_groups, updated):
-            g.update(new)
+            g.update({k: v for k, v in new.items() if k not in ("params", "names", "name", "algorithm", "step")})
         self._sync_hyper()
 
 
