@@ -99,9 +99,13 @@ StepResult FastCpuBackend::step(FlatState& state, const Options& options) {
   return run(options);
 }
 
-StepResult FastCpuBackend::step(TableState& state, const ParamTable& table, const Options& options) {
+StepResult FastCpuBackend::step(TableState& state, const ParamTable& table, const Options& options,
+                                const float* grad_scale) {
   if (state.layout != &layout_) throw std::invalid_argument("fast-cpu backend: the state has another layout");
+  if (grad_scale && !(std::isfinite(*grad_scale) && *grad_scale > 0))
+    throw std::invalid_argument("fast-cpu backend: the gradient scale must be finite and > 0");
   operands_.bind(state, table);
+  operands_.grad_scale = grad_scale;
   return run(options);
 }
 
@@ -116,12 +120,15 @@ StepResult FastCpuBackend::run(const Options& options) {
   if (auto skipped = begin_step(ops, options)) return *skipped;
   ++counters_.elementwise_passes;  // the gradient scan
 
-  // A chunk of a gradient as fp32: in place when it is fp32, else widened into this thread's scratch.
+  // A chunk of a gradient as fp32: in place when it is fp32, else widened into this thread's scratch;
+  // divided by a gradient scaler's scale there too (g / scale, as torch's fused AdamW unscales).
+  const float* grad_scale = ops.grad_scale;
   auto grad_chunk = [&](const ParamOperand& op, int64_t begin, int64_t n) -> const float* {
-    if (op.grad_dtype == DType::f32) return static_cast<const float*>(op.grad) + begin;
+    if (op.grad_dtype == DType::f32 && !grad_scale) return static_cast<const float*>(op.grad) + begin;
     float* scratch = grad_scratch_.data() + static_cast<int64_t>(omp_get_thread_num()) * kChunk;
     widen(static_cast<const char*>(op.grad) + static_cast<size_t>(begin) * dtype_bytes(op.grad_dtype), op.grad_dtype,
           scratch, n);
+    if (grad_scale) fast::divide_round(scratch, n, *grad_scale, /*bf16=*/false);
     return scratch;
   };
   // A bf16 / fp16 parameter follows its master, rounded, while the values are in cache.

@@ -37,7 +37,9 @@ class FastCpuBackend : public Backend {
   std::string name() const override { return "fast-cpu"; }
   StepResult step(FlatState& state, const Options& options) override;
   // Table mode: the caller's parameters and gradients in place (param_table.h); the same passes.
-  StepResult step(TableState& state, const ParamTable& table, const Options& options);
+  // grad_scale: a gradient scaler's scale (StepOperands::grad_scale), or nullptr.
+  StepResult step(TableState& state, const ParamTable& table, const Options& options,
+                  const float* grad_scale = nullptr);
 
   const FastStepCounters& counters() const { return counters_; }
   std::string describe() const;  // batches and GEMM implementations

@@ -298,9 +298,16 @@ PYBIND11_MODULE(_C, m) {
       // The step runs on its own OpenMP threads over memory Python doesn't touch meanwhile: let go of the GIL.
       .def("step", py::overload_cast<FlatState&, const Options&>(&FastCpuBackend::step), py::arg("state"),
            py::arg("options"), py::call_guard<py::gil_scoped_release>())
-      .def("step", py::overload_cast<TableState&, const ParamTable&, const Options&>(&FastCpuBackend::step),
-           py::arg("state"), py::arg("table"), py::arg("options"), py::call_guard<py::gil_scoped_release>(),
-           "Table mode: the caller's tensors in place")
+      .def(
+          "step",
+          [](FastCpuBackend& b, TableState& state, const ParamTable& table, const Options& options,
+             uintptr_t grad_scale) {
+            return b.step(state, table, options, reinterpret_cast<const float*>(grad_scale));
+          },
+          py::arg("state"), py::arg("table"), py::arg("options"), py::arg("grad_scale") = 0,
+          py::call_guard<py::gil_scoped_release>(),
+          "Table mode: the caller's tensors in place; grad_scale: the address of a GradScaler's fp32 scale "
+          "(every gradient is divided by it as it is read), or 0")
       .def_property_readonly("counters", [](const FastCpuBackend& b) {
         return py::dict(py::arg("elementwise_passes") = b.counters().elementwise_passes,
                         py::arg("gemm_calls") = b.counters().gemm_calls);

@@ -15,7 +15,7 @@ std::optional<StepResult> begin_step(StepOperands& ops, const Options& options) 
     throw std::invalid_argument("the options define " + std::to_string(options.groups.size()) +
                                 " groups but the layout was built with " + std::to_string(layout.group_names.size()));
   float chunk[256];
-  for (size_t e = 0; e < layout.entries.size(); ++e) {
+  for (size_t e = 0; e < layout.entries.size() && !ops.grad_scale; ++e) {
     const ParamOperand& op = ops.params[e];
     if (!op.grad) continue;
     const int64_t numel = layout.entries[e].numel;

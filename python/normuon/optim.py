@@ -149,6 +149,10 @@ class NorMuonAdamW(torch.optim.Optimizer):
     model; a bf16/fp16 parameter gets an fp32 master, written back rounded in the same pass.
     """
 
+    # torch's GradScaler hands the step its scale and found_inf instead of unscaling the gradients in a pass
+    # of its own (_grad_scale); the CUDA backend does not take them yet (_allocate_cuda turns this off).
+    _step_supports_amp_scaling = True
+
     def __init__(self, params=None, lr=0.02, beta1=0.95, beta2=0.95, weight_decay=0.0, nesterov=True, ns_steps=5, *,
                  momentum=None, adamw_lr=3e-4, adamw_betas=(0.9, 0.95), adamw_eps=1e-10, adamw_weight_decay=0.0,
                  normuon_params=None, adamw_params=None, model=None, overrides=None, roles=None, backend=None,
@@ -422,6 +426,7 @@ class NorMuonAdamW(torch.optim.Optimizer):
                                          stream=torch.cuda.current_stream(self._device).cuda_stream,
                                          caller_tensors=True)
         self._cuda_backend = backend
+        self._step_supports_amp_scaling = False  # GradScaler unscales and checks itself (one pass of its own)
         self._fixed_keys = FIXED_FIELDS + CUDA_FIXED_FIELDS
         views = {k: _device_view(backend, ptr, n, typestr, self._device)
                  for k, (ptr, n, typestr) in backend.buffers().items()}
@@ -636,14 +641,18 @@ class NorMuonAdamW(torch.optim.Optimizer):
                 loss = closure()
         hypers = self._sync_hyper()
         self._refresh_masters()
-        if self._reference is not None:
-            skipped = self._reference_step(hypers)
+        grad_scale = self._grad_scale()
+        if grad_scale is _FOUND_INF:
+            skipped = FOUND_INF_REASON
+        elif self._reference is not None:
+            skipped = self._reference_step(hypers, grad_scale)
         else:
             keep = self._bind()
             if self._cuda_backend is not None:
                 skipped = self._cuda_step()
             else:
-                result = self._backend.step(self._table_state, self._table, self._options)
+                scale = 0 if grad_scale is None else grad_scale.data_ptr()
+                result = self._backend.step(self._table_state, self._table, self._options, scale)
                 skipped = result.reason if result.skipped else None
                 if skipped is None:
                     self._steps = self._table_state.group_steps
@@ -653,13 +662,32 @@ class NorMuonAdamW(torch.optim.Optimizer):
         self.last_skip_reason = skipped
         return loss
 
-    def _reference_step(self, hypers):
+    def _grad_scale(self):
+        """torch's GradScaler (torch.amp / torch.cuda.amp) hands a fused optimizer its scale and found_inf as
+        attributes for one step (_step_supports_amp_scaling). Returns None (no scaler), _FOUND_INF (the
+        scaler found inf/NaN gradients: the step is skipped, as torch's fused AdamW skips it), or the scale
+        as an fp32 tensor on the CPU, which the step divides every gradient by as it reads it."""
+        scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        if scale is None and found_inf is None:
+            return None
+        if found_inf is not None and float(found_inf) != 0:
+            return _FOUND_INF
+        if scale is None:
+            return None
+        scale = scale.detach().to(device="cpu", dtype=torch.float32).reshape(())
+        if not (math.isfinite(float(scale)) and float(scale) > 0):
+            raise ValueError(f"the gradient scaler's scale {float(scale)!r} is not finite and > 0")
+        return scale
+
+    def _reference_step(self, hypers, grad_scale=None):
         """The old path, per parameter: fp32 gradients, the spec's ops, rounded parameters copied back."""
         for e in self._entries:
             g = _dense_grad(e)
             e.has_grad = g is not None
             if g is not None:
                 e.grad = g.detach().to(torch.float32)
+                if grad_scale is not None:
+                    e.grad = e.grad / grad_scale.to(e.grad.device)
         steps = list(self._steps)
         skipped = self._reference.step(self._entries, hypers, steps, self.nonfinite)
         if skipped is None:
@@ -976,6 +1004,10 @@ class NorMuonAdamW(torch.optim.Optimizer):
         for g, new in zip(self.param_groups, updated):
             g.update({k: v for k, v in new.items() if k not in ("params", "names", "name", "algorithm", "step")})
         self._sync_hyper()
+
+
+_FOUND_INF = object()  # _grad_scale(): the scaler found inf/NaN gradients
+FOUND_INF_REASON = "the gradient scaler found inf/NaN gradients; step skipped"
 
 
 def _normuon_betas(group, seen):

@@ -66,6 +66,10 @@ struct StepOperands {
   std::vector<ParamOperand> params;  // per layout entry
   float *momentum = nullptr, *row_var = nullptr, *exp_avg = nullptr, *exp_avg_sq = nullptr;
   int64_t* group_steps = nullptr;
+  // A gradient scaler's scale (torch's GradScaler), or nullptr: every gradient is divided by it as it is
+  // read, as torch's fused AdamW does, instead of in a pass of its own. The scaler has already looked for
+  // inf/NaN gradients (its found_inf), so the step's own scan is left out.
+  const float* grad_scale = nullptr;
 
   void bind(FlatState& state);                              // the flat buffers; has_grad picks gradients
   void bind(TableState& state, const ParamTable& table);    // throws std::invalid_argument on a bad table
