@@ -353,6 +353,13 @@ PYBIND11_MODULE(_C, m) {
            py::keep_alive<1, 2>())
       .def("set_tensors", &FastCudaBackend::set_tensors, py::arg("table"),
            "Table mode: the caller's device tensors; uploaded only when an address changed")
+      .def(
+          "set_grad_scaling",
+          [](FastCudaBackend& b, uintptr_t grad_scale, uintptr_t found_inf) {
+            b.set_grad_scaling(reinterpret_cast<const float*>(grad_scale), reinterpret_cast<const float*>(found_inf));
+          },
+          py::arg("grad_scale"), py::arg("found_inf"),
+          "GradScaler's fp32 scale and found_inf (device addresses; 0, 0: none) for the next steps")
       .def("poll_step", &FastCudaBackend::poll_step, py::arg("options"), py::call_guard<py::gil_scoped_release>(),
            "The last enqueued step's verdict, waiting only for that step (deferred NaN/Inf report)")
       .def_property_readonly("workspace_bytes", &FastCudaBackend::workspace_bytes)

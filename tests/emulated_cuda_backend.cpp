@@ -137,7 +137,8 @@ void EmulatedCudaBackend::enqueue_step(FlatState& state, const Options& options,
       state.has_grad.data(), state.group_steps.data());
 }
 
-void EmulatedCudaBackend::enqueue_step(TableState& state, const ParamTable& table, const Options& options) {
+void EmulatedCudaBackend::enqueue_step(TableState& state, const ParamTable& table, const Options& options,
+                                       const float* grad_scale, const float* found_inf) {
   Impl& im = *impl_;
   if (state.layout != &im.layout || table.layout != &im.layout)
     throw std::invalid_argument("fast-cuda-emulated: the state has another layout");
@@ -152,11 +153,12 @@ void EmulatedCudaBackend::enqueue_step(TableState& state, const ParamTable& tabl
     im.table_has_grad[e] = table.grads[e].data != nullptr;
   }
   run(state.momentum.data(), state.row_var.data(), state.exp_avg.data(), state.exp_avg_sq.data(),
-      im.table_has_grad.data(), state.group_steps.data());
+      im.table_has_grad.data(), state.group_steps.data(), grad_scale, found_inf);
 }
 
-StepResult EmulatedCudaBackend::step(TableState& state, const ParamTable& table, const Options& options) {
-  enqueue_step(state, table, options);
+StepResult EmulatedCudaBackend::step(TableState& state, const ParamTable& table, const Options& options,
+                                     const float* grad_scale, const float* found_inf) {
+  enqueue_step(state, table, options, grad_scale, found_inf);
   return finish_step(options);
 }
 
@@ -171,9 +173,12 @@ void EmulatedCudaBackend::set_scalars(const Options& options, const int64_t* gro
 }
 
 void EmulatedCudaBackend::run(float* momentum, float* row_var, float* exp_avg, float* exp_avg_sq,
-                              const uint8_t* has_grad, int64_t* group_steps) {
+                              const uint8_t* has_grad, int64_t* group_steps, const float* grad_scale,
+                              const float* found_inf) {
   Impl& im = *impl_;
   cuda::StepBuffers b{};
+  b.grad_scale = grad_scale;
+  b.found_inf = found_inf;
   b.operands = im.operands.data();
   b.momentum = momentum;
   b.row_var = row_var;

@@ -44,8 +44,11 @@ class EmulatedCudaBackend : public Backend {
   void enqueue_step(FlatState& state, const Options& options, bool host_bias);
   StepResult finish_step(const Options& options);
   // Table mode, as FastCudaBackend::set_tensors + enqueue_step: the caller's (host) tensors in place.
-  void enqueue_step(TableState& state, const ParamTable& table, const Options& options);
-  StepResult step(TableState& state, const ParamTable& table, const Options& options);
+  // grad_scale / found_inf: a gradient scaler's (FastCudaBackend::set_grad_scaling), or nullptr.
+  void enqueue_step(TableState& state, const ParamTable& table, const Options& options,
+                    const float* grad_scale = nullptr, const float* found_inf = nullptr);
+  StepResult step(TableState& state, const ParamTable& table, const Options& options,
+                  const float* grad_scale = nullptr, const float* found_inf = nullptr);
 
   // Kernel launches and GEMMs of the last enqueue_step, as counted while it ran.
   int64_t launches_last_step() const { return launches_last_step_; }
@@ -54,7 +57,7 @@ class EmulatedCudaBackend : public Backend {
  private:
   void set_scalars(const Options& options, const int64_t* group_steps, bool host_bias);
   void run(float* momentum, float* row_var, float* exp_avg, float* exp_avg_sq, const uint8_t* has_grad,
-           int64_t* group_steps);  // the launches of one step over im.operands
+           int64_t* group_steps, const float* grad_scale = nullptr, const float* found_inf = nullptr);  // the launches of one step over im.operands
   struct Impl;
   std::unique_ptr<Impl> impl_;
   std::vector<uint16_t> params_bf16_;

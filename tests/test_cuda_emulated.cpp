@@ -295,3 +295,55 @@ BOOST_AUTO_TEST_CASE(table_mode_steps_the_callers_tensors_as_the_flat_state_in_e
     BOOST_TEST(wrong == 0);
   }
 }
+
+BOOST_AUTO_TEST_CASE(a_gradient_scalers_scale_is_divided_out_as_read_and_found_inf_skips_quietly) {
+  // torch's GradScaler hands the step its scale and found_inf (FastCudaBackend::set_grad_scaling): the
+  // step on scaled gradients with the scale equals the step on the plain ones, bit for bit (the scale is
+  // a power of two); with found_inf set nothing changes and nothing is reported (the scaler backs off).
+  const Options options = odd_options();
+  const Layout layout = Layout::build(odd_manifest(), options);
+  EmulatedCudaBackend plain_backend(layout, options), scaled_backend(layout, options);
+  FlatState values(layout);
+  kGenerator.fill_params(values);
+  TableState plain(layout), scaled(layout);
+  ParamTable plain_table(layout), scaled_table(layout);
+  std::vector<std::vector<float>> plain_params(layout.entries.size()), scaled_params(layout.entries.size()),
+      scaled_grads(layout.entries.size());
+  for (size_t e = 0; e < layout.entries.size(); ++e) {
+    const float* p = values.param(static_cast<int>(e));
+    const int64_t n = layout.entries[e].numel;
+    plain_params[e].assign(p, p + n);
+    scaled_params[e].assign(p, p + n);
+    scaled_grads[e].resize(static_cast<size_t>(n));
+    plain_table.params[e].data = plain_params[e].data();
+    scaled_table.params[e].data = scaled_params[e].data();
+  }
+  const float scale = 4096.0f, no_inf = 0.0f, inf_found = 1.0f;
+  for (int64_t s = 1; s <= 3; ++s) {
+    kGenerator.fill_gradients(values, s);
+    for (size_t e = 0; e < layout.entries.size(); ++e) {
+      const float* g = values.grad(static_cast<int>(e));
+      for (size_t k = 0; k < scaled_grads[e].size(); ++k) scaled_grads[e][k] = g[k] * scale;
+      plain_table.grads[e] = TensorRef{values.has_grad[e] ? const_cast<float*>(g) : nullptr, DType::f32};
+      scaled_table.grads[e] = TensorRef{values.has_grad[e] ? scaled_grads[e].data() : nullptr, DType::f32};
+    }
+    BOOST_TEST(!plain_backend.step(plain, plain_table, options).skipped);
+    BOOST_TEST(!scaled_backend.step(scaled, scaled_table, options, &scale, &no_inf).skipped);
+  }
+  FlatState a(layout), b(layout);
+  table_to_flat(plain, plain_table, a);
+  table_to_flat(scaled, scaled_table, b);
+  b.grads = a.grads;  // the scaled gradients are the caller's, left as they were
+  BOOST_TEST(first_difference(a, b) == "");
+
+  kGenerator.fill_gradients(values, 4);
+  const std::vector<int64_t> steps_before = scaled.group_steps;
+  const std::vector<std::vector<float>> params_before = scaled_params;
+  BOOST_TEST(!scaled_backend.step(scaled, scaled_table, options, &scale, &inf_found).skipped);
+  BOOST_TEST(scaled.group_steps == steps_before);
+  BOOST_TEST(scaled_params == params_before);
+  FlatState after(layout);
+  table_to_flat(scaled, scaled_table, after);
+  after.grads = b.grads;
+  BOOST_TEST(first_difference(b, after) == "");
+}

@@ -77,6 +77,13 @@ class FastCudaBackend : public Backend {
   // only when it differs from the last one (asynchronously, from pinned memory; it waits only for the
   // previous such upload). Throws std::invalid_argument on a bad table, before anything changes.
   void set_tensors(const ParamTable& table);
+  // torch's GradScaler for the next steps (device addresses of its fp32 scale and found_inf; nullptr:
+  // none): gradients are divided by the scale as they are read, and a step with found_inf != 0 changes
+  // nothing and is not reported (the scaler deals with it). A captured graph keeps the addresses it saw.
+  void set_grad_scaling(const float* grad_scale, const float* found_inf) {
+    buffers_.grad_scale = grad_scale;
+    buffers_.found_inf = found_inf;
+  }
   // Enqueues one step. No allocation, no synchronisation: capturable.
   void enqueue_step();
   // The verdict of the last step enqueued (outside a graph), without stalling the stream: waits only

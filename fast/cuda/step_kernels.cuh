@@ -36,6 +36,12 @@ __device__ __forceinline__ float load_grad(const void* grad, ElemType type, int6
   }
 }
 
+// A gradient as the step uses it: divided by the gradient scaler's scale when there is one.
+__device__ __forceinline__ float load_grad(const StepBuffers& b, const EntryOperands& op, int64_t i) {
+  const float g = load_grad(op.grad, op.grad_type, i);
+  return b.grad_scale ? g / *b.grad_scale : g;
+}
+
 __device__ __forceinline__ float load_ns(const void* data, bool bf16, int64_t i) {
   return bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(data)[i]) : static_cast<const float*>(data)[i];
 }
@@ -67,6 +73,7 @@ __device__ double block_sum(double x, double* shared) {
 }
 
 __global__ void scan_gradients_kernel(StepBuffers b, const Chunk* chunks) {
+  if (b.found_inf) return;  // the gradient scaler has looked
   const Chunk c = chunks[blockIdx.x];
   if (!b.has_grad[c.entry]) return;
   const EntryOperands op = b.operands[c.entry];
@@ -83,6 +90,10 @@ __global__ void scan_gradients_kernel(StepBuffers b, const Chunk* chunks) {
 
 __global__ void advance_steps_kernel(StepBuffers b) {
   StepStatus& status = *b.status;
+  if (b.found_inf && *b.found_inf != 0.0f) {  // the scaler skips this step: nothing moves, nothing to report
+    if (threadIdx.x == 0) status.first_bad = kScalerFoundInf;
+    return;
+  }
   if (status.first_bad != kNoBadGradient) {
     // Keep the first bad step until the host reads it: its parameter, element, value and step number.
     if (threadIdx.x == 0 && status.reported_bad == kNoBadGradient) {
@@ -124,7 +135,7 @@ __global__ void momentum_kernel(StepBuffers b, const Chunk* chunks) {
     for (int k = 0; k < kIlp; ++k) {
       const int i = i0 + k * kBlock;
       if (i < c.size) {
-        g[k] = load_grad(op.grad, op.grad_type, c.begin + i);
+        g[k] = load_grad(b, op, c.begin + i);
         M[k] = b.momentum[base + i];
       }
     }
@@ -250,7 +261,7 @@ __global__ void adamw_kernel(StepBuffers b, const Chunk* chunks) {
     for (int k = 0; k < kIlp; ++k) {
       const int i = i0 + k * kBlock;
       if (i < c.size) {
-        g[k] = load_grad(op.grad, op.grad_type, c.begin + i);
+        g[k] = load_grad(b, op, c.begin + i);
         p[k] = op.master[c.begin + i];
         m[k] = b.exp_avg[adam_base + i];
         v[k] = b.exp_avg_sq[adam_base + i];

@@ -28,6 +28,11 @@ struct StepBuffers {
   double* stat_sums;  // stat_floats doubles: sums of squares along the reduce axis
   float* inv_scale;   // stat_floats floats: 1 / sqrt(v) (with eps)
   StepStatus* status;
+  // torch's GradScaler, or nullptr: gradients are divided by *grad_scale as they are read (torch's fused
+  // AdamW does the same), and a step with *found_inf != 0 changes nothing (the scaler backs off and
+  // retries). The scaler has looked for inf/NaN itself, so the scan is left out. Device memory.
+  const float* grad_scale;
+  const float* found_inf;
 };
 
 }  // namespace normuon::cuda

@@ -112,6 +112,8 @@ struct MatrixScalars {
 // reset by every step. The reported_* fields keep the first bad step since the host last read them
 // (finish_step), so that a NaN in one of several steps enqueued or replayed in a row is not lost.
 constexpr unsigned long long kNoBadGradient = ~0ull;
+// first_bad of a step the gradient scaler skipped (found_inf): not a verdict, nothing is reported.
+constexpr unsigned long long kScalerFoundInf = ~0ull - 1;
 constexpr int kBadElementBits = 40;
 struct StepStatus {
   unsigned long long first_bad;

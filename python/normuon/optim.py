@@ -150,7 +150,7 @@ class NorMuonAdamW(torch.optim.Optimizer):
     """
 
     # torch's GradScaler hands the step its scale and found_inf instead of unscaling the gradients in a pass
-    # of its own (_grad_scale); the CUDA backend does not take them yet (_allocate_cuda turns this off).
+    # of its own (_scaler).
     _step_supports_amp_scaling = True
 
     def __init__(self, params=None, lr=0.02, beta1=0.95, beta2=0.95, weight_decay=0.0, nesterov=True, ns_steps=5, *,
@@ -426,7 +426,7 @@ class NorMuonAdamW(torch.optim.Optimizer):
                                          stream=torch.cuda.current_stream(self._device).cuda_stream,
                                          caller_tensors=True)
         self._cuda_backend = backend
-        self._step_supports_amp_scaling = False  # GradScaler unscales and checks itself (one pass of its own)
+        self._found_inf_host = self._found_inf_event = None  # GradScaler's found_inf, read back behind a step
         self._fixed_keys = FIXED_FIELDS + CUDA_FIXED_FIELDS
         views = {k: _device_view(backend, ptr, n, typestr, self._device)
                  for k, (ptr, n, typestr) in backend.buffers().items()}
@@ -641,15 +641,21 @@ class NorMuonAdamW(torch.optim.Optimizer):
                 loss = closure()
         hypers = self._sync_hyper()
         self._refresh_masters()
-        grad_scale = self._grad_scale()
-        if grad_scale is _FOUND_INF:
+        scaler = self._scaler()
+        grad_scale = None
+        if scaler is not None and self._cuda_backend is None:  # on the CPU, found_inf is read right away
+            if float(scaler[1]) != 0:
+                scaler = _FOUND_INF
+            else:
+                grad_scale = scaler[0].to(device="cpu")
+        if scaler is _FOUND_INF:
             skipped = FOUND_INF_REASON
         elif self._reference is not None:
             skipped = self._reference_step(hypers, grad_scale)
         else:
             keep = self._bind()
             if self._cuda_backend is not None:
-                skipped = self._cuda_step()
+                skipped = self._cuda_step(scaler)
             else:
                 scale = 0 if grad_scale is None else grad_scale.data_ptr()
                 result = self._backend.step(self._table_state, self._table, self._options, scale)
@@ -662,22 +668,21 @@ class NorMuonAdamW(torch.optim.Optimizer):
         self.last_skip_reason = skipped
         return loss
 
-    def _grad_scale(self):
+    def _scaler(self):
         """torch's GradScaler (torch.amp / torch.cuda.amp) hands a fused optimizer its scale and found_inf as
-        attributes for one step (_step_supports_amp_scaling). Returns None (no scaler), _FOUND_INF (the
-        scaler found inf/NaN gradients: the step is skipped, as torch's fused AdamW skips it), or the scale
-        as an fp32 tensor on the CPU, which the step divides every gradient by as it reads it."""
+        attributes for one step (_step_supports_amp_scaling): (scale, found_inf) as fp32 scalars on the
+        parameters' device, or None. The step divides every gradient by the scale as it reads it and changes
+        nothing when found_inf is set, as torch's fused AdamW does."""
         scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         if scale is None and found_inf is None:
             return None
-        if found_inf is not None and float(found_inf) != 0:
-            return _FOUND_INF
-        if scale is None:
-            return None
-        scale = scale.detach().to(device="cpu", dtype=torch.float32).reshape(())
-        if not (math.isfinite(float(scale)) and float(scale) > 0):
+        if scale is None or found_inf is None:
+            raise ValueError("a gradient scaler must hand over both grad_scale and found_inf")
+        scale = scale.detach().to(device=self._device, dtype=torch.float32).reshape(()).contiguous()
+        found_inf = found_inf.detach().to(device=self._device, dtype=torch.float32).reshape(()).contiguous()
+        if self._device.type == "cpu" and not (math.isfinite(float(scale)) and float(scale) > 0):
             raise ValueError(f"the gradient scaler's scale {float(scale)!r} is not finite and > 0")
-        return scale
+        return scale, found_inf
 
     def _reference_step(self, hypers, grad_scale=None):
         """The old path, per parameter: fp32 gradients, the spec's ops, rounded parameters copied back."""
@@ -698,31 +703,34 @@ class NorMuonAdamW(torch.optim.Optimizer):
                 e.version = e.tensor._version
         return skipped
 
-    def _cuda_step(self):
+    def _cuda_step(self, scaler=None):
         """One fused step on the caller's current stream. The verdict on NaN/Inf gradients: now (one host
-        sync) or, with verdict='deferred', at the next step (no sync; the bad step already changed nothing)."""
+        sync) or, with verdict='deferred', at the next step (no sync; the bad step already changed nothing).
+        scaler: GradScaler's (scale, found_inf) on the device; found_inf is read back the same way, from a
+        pinned copy made behind the step."""
         backend = self._cuda_backend
         with torch.cuda.device(self._device):  # the stream handle belongs to the parameters' device
-            backend.set_stream(torch.cuda.current_stream(self._device).cuda_stream)
+            stream = torch.cuda.current_stream(self._device)
+            backend.set_stream(stream.cuda_stream)
             earlier = self._settle()  # verdict='deferred': the step before this one
             backend.set_tensors(self._table)
             # The host's copy of the counters (no device read): host-exact bias corrections.
             backend.set_options(self._options, self._steps)
+            backend.set_grad_scaling(*((0, 0) if scaler is None else (scaler[0].data_ptr(), scaler[1].data_ptr())))
             backend.enqueue_step()
+            if scaler is not None:
+                if self._found_inf_host is None:
+                    self._found_inf_host = torch.zeros((), dtype=torch.float32).pin_memory()
+                self._found_inf_host.copy_(scaler[1], non_blocking=True)
+                self._found_inf_event = torch.cuda.Event()
+                self._found_inf_event.record(stream)
             before = list(self._steps)
             active = {e.group for e in self._entries if e.has_grad}
             self._steps = [t + (g in active) for g, t in enumerate(before)]
+            self._pending_steps_before = before
             if self.verdict == "deferred":
-                self._pending_steps_before = before
                 return earlier
-            try:
-                result = backend.finish_step(self._options)
-            except RuntimeError:  # nonfinite='error': the step changed nothing, its counters included
-                self._steps = before
-                raise
-        if result.skipped:
-            self._steps = before
-        return result.reason if result.skipped else None
+            return self._settle()
 
     def _settle(self):
         """verdict='deferred': the pending step's verdict now (the next step(), state_dict, state files), so
@@ -731,12 +739,17 @@ class NorMuonAdamW(torch.optim.Optimizer):
         if self._cuda_backend is None or self._pending_steps_before is None:
             return None
         before, self._pending_steps_before = self._pending_steps_before, None
+        event, self._found_inf_event = self._found_inf_event, None
         with torch.cuda.device(self._device):
             try:
                 result = self._cuda_backend.poll_step(self._options)
             except RuntimeError:
                 self._steps = before
                 raise
+            if event is not None:  # the scaler's found_inf, copied behind the step
+                event.synchronize()
+                if float(self._found_inf_host) != 0:
+                    result = _ScalerSkip()
         if result.skipped:
             self._steps = before
             self.last_skip_reason = result.reason
@@ -1006,8 +1019,14 @@ class NorMuonAdamW(torch.optim.Optimizer):
         self._sync_hyper()
 
 
-_FOUND_INF = object()  # _grad_scale(): the scaler found inf/NaN gradients
+_FOUND_INF = object()  # step(): the scaler found inf/NaN gradients
 FOUND_INF_REASON = "the gradient scaler found inf/NaN gradients; step skipped"
+
+
+class _ScalerSkip:
+    """A step result: the gradient scaler's found_inf skipped the step (the device changed nothing)."""
+    skipped = True
+    reason = FOUND_INF_REASON
 
 
 def _normuon_betas(group, seen):

@@ -278,3 +278,31 @@ def test_megatron_halves_add_no_torch_sync_and_a_nan_is_reported_one_step_late()
         muon.step()  # the verdict of the step before
     assert muon.param_groups[0]["step"] == 4
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, matrices))
+
+
+@needs_gpu
+@pytest.mark.parametrize("verdict", ["sync", "deferred"])
+def test_grad_scaler_on_cuda_unscales_in_the_step_and_skips_on_inf(verdict):
+    # GradScaler hands the fused CUDA step its scale and found_inf (device tensors): gradients are divided
+    # as they are read, an inf step changes nothing, found_inf comes back through a pinned copy.
+    cpu, gpu = _model("cpu"), _model("cuda")
+    opt_cpu = normuon.NorMuonAdamW(cpu.named_parameters(), backend=CPU_BACKEND)
+    opt_gpu = normuon.NorMuonAdamW(gpu.named_parameters(), verdict=verdict)
+    assert opt_gpu._step_supports_amp_scaling
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12)
+    scaler.scale(torch.ones((), device="cuda"))  # the scale tensor exists from the first scale() on
+    for step in range(1, 6):
+        _grads(cpu, step)
+        _grads(gpu, step)
+        for p in gpu.parameters():
+            p.grad.mul_(scaler.get_scale())  # what backward of a scaled loss gives (a power of two: exact)
+        if step == 3:
+            gpu.fc1.weight.grad[0, 0] = float("inf")
+        scaler.step(opt_gpu)
+        scaler.update()
+        if step != 3:
+            opt_cpu.step()
+    opt_gpu.state_dict()  # settles a deferred verdict
+    assert [g["step"] for g in opt_gpu.param_groups] == [g["step"] for g in opt_cpu.param_groups] == [4, 4]
+    for (name, a), b in zip(cpu.named_parameters(), gpu.parameters()):
+        assert torch.allclose(a.detach(), b.detach().cpu(), rtol=0, atol=1e-3), name
