@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 
@@ -24,6 +25,34 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 std::string default_golden_path() { return std::string(NORMUON_SOURCE_DIR) + "/golden/tiny.csv"; }
+
+// The metadata key in which `normuon run --save` records its own step number: the step of the gradient
+// generator, which group step counters can't give back (a group that got no gradient in a step, or a step
+// skipped for a non-finite gradient, leaves them behind).
+constexpr const char* kRunStepKey = "run_step";
+
+// The step a resumed run continues after: the file's run_step, or for a file without one (saved by a
+// version before it, or by another program) the largest group step, as those versions did.
+int64_t resumed_run_step(const StateFileContents& file) {
+  const std::vector<int64_t>& groups = file.header.group_steps;
+  const int64_t largest_group_step = groups.empty() ? 0 : *std::max_element(groups.begin(), groups.end());
+  const auto it = file.header.extra_metadata.find(kRunStepKey);
+  if (it == file.header.extra_metadata.end()) {
+    std::printf("note: %s has no run_step (an older file): resuming after its largest group step\n",
+                file.path.c_str());
+    return largest_group_step;
+  }
+  const std::string& text = it->second;
+  if (text.empty() || text.size() > 18 || text.find_first_not_of("0123456789") != std::string::npos)
+    throw std::invalid_argument("state file '" + file.path + "': metadata \"run_step\" is \"" + text +
+                                "\", not a step number");
+  const int64_t step = std::stoll(text);
+  // A group advances at most once per step, so no group can be ahead of the run.
+  if (step < largest_group_step)
+    throw std::invalid_argument("state file '" + file.path + "': run_step " + text + " is below its group step " +
+                                std::to_string(largest_group_step));
+  return step;
+}
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -48,8 +77,10 @@ can't serve is an error, never a silent switch to the reference), on the device 
 else NORMUON_DEVICE, else cpu (cuda where there is no GPU is an error, not a switch to the CPU),
 fed with deterministic synthetic gradients (seeded, counter-based: the same numbers on every machine,
 thread count and backend). Prints the routing table summary, progress with per-step time, and a timing
-summary. --load resumes from a state file (its hyper-parameters, then --set overrides); --save writes
-the final state atomically. Hyper-parameters: --set normuon.lr=0.01, --set weight_decay=0.1 (all
+summary. --load resumes from a state file (its hyper-parameters, then --set overrides) at the step after the one it
+was saved at (its run_step); --save writes the final state atomically, and its path is checked before
+the first step. --progress-every N prints every N-th step (N >= 1; default: every step up to 50 steps,
+else every steps/20-th); --quiet prints no progress. Hyper-parameters: --set normuon.lr=0.01, --set weight_decay=0.1 (all
 groups), --set nonfinite=skip_step; `normuon run --set help=1` lists every key.)");
     return 0;
   }
@@ -58,17 +89,29 @@ groups), --set nonfinite=skip_step; `normuon run --set help=1` lists every key.)
                                     static_cast<int>(a.get_int("missing-grad-period", 0))};
   const int64_t steps = a.get_int("steps", 20);
   if (steps < 0) throw std::invalid_argument("--steps must be >= 0");
+  // 0 was a division by zero (SIGFPE) in the progress test below.
+  const int64_t every = a.get_int("progress-every", steps <= 50 ? 1 : std::max<int64_t>(1, steps / 20));
+  if (every < 1) throw std::invalid_argument("--progress-every must be >= 1 (use --quiet for no progress lines)");
+  // A bad --save path fails now, not after every step has run.
+  if (a.has("save")) check_state_save_path(a.get("save", ""));
 
+  // One read of --load: the options and the tensors come from the same bytes, even if the file is being
+  // replaced meanwhile (reading it twice could combine two versions).
+  std::unique_ptr<StateFileContents> loaded;
   Options options;
-  if (a.has("load")) options = read_state_header(a.get("load", ""), false).options;
+  if (a.has("load")) {
+    loaded = std::make_unique<StateFileContents>(read_state_file(a.get("load", "")));
+    options = loaded->header.options;
+  }
   if (!apply_sets(a, options)) return 0;
   const Layout layout = Layout::build(manifest, options);
   FlatState state(layout);
   int64_t first_step = 1;
-  if (a.has("load")) {
-    load_state(a.get("load", ""), state);
-    first_step = 1 + *std::max_element(state.group_steps.begin(), state.group_steps.end());
-    std::printf("resumed from %s at step %lld\n", a.get("load", "").c_str(), static_cast<long long>(first_step - 1));
+  if (loaded) {
+    load_state_file(*loaded, state);
+    first_step = 1 + resumed_run_step(*loaded);
+    std::printf("resumed from %s at step %lld\n", loaded->path.c_str(), static_cast<long long>(first_step - 1));
+    loaded.reset();  // the file's bytes are no longer needed
   } else {
     generator.fill_params(state);
   }
@@ -78,7 +121,6 @@ groups), --set nonfinite=skip_step; `normuon run --set help=1` lists every key.)
   const bool quiet = a.flag("quiet");
   if (!quiet) std::printf("%sbackend: %s\n", layout.describe().c_str(), backend.name().c_str());
 
-  const int64_t every = a.get_int("progress-every", steps <= 50 ? 1 : std::max<int64_t>(1, steps / 20));
   std::vector<double> step_ms;
   const auto run_start = Clock::now();
   int64_t skipped = 0;
@@ -102,7 +144,8 @@ groups), --set nonfinite=skip_step; `normuon run --set help=1` lists every key.)
                 static_cast<long long>(steps), static_cast<long long>(skipped), total_s, median(step_ms),
                 *std::min_element(step_ms.begin(), step_ms.end()), *std::max_element(step_ms.begin(), step_ms.end()));
   if (a.has("save")) {
-    save_state(a.get("save", ""), state, options, backend.name());
+    save_state_with_metadata(a.get("save", ""), state, options, backend.name(),
+                             {{kRunStepKey, std::to_string(first_step + steps - 1)}});
     std::printf("saved state to %s (layout %s)\n", a.get("save", "").c_str(), layout.fingerprint_hex().c_str());
   }
   return 0;

@@ -10,6 +10,7 @@ namespace {
 constexpr const char* kUsage = R"(normuon: the NorMuon + AdamW optimizer, its reference and its checks.
 
 usage: normuon COMMAND [options]      (normuon COMMAND --help for details)
+       normuon --version              (version, commit and build configuration)
 
 commands:
   run        run optimizer steps on a model preset or manifest with deterministic gradients
@@ -37,9 +38,19 @@ const Command kCommands[] = {
     {"bench-cuda", normuon::cli::bench_cuda_command},
 };
 
+// What this binary is: the version, the commit it was configured from, and what it was built with.
+void print_version() {
+  std::printf("normuon %s\ncommit: %s\nbuild: %s; backends: %s\n", NORMUON_VERSION, NORMUON_GIT_COMMIT,
+              NORMUON_BUILD_TYPE[0] ? NORMUON_BUILD_TYPE : "(no build type)", NORMUON_BUILT_BACKENDS);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc >= 2 && (std::string(argv[1]) == "--version" || std::string(argv[1]) == "version")) {
+    print_version();
+    return 0;
+  }
   if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h" ||
       std::string(argv[1]) == "help") {
     std::fputs(kUsage, argc < 2 ? stderr : stdout);

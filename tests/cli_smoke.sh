@@ -41,4 +41,50 @@ expect_error "bad.csv:2" "$tool" layout --manifest "$dir/bad.csv"
 head -c 100 "$dir/a.safetensors" >"$dir/truncated.safetensors"
 expect_error "truncated" "$tool" inspect "$dir/truncated.safetensors"
 expect_error "fingerprint\|layout" "$tool" run --preset gpt2-124m --steps 0 --load "$dir/a.safetensors"
+
+# --version: the version, the commit (or "unknown") and the backends of this build.
+expect_output "^normuon [0-9][0-9.]*$" "$tool" --version
+out=$("$tool" --version)
+grep -Eq "^commit: ([0-9a-f]{7,}|unknown)$" <<<"$out" || fail "--version said: $out"
+grep -Eq "^build: .*; backends: reference" <<<"$out" || fail "--version said: $out"
+
+# --progress-every 0 divided by zero (SIGFPE).
+expect_error "progress-every must be >= 1" "$tool" run --steps 2 --progress-every 0
+expect_error "progress-every must be >= 1" "$tool" run --steps 2 --progress-every -3
+
+# A FIFO given as a state file: refused at once, not waited on (open() blocked for a writer).
+mkfifo "$dir/fifo"
+expect_error "FIFO" timeout 20 "$tool" inspect "$dir/fifo"
+expect_error "FIFO" timeout 20 "$tool" run --steps 1 --quiet --load "$dir/fifo"
+
+# A bad --save path fails before the first step, not after the last.
+if out=$("$tool" run --steps 3 --save "$dir/no-such-dir/s.safetensors" 2>&1); then fail "saved into a missing directory"; fi
+grep -q "cannot save here" <<<"$out" || fail "bad --save said: $out"
+if grep -q "step 1/" <<<"$out"; then fail "steps ran before the bad --save path was found: $out"; fi
+
+# Resuming is bitwise even when a group gets no gradient in some steps: the run's step number is saved
+# (run_step), not taken from the largest group counter. With period 2 the matrix misses the even steps
+# and the bias the odd ones, so after 4 steps both groups are at step 2.
+printf 'name,shape,role\nw,4x4,matrix\nb,4,bias\n' >"$dir/two.csv"
+common=(--manifest "$dir/two.csv" --missing-grad-period 2 --quiet)
+"$tool" run "${common[@]}" --steps 7 --save "$dir/straight.safetensors" >/dev/null
+"$tool" run "${common[@]}" --steps 4 --save "$dir/first.safetensors" >/dev/null
+expect_output "resumed from .* at step 4$" "$tool" run "${common[@]}" --steps 3 --load "$dir/first.safetensors" \
+  --save "$dir/resumed.safetensors"
+tensors() { "$tool" inspect "$1" | grep '^  [0-9a-f]\{8\} '; }
+[ "$(tensors "$dir/straight.safetensors")" = "$(tensors "$dir/resumed.safetensors")" ] ||
+  fail "7 steps straight and 4 + 3 resumed differ"
+
+# A manifest that starts with a UTF-8 byte order mark.
+printf '\xef\xbb\xbfname,shape\nw,4x4\n' >"$dir/bom.csv"
+expect_output "1 parameters" "$tool" layout --manifest "$dir/bom.csv"
+
+# Out-of-range numbers say so.
+expect_error "out of range: it underflows" "$tool" run --set lr=1e-400
+
+# 2^62 elements wrapped a byte count (SIGSEGV); 10^12 was a bare std::bad_alloc.
+printf 'name,shape\nbig,4611686018427387904\n' >"$dir/big62.csv"
+expect_error '"big".*too large' "$tool" layout --manifest "$dir/big62.csv"
+printf 'name,shape\nbig,1000000000000\n' >"$dir/big12.csv"
+expect_error "'big'.*1000000000000 elements" "$tool" run --steps 1 --manifest "$dir/big12.csv"
 echo "cli smoke test passed"

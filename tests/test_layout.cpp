@@ -146,3 +146,55 @@ BOOST_AUTO_TEST_CASE(nonfinite_gradients_are_found_only_where_a_gradient_is_pres
   s.has_grad[3] = 0;
   BOOST_TEST(find_nonfinite_gradient(s) == -1);
 }
+
+// A parameter of 2^62 elements made the byte count wrap (SIGSEGV): sizes are bounded, with the parameter
+// named, before any offset is computed.
+BOOST_AUTO_TEST_CASE(oversized_parameters_are_refused_by_name) {
+  const auto refused = [](const Manifest& m, const std::vector<std::string>& words) {
+    try {
+      Layout::build(m, Options());
+      BOOST_ERROR("built a layout that is too large");
+    } catch (const std::invalid_argument& e) {
+      for (const auto& w : words)
+        BOOST_TEST(std::string(e.what()).find(w) != std::string::npos, e.what() << " lacks " << w);
+    }
+  };
+  Manifest m;
+  m.params = {param("small", {4}, Role::bias), param("huge", {int64_t{1} << 62}, Role::bias)};
+  refused(m, {"\"huge\"", "too large", "2^40"});
+  m.params[1] = param("huge", {int64_t{1} << 31, int64_t{1} << 31, 4}, Role::other);  // the product wraps int64
+  refused(m, {"\"huge\"", "too large"});
+  m.params[1] = param("huge", {int64_t{1} << 21, int64_t{1} << 20}, Role::matrix);  // 2^41: NorMuon
+  refused(m, {"\"huge\"", "too large"});
+  m.params[1] = param("huge", {0, int64_t{1} << 62, int64_t{1} << 62}, Role::other);  // empty: fine
+  BOOST_TEST(Layout::build(m, Options()).entries[1].numel == 0);
+
+  // Each parameter within the limit, their sum beyond it: the one that crosses it is named.
+  Manifest sum;
+  sum.params = {param("first", {int64_t{1} << 20, int64_t{1} << 20}, Role::matrix),
+                param("second", {int64_t{1} << 20, int64_t{1} << 20}, Role::matrix)};
+  refused(sum, {"'second'", "parameter buffer", "2^40"});
+  sum.params[1].role = Role::embedding;  // the AdamW part
+  refused(sum, {"'second'", "2^40"});
+  sum.params.pop_back();
+  BOOST_TEST(Layout::build(sum, Options()).param_floats == int64_t{1} << 40);  // exactly the limit is allowed
+}
+
+// One of 10^12 elements (4 TB per buffer) was a bare std::bad_alloc: say how much and for what.
+BOOST_AUTO_TEST_CASE(state_too_large_for_the_machine_says_so) {
+  Manifest m;
+  m.params = {param("emb", {1000000, 1000000}, Role::embedding), param("b", {4}, Role::bias)};
+  const Layout l = Layout::build(m, Options());
+  try {
+    FlatState state(l);
+    BOOST_TEST_MESSAGE("this machine holds 20 TB: nothing to check");
+  } catch (const OutOfMemoryError& e) {
+    const std::string message = e.what();
+    BOOST_TEST_MESSAGE(message);
+    BOOST_TEST(message.find("'emb'") != std::string::npos, message);
+    BOOST_TEST(message.find("1000000000000 elements") != std::string::npos, message);
+    BOOST_TEST(message.find("memory") != std::string::npos, message);
+  }
+  BOOST_CHECK_THROW(AlignedBuffer(kMaxLayoutFloats + 1), std::bad_alloc);
+  BOOST_CHECK_THROW(AlignedBuffer(-1), std::bad_alloc);
+}

@@ -398,3 +398,15 @@ BOOST_AUTO_TEST_CASE(preset_moe) {
   }
   BOOST_TEST(normuon == 8 * (4 + 1 + 64 * 3));
 }
+
+// A manifest saved by a Windows editor starts with a UTF-8 byte order mark: read it as if it were not there.
+BOOST_AUTO_TEST_CASE(csv_utf8_bom_is_skipped) {
+  std::istringstream in("\xEF\xBB\xBFname,shape\nw,4x4\n");
+  const Manifest m = Manifest::read_csv(in, "bom.csv");
+  BOOST_REQUIRE(m.params.size() == 1u);
+  BOOST_TEST(m.params[0].name == "w");
+  BOOST_TEST((m.params[0].shape == std::vector<int64_t>{4, 4}));
+  // Only at the very start: elsewhere it is part of a field, as any other bytes.
+  std::istringstream later("name,shape\n\xEF\xBB\xBFw,4x4\n");
+  BOOST_TEST(Manifest::read_csv(later, "later.csv").params[0].name == "\xEF\xBB\xBFw");
+}

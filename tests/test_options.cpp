@@ -105,3 +105,57 @@ BOOST_AUTO_TEST_CASE(describe_lists_every_key) {
   BOOST_TEST(lines.size() == 1u + 15u + 5u);
   BOOST_TEST(lines[0] == "nonfinite=error");
 }
+
+// 1e-400 is a finite number that no double holds: say that, rather than "not a finite number".
+BOOST_AUTO_TEST_CASE(out_of_range_numbers_say_so) {
+  Options o;
+  BOOST_CHECK_EXCEPTION(o.set("lr=1e-400"), std::invalid_argument, [](const auto& e) {
+    return message_contains(e, "'1e-400' is out of range: it underflows to 0") &&
+           !message_contains(e, "not a finite number");
+  });
+  BOOST_CHECK_EXCEPTION(o.set("normuon.lr=-1e-400"), std::invalid_argument,
+                        [](const auto& e) { return message_contains(e, "underflows"); });
+  BOOST_CHECK_EXCEPTION(o.set("normuon.lr=1e400"), std::invalid_argument,
+                        [](const auto& e) { return message_contains(e, "out of range: it overflows"); });
+  BOOST_CHECK_EXCEPTION(o.set("normuon.lr=inf"), std::invalid_argument,
+                        [](const auto& e) { return message_contains(e, "not a finite number"); });
+  BOOST_CHECK_EXCEPTION(o.set("normuon.lr=0.1x"), std::invalid_argument,
+                        [](const auto& e) { return message_contains(e, "not a finite number"); });
+  BOOST_TEST(o.group("normuon").normuon.lr == 0.02);
+  o.set("adamw.eps=1e-310");  // subnormal, but a value
+  BOOST_TEST(o.group("adamw").adamw.eps == 1e-310);
+  o.set("adamw.eps=0e-400");  // zero written with a large exponent is zero
+  BOOST_TEST(o.group("adamw").adamw.eps == 0.0);
+}
+
+// from_json (state files) applies the checks of set(), naming the group and field.
+BOOST_AUTO_TEST_CASE(from_json_checks_ranges_and_types) {
+  const std::string good = Options().to_json();
+  const auto with = [&](const std::string& from, const std::string& to) {
+    const size_t at = good.find(from);
+    BOOST_REQUIRE(at != std::string::npos);
+    return std::string(good).replace(at, from.size(), to);
+  };
+  const auto rejected = [](const std::string& text, const std::vector<std::string>& words) {
+    try {
+      Options::from_json(text);
+      BOOST_ERROR("accepted " << text);
+    } catch (const std::invalid_argument& e) {
+      for (const auto& w : words) BOOST_TEST(message_contains(e, w), e.what() << " lacks " << w);
+    }
+  };
+  rejected(with("\"ns_steps\":5", "\"ns_steps\":1000000000"), {"normuon.ns_steps", "[1, 100]"});
+  rejected(with("\"ns_steps\":5", "\"ns_steps\":0"), {"normuon.ns_steps", "[1, 100]"});
+  rejected(with("\"lr\":0.02", "\"lr\":-0.02"), {"normuon.lr", "outside [0, 1e+06]"});
+  rejected(with("\"beta1\":0.9,", "\"beta1\":5,"), {"adamw.beta1", "outside [0, 1)"});
+  rejected(with("\"beta2\":0.95,\"eps\"", "\"beta2\":1,\"eps\""), {"adamw.beta2", "outside [0, 1)"});
+  rejected(with("\"eps\":1e-10", "\"eps\":\"1e-10\""), {"adamw.eps", "not a number"});
+  rejected(with("\"nesterov\":true", "\"nesterov\":\"true\""), {"normuon.nesterov", "boolean"});
+  rejected(with("\"ns_precision\":\"bf16\"", "\"ns_precision\":\"fp8\""), {"normuon.ns_precision", "fp32 | bf16"});
+  rejected(with("\"nonfinite\":\"error\"", "\"nonfinite\":\"ignore\""), {"nonfinite", "skip_step"});
+  rejected(with("\"lr\":0.02,", ""), {"'normuon.lr' is missing"});
+  rejected(with("\"name\":\"adamw\"", "\"name\":\"normuon\""), {"'normuon' is defined twice"});
+  rejected("{\"nonfinite\":\"error\",\"groups\":" + std::string(100, '[') + std::string(100, ']') + "}",
+           {"nests deeper than 64 levels"});
+  BOOST_TEST(Options::from_json(good).to_json() == good);
+}

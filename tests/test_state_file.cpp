@@ -4,6 +4,7 @@
 #include <boost/test/unit_test.hpp>
 
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -669,4 +670,265 @@ BOOST_AUTO_TEST_CASE(read_only_directory_keeps_the_old_file) {
   fs::permissions(s.dir.path, fs::perms::owner_all);
   BOOST_TEST(read_bytes(s.path) == before);
   BOOST_TEST(s.dir.listing() == std::vector<std::string>{"state.safetensors"});
+}
+
+// ------------------------------------------------------------------------------- hardening (issue 13)
+
+// A FIFO has no writer, so a blocking open() for reading never returns: it must be refused, not waited on.
+BOOST_AUTO_TEST_CASE(fifo_is_refused_without_blocking) {
+  TempDir dir;
+  const std::string fifo = dir.file("state.fifo");
+  BOOST_REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  Options options;
+  const Layout layout = Layout::build(test_manifest(), options);
+  FlatState target(layout);
+  fill(target, 3.0f);
+  // alarm(): should the open block after all, the test dies with SIGALRM instead of hanging ctest.
+  ::alarm(20);
+  expect_rejected(fifo, target, {"FIFO", "not a regular file"});
+  BOOST_CHECK_THROW(read_state_header(fifo, false), StateFileError);
+  BOOST_CHECK_THROW(read_state_file(fifo), StateFileError);
+  expect_rejected(dir.path.string(), target, {"directory", "not a regular file"});
+  ::alarm(0);
+}
+
+// 10^6 nested arrays overflowed the stack (nlohmann's dump and copy recurse per level).
+BOOST_AUTO_TEST_CASE(deeply_nested_header_is_refused) {
+  Saved s;
+  const Safetensors st = read_safetensors(s.path);
+  const std::string deep = std::string(1000000, '[') + std::string(1000000, ']');
+  std::string text = st.header.dump();
+  text.insert(text.size() - 1, ",\"zz\":" + deep);
+  write_safetensors(s.path, text, st.data);
+  expect_rejected(s.path, s.target, {"header", "nests deeper than 64 levels"});
+  BOOST_CHECK_THROW(read_state_header(s.path, false), StateFileError);
+
+  // Inside a metadata string too (each one is JSON text of its own).
+  write_safetensors(s.path, st.header.dump(), st.data);
+  edit_header(s.path, [&](json& h) { h["__metadata__"]["group_names"] = "[" + deep + "]"; });
+  expect_rejected(s.path, s.target, {"group_names", "nests deeper than 64 levels"});
+  write_safetensors(s.path, st.header.dump(), st.data);
+  edit_header(s.path, [&](json& h) { h["__metadata__"]["options"] = "{\"x\":" + deep + "}"; });
+  expect_rejected(s.path, s.target, {"options", "nests deeper than 64 levels"});
+
+  // Moderate nesting in a key the reader ignores is still valid JSON and loads (64 levels with the root).
+  write_safetensors(s.path, st.header.dump(), st.data);
+  edit_header(s.path, [&](json& h) { h["__metadata__"]["note"] = std::string(62, '[') + std::string(62, ']'); });
+  FlatState loaded(s.layout);
+  load_state(s.path, loaded);
+  require_identical(loaded, s.source);
+}
+
+// Loading was quadratic in the tensor count (json::parse with a callback rescans the root object after each
+// tensor entry). No timing here: a file with many tensors must load exactly; bench/ has no timing bar.
+BOOST_AUTO_TEST_CASE(many_tensors_load_exactly) {
+  TempDir dir;
+  Manifest m;
+  for (int i = 0; i < 4000; ++i)
+    m.params.push_back(spec("p" + std::to_string(i), {i % 3 == 0 ? 3 : 4, 4}, i % 5 ? Role::matrix : Role::bias));
+  Options options;
+  const Layout layout = Layout::build(m, options);
+  FlatState source(layout), target(layout);
+  fill(source, 2.0f);
+  save_state(dir.file("many"), source, options, "test-backend");
+  const StateFileHeader h = read_state_header(dir.file("many"));
+  BOOST_TEST(h.tensors.size() == 3u * 4000u);
+  for (size_t i = 1; i < h.tensors.size(); ++i) BOOST_TEST_REQUIRE(h.tensors[i].begin == h.tensors[i - 1].end);
+  load_state(dir.file("many"), target);
+  require_identical(target, source);
+
+  // The duplicate check still works without the callback parser, at any position.
+  const Safetensors st = read_safetensors(dir.file("many"));
+  std::string text = st.header.dump();
+  const std::string entry = "\"p3999\":" + st.header["p3999"].dump();
+  text.insert(1, entry + ",");
+  write_safetensors(dir.file("many"), text, st.data);
+  expect_rejected(dir.file("many"), target, {"'p3999' twice"});
+}
+
+// Hyper-parameters from a file go through the same checks as --set (ns_steps=10^9 hung a step, 0 skipped
+// Newton-Schulz, a negative lr and beta1=5 were used as they were).
+BOOST_AUTO_TEST_CASE(out_of_range_hyper_parameters_are_rejected) {
+  Saved s;
+  const std::string clean = read_bytes(s.path);
+  const auto set_hyper = [&](const std::string& group, const std::string& field, const json& value) {
+    write_bytes(s.path, clean);
+    edit_header(s.path, [&](json& h) {
+      json o = json::parse(h["__metadata__"]["options"].get<std::string>());
+      for (json& g : o["groups"])
+        if (g["name"] == group) g["hyper"][field] = value;
+      h["__metadata__"]["options"] = o.dump();
+    });
+  };
+  set_hyper("normuon", "ns_steps", 1000000000);
+  expect_rejected(s.path, s.target, {"\"options\"", "normuon.ns_steps", "[1, 100]"});
+  set_hyper("normuon", "ns_steps", 0);
+  expect_rejected(s.path, s.target, {"normuon.ns_steps", "[1, 100]"});
+  set_hyper("normuon", "ns_steps", 2.5);
+  expect_rejected(s.path, s.target, {"normuon.ns_steps"});
+  set_hyper("normuon", "lr", -0.1);
+  expect_rejected(s.path, s.target, {"normuon.lr", "outside"});
+  set_hyper("adamw", "beta1", 5);
+  expect_rejected(s.path, s.target, {"adamw.beta1", "outside [0, 1)"});
+  set_hyper("adamw", "eps", "1e-8");  // a string where a number belongs
+  expect_rejected(s.path, s.target, {"adamw.eps", "number"});
+  set_hyper("normuon", "nesterov", 1);
+  expect_rejected(s.path, s.target, {"normuon.nesterov", "boolean"});
+  set_hyper("normuon", "reduce_axis", "diagonal");
+  expect_rejected(s.path, s.target, {"normuon.reduce_axis", "rows | longer_dim"});
+  BOOST_CHECK_THROW(read_state_header(s.path, false), StateFileError);
+  // In range: loads.
+  set_hyper("normuon", "ns_steps", 100);
+  Options loaded;
+  FlatState target(s.layout);
+  load_state(s.path, target, &loaded);
+  BOOST_TEST(loaded.group("normuon").normuon.ns_steps == 100);
+}
+
+// One read: the options and the tensors come from the same version of the file, even when it is replaced
+// between reading the options and loading (`normuon run --load` read the file twice and mixed two).
+BOOST_AUTO_TEST_CASE(read_once_then_load_uses_one_version) {
+  Saved s;
+  const StateFileContents first = read_state_file(s.path);
+  BOOST_TEST(first.header.options.to_json() == s.options.to_json());
+
+  Options other_options;
+  other_options.set("normuon.lr=0.125");
+  FlatState other(s.layout);
+  fill(other, 77.0f);
+  save_state(s.path, other, other_options, "test-backend");  // the file is replaced
+
+  FlatState target(s.layout);
+  Options loaded;
+  load_state_file(first, target, &loaded);
+  require_identical(target, s.source);
+  BOOST_TEST(loaded.to_json() == s.options.to_json());
+  load_state(s.path, target, &loaded);  // the new version, whole
+  require_identical(target, other);
+  BOOST_TEST(loaded.to_json() == other_options.to_json());
+
+  // A damaged file read once is rejected when loaded, state untouched.
+  std::string bytes = read_bytes(s.path);
+  bytes[bytes.size() - 2] = static_cast<char>(bytes[bytes.size() - 2] ^ 4);
+  write_bytes(s.path, bytes);
+  const StateFileContents damaged = read_state_file(s.path);
+  const FlatState before = target;
+  BOOST_CHECK_THROW(load_state_file(damaged, target), StateFileError);
+  require_identical(target, before);
+}
+
+BOOST_AUTO_TEST_CASE(extra_metadata_round_trips) {
+  Saved s;
+  BOOST_TEST(read_state_header(s.path).extra_metadata.empty());
+  save_state_with_metadata(s.path, s.source, s.options, "test-backend", {{"run_step", "17"}, {"note", "x"}});
+  const StateFileHeader h = read_state_header(s.path);
+  BOOST_TEST(h.extra_metadata.size() == 2u);
+  BOOST_TEST(h.extra_metadata.at("run_step") == "17");
+  FlatState loaded(s.layout);
+  load_state(s.path, loaded);
+  require_identical(loaded, s.source);
+  try {
+    save_state_with_metadata(s.path, s.source, s.options, "test-backend", {{"group_steps", "[0,0]"}});
+    BOOST_ERROR("a format key was accepted as extra metadata");
+  } catch (const StateFileError& e) {
+    BOOST_TEST(contains(e.what(), "\"group_steps\""));
+  }
+  BOOST_TEST(read_state_header(s.path).extra_metadata.at("run_step") == "17");  // the failed save changed nothing
+}
+
+BOOST_AUTO_TEST_CASE(save_path_is_checked_before_anything_is_written) {
+  TempDir dir;
+  check_state_save_path(dir.file("new.safetensors"));  // fine: nothing is created
+  BOOST_TEST(dir.listing().empty());
+  const auto refused = [&](const std::string& path, const std::string& word) {
+    try {
+      check_state_save_path(path);
+      BOOST_ERROR("accepted " << path);
+    } catch (const StateFileError& e) {
+      BOOST_TEST(contains(e.what(), path));
+      BOOST_TEST(contains(e.what(), word), e.what());
+    }
+  };
+  refused(dir.file("missing/x.safetensors"), "No such file or directory");
+  fs::create_directory(dir.file("sub"));
+  refused(dir.file("sub"), "is a directory");
+  BOOST_REQUIRE(::mkfifo(dir.file("fifo").c_str(), 0600) == 0);
+  refused(dir.file("fifo"), "FIFO");
+  BOOST_TEST(dir.listing() == (std::vector<std::string>{"fifo", "sub"}));
+
+  fs::permissions(dir.file("sub"), fs::perms::owner_read | fs::perms::owner_exec);
+  const std::string probe = dir.file("sub/probe");
+  if (std::FILE* f = std::fopen(probe.c_str(), "w")) {  // root writes anyway
+    std::fclose(f);
+    std::remove(probe.c_str());
+  } else {
+    refused(dir.file("sub/x.safetensors"), "Permission denied");
+  }
+  fs::permissions(dir.file("sub"), fs::perms::owner_all);
+  BOOST_TEST(fs::is_empty(dir.file("sub")));
+}
+
+// A save killed before its rename leaves PATH.tmp-<pid>-<hex>; the next save of PATH removes it once its
+// process is gone, and nothing else: other targets' temporaries, look-alikes and live writers' files stay.
+BOOST_AUTO_TEST_CASE(stale_temporary_files_are_removed) {
+  Saved s;
+  const pid_t dead = ::fork();
+  BOOST_REQUIRE(dead >= 0);
+  if (dead == 0) ::_exit(0);
+  int status = 0;
+  BOOST_REQUIRE(::waitpid(dead, &status, 0) == dead);
+  const std::string d = std::to_string(dead);
+  const std::string live = std::to_string(::getppid());  // a process that runs (the test's parent)
+  const std::vector<std::string> stale{"state.safetensors.tmp-" + d + "-0123abcd",
+                                       "state.safetensors.tmp-" + d + "-ffffffff"};
+  const std::vector<std::string> kept{"state.safetensors.tmp-" + live + "-0123abcd",  // live writer
+                                      "other.safetensors.tmp-" + d + "-0123abcd",     // another target
+                                      "state.safetensors.tmp-" + d + "-0123abcd.bak", "state.safetensors.tmp-" + d,
+                                      "state.safetensors.tmp-" + d + "-0123ABCD", "state.safetensors.tmp-x-0123abcd",
+                                      "xstate.safetensors.tmp-" + d + "-0123abcd"};
+  for (const auto& name : stale) write_bytes(s.dir.file(name), "partial");
+  for (const auto& name : kept) write_bytes(s.dir.file(name), "partial");
+  save_state(s.path, s.source, s.options, "test-backend");
+  std::vector<std::string> expected = kept;
+  expected.push_back("state.safetensors");
+  std::sort(expected.begin(), expected.end());
+  BOOST_TEST(s.dir.listing() == expected);
+}
+
+// Saving onto a symbolic link replaces the file it points to (the link stays), and a file keeps its mode.
+BOOST_AUTO_TEST_CASE(save_writes_through_links_and_keeps_the_mode) {
+  Saved s;
+  BOOST_REQUIRE(::chmod(s.path.c_str(), 0600) == 0);
+  fs::create_directory(s.dir.file("links"));
+  const std::string link = s.dir.file("links/current");
+  fs::create_symlink("../state.safetensors", link);
+  const std::string link2 = s.dir.file("links/alias");
+  fs::create_symlink("current", link2);  // a chain of two links
+
+  FlatState second(s.layout);
+  fill(second, 5.0f);
+  save_state(link2, second, s.options, "test-backend");
+  BOOST_TEST(fs::is_symlink(link));
+  BOOST_TEST(fs::is_symlink(link2));
+  BOOST_TEST(fs::read_symlink(link).string() == "../state.safetensors");
+  struct stat st{};
+  BOOST_REQUIRE(::stat(s.path.c_str(), &st) == 0);
+  BOOST_TEST((st.st_mode & 0777) == 0600u);
+  FlatState loaded(s.layout);
+  load_state(s.path, loaded);
+  require_identical(loaded, second);
+  BOOST_TEST(s.dir.listing() == (std::vector<std::string>{"links", "state.safetensors"}));
+
+  // A plain file keeps its mode too.
+  BOOST_REQUIRE(::chmod(s.path.c_str(), 0640) == 0);
+  save_state(s.path, s.source, s.options, "test-backend");
+  BOOST_REQUIRE(::stat(s.path.c_str(), &st) == 0);
+  BOOST_TEST((st.st_mode & 0777) == 0640u);
+
+  // A dangling link: the file it names is created, the link stays.
+  const std::string dangling = s.dir.file("links/next");
+  fs::create_symlink("../next.safetensors", dangling);
+  save_state(dangling, s.source, s.options, "test-backend");
+  BOOST_TEST(fs::is_symlink(dangling));
+  BOOST_TEST(fs::is_regular_file(s.dir.file("next.safetensors")));
 }

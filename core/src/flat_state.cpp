@@ -1,16 +1,53 @@
 #include "normuon/flat_state.h"
 
+#include <sys/sysinfo.h>
+
 #include <cmath>
+#include <cstdio>
+#include <string>
 #include <cstring>
 #include <new>
 
 namespace normuon {
 
+namespace {
+
+// Bytes for people: "4.00 TB (4000000000000 bytes)".
+std::string bytes_text(double bytes) {
+  const char* units[] = {"bytes", "kB", "MB", "GB", "TB", "PB", "EB"};
+  double value = bytes;
+  int unit = 0;
+  while (value >= 1000 && unit < 6) {
+    value /= 1000;
+    ++unit;
+  }
+  char text[64];
+  if (unit == 0)
+    std::snprintf(text, sizeof text, "%.0f bytes", bytes);
+  else
+    std::snprintf(text, sizeof text, "%.2f %s (%.0f bytes)", value, units[unit], bytes);
+  return text;
+}
+
+// RAM plus swap: no allocation larger than this can ever be backed.
+double machine_memory_bytes() {
+  struct sysinfo info{};
+  if (::sysinfo(&info) != 0) return 0;
+  return (static_cast<double>(info.totalram) + static_cast<double>(info.totalswap)) * info.mem_unit;
+}
+
+}  // namespace
+
 AlignedBuffer::AlignedBuffer(int64_t size) : size_(size) {
+  if (size < 0 || size > kMaxLayoutFloats)
+    throw OutOfMemoryError("cannot allocate a buffer of " + std::to_string(size) + " floats (the limit is " +
+                           std::to_string(kMaxLayoutFloats) + ")");
   // aligned_alloc needs a size that is a multiple of the alignment, and a non-zero one.
   const size_t bytes = static_cast<size_t>(align_up(size > 0 ? size : 1)) * sizeof(float);
   data_.reset(static_cast<float*>(std::aligned_alloc(kAlignFloats * sizeof(float), bytes)));
-  if (!data_) throw std::bad_alloc();
+  if (!data_)
+    throw OutOfMemoryError("cannot allocate " + bytes_text(static_cast<double>(bytes)) + " for a buffer of " +
+                           std::to_string(size) + " floats");
   std::memset(data_.get(), 0, bytes);
 }
 
@@ -23,14 +60,48 @@ AlignedBuffer& AlignedBuffer::operator=(const AlignedBuffer& other) {
   return *this;
 }
 
+namespace {
+
+// What a FlatState of `l` needs, checked before anything is allocated: a model too large for the machine
+// gets one clear error, not a bare std::bad_alloc (or an OOM kill while the buffers are zeroed).
+const Layout& check_fits(const Layout& l) {
+  const double floats = 2.0 * static_cast<double>(l.param_floats) + static_cast<double>(l.normuon_floats) +
+                        static_cast<double>(l.stat_floats) + 2.0 * static_cast<double>(l.adam_floats);
+  const double bytes = floats * sizeof(float), available = machine_memory_bytes();
+  if (available > 0 && bytes > available) {
+    const LayoutEntry* largest = nullptr;
+    for (const LayoutEntry& e : l.entries)
+      if (!largest || e.numel > largest->numel) largest = &e;
+    throw OutOfMemoryError(
+        "the optimizer state needs " + bytes_text(bytes) + " (parameters, gradients and state of " +
+        std::to_string(l.entries.size()) + " parameters), more than this machine's " + bytes_text(available) +
+        " of memory and swap" +
+        (largest ? "; the largest parameter, '" + largest->name + "' [" + shape_to_string(largest->shape) + "], has " +
+                       std::to_string(largest->numel) + " elements"
+                 : std::string()));
+  }
+  return l;
+}
+
+// A buffer of the state, its name added to an allocation failure.
+AlignedBuffer state_buffer(const char* name, int64_t floats) {
+  try {
+    return AlignedBuffer(floats);
+  } catch (const std::bad_alloc& e) {
+    throw OutOfMemoryError(std::string("optimizer state buffer '") + name + "': " + e.what());
+  }
+}
+
+}  // namespace
+
 FlatState::FlatState(const Layout& l)
-    : layout(&l),
-      params(l.param_floats),
-      grads(l.param_floats),
-      momentum(l.normuon_floats),
-      row_var(l.stat_floats),
-      exp_avg(l.adam_floats),
-      exp_avg_sq(l.adam_floats),
+    : layout(&check_fits(l)),
+      params(state_buffer("params", l.param_floats)),
+      grads(state_buffer("grads", l.param_floats)),
+      momentum(state_buffer("momentum", l.normuon_floats)),
+      row_var(state_buffer("row_var", l.stat_floats)),
+      exp_avg(state_buffer("exp_avg", l.adam_floats)),
+      exp_avg_sq(state_buffer("exp_avg_sq", l.adam_floats)),
       has_grad(l.entries.size(), 1),
       group_steps(l.group_names.size(), 0) {}
 

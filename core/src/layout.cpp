@@ -34,6 +34,16 @@ uint64_t compute_fingerprint(const Layout& layout) {
   return fnv1a64(s.data(), s.size());
 }
 
+// Adds a slot of `floats` to a buffer's running size, refusing to pass kMaxLayoutFloats. The running size
+// is at most the limit and a slot at most the limit plus padding, so the sum itself cannot overflow.
+void grow(int64_t& size, int64_t floats, const LayoutEntry& e, const char* buffer) {
+  size += floats;
+  if (size > kMaxLayoutFloats)
+    throw std::invalid_argument("the layout is too large: with parameter '" + e.name + "' [" + shape_to_string(e.shape) +
+                                "] its " + buffer + " buffer needs " + std::to_string(size) +
+                                " floats, more than the limit of " + std::to_string(kMaxLayoutFloats) + " (2^40)");
+}
+
 }  // namespace
 
 Layout Layout::build(const Manifest& manifest, const Options& options) {
@@ -89,7 +99,7 @@ Layout Layout::build(const Manifest& manifest, const Options& options) {
     b.offset = offset;
     for (int i : b.entries) {
       layout.entries[i].offset = offset;
-      offset += b.stride;
+      grow(offset, b.stride, layout.entries[i], "parameter");
     }
   }
   layout.normuon_floats = offset;
@@ -99,7 +109,7 @@ Layout Layout::build(const Manifest& manifest, const Options& options) {
   for (const auto& b : layout.buckets)
     for (int i : b.entries) {
       layout.entries[i].stat_offset = stat_offset;
-      stat_offset += align_up(layout.entries[i].stat_len);
+      grow(stat_offset, align_up(layout.entries[i].stat_len), layout.entries[i], "second-moment");
     }
   layout.stat_floats = stat_offset;
 
@@ -109,7 +119,7 @@ Layout Layout::build(const Manifest& manifest, const Options& options) {
     if (e.algorithm != Algorithm::adamw) continue;
     e.offset = offset;
     e.adam_offset = offset - layout.normuon_floats;
-    offset += align_up(e.numel);
+    grow(offset, align_up(e.numel), e, "parameter");
     layout.adamw_entries.push_back(i);
   }
   layout.param_floats = offset;
@@ -119,7 +129,7 @@ Layout Layout::build(const Manifest& manifest, const Options& options) {
   for (LayoutEntry& e : layout.entries) {
     if (e.dtype == DType::f32) continue;
     e.master_offset = layout.master_floats;
-    layout.master_floats += align_up(e.numel);
+    grow(layout.master_floats, align_up(e.numel), e, "master");
   }
   layout.fingerprint = compute_fingerprint(layout);
   return layout;

@@ -92,6 +92,9 @@ std::vector<Row> read_rows(std::istream& in, const std::string& source) {
   std::string line;
   while (std::getline(in, line)) {
     ++rc.line;
+    // Editors on Windows start UTF-8 files with a byte order mark; it is no part of the first column name.
+    static const std::string kUtf8Bom = "\xEF\xBB\xBF";
+    if (rc.line == 1 && line.compare(0, kUtf8Bom.size(), kUtf8Bom) == 0) line.erase(0, kUtf8Bom.size());
     line += '\n';
     size_t used = csv_parse(parser.get(), line.data(), line.size(), RowCollector::on_field,
                             RowCollector::on_row, &rc);
@@ -266,6 +269,18 @@ void Manifest::validate() const {
       if (e < 0)
         throw std::invalid_argument("parameter " + quoted(p.name) + " has a negative extent in shape " +
                                     shape_for_humans(p.shape));
+    // Counted with overflow checks (numel() would wrap for 2^62 x 4): the layout's offsets and byte counts
+    // are sums of these, so each one is bounded first.
+    bool zero = false;
+    for (int64_t e : p.shape) zero = zero || e == 0;
+    int64_t elements = 1;
+    for (int64_t e : p.shape)
+      if (!zero && elements > kMaxParamElements / e)
+        throw std::invalid_argument("parameter " + quoted(p.name) + " with shape " + shape_for_humans(p.shape) +
+                                    " is too large: more than the limit of " + std::to_string(kMaxParamElements) +
+                                    " (2^40) elements per parameter");
+      else if (!zero)
+        elements *= e;
     route(p);
   }
 }

@@ -1,6 +1,10 @@
 #include "normuon/options.h"
 
+#include "bounded_json.h"
+
 #include <algorithm>
+#include <cerrno>
+#include <limits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -56,25 +60,6 @@ E parse_enum(const std::string& key, const std::string& text) {
   throw std::invalid_argument("option '" + key + "': unknown value '" + text + "' (choose " + choices + ")");
 }
 
-double parse_double(const std::string& key, const std::string& text) {
-  size_t used = 0;
-  double value = 0;
-  try {
-    value = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != text.size() || !std::isfinite(value))
-    throw std::invalid_argument("option '" + key + "': '" + text + "' is not a finite number");
-  return value;
-}
-
-bool parse_bool(const std::string& key, const std::string& text) {
-  if (text == "true" || text == "1" || text == "on") return true;
-  if (text == "false" || text == "0" || text == "off") return false;
-  throw std::invalid_argument("option '" + key + "': '" + text + "' is not a boolean (true | false)");
-}
-
 // The shortest decimal text that reads back as the same double ("0.95", not "0.94999999999999996").
 std::string format_double(double v) {
   char buf[32];
@@ -85,31 +70,66 @@ std::string format_double(double v) {
   return buf;
 }
 
-// A field of a hyper-parameter struct: how to set it from text and how to print it.
+double parse_double(const std::string& key, const std::string& text) {
+  // strtod rather than stod: stod throws the same out_of_range for 1e400 and 1e-400, and both were
+  // reported as "not a finite number".
+  const char* begin = text.c_str();
+  char* end = nullptr;
+  errno = 0;
+  const double value = std::strtod(begin, &end);
+  const bool range_error = errno == ERANGE;
+  if (end == begin || static_cast<size_t>(end - begin) != text.size() || std::isnan(value) ||
+      (std::isinf(value) && !range_error))
+    throw std::invalid_argument("option '" + key + "': '" + text + "' is not a finite number");
+  if (range_error && std::isinf(value))
+    throw std::invalid_argument("option '" + key + "': '" + text + "' is out of range: it overflows a double (the largest is " +
+                                format_double(std::numeric_limits<double>::max()) + ")");
+  // A result that is nonzero but subnormal is representable (strtod flags it too): only a value that
+  // underflows to zero while its text does not say zero is refused.
+  if (range_error && value == 0)
+    throw std::invalid_argument("option '" + key + "': '" + text + "' is out of range: it underflows to 0 (the smallest positive double is " +
+                                format_double(std::numeric_limits<double>::denorm_min()) + "); write 0 for zero");
+  return value;
+}
+
+bool parse_bool(const std::string& key, const std::string& text) {
+  if (text == "true" || text == "1" || text == "on") return true;
+  if (text == "false" || text == "0" || text == "off") return false;
+  throw std::invalid_argument("option '" + key + "': '" + text + "' is not a boolean (true | false)");
+}
+
+// A field of a hyper-parameter struct: how to set it from text and how to print it. from_json takes the
+// JSON value (of a state file) through the same checks as `set`, after checking its JSON type.
 template <typename H>
 struct Field {
   const char* name;
   std::function<void(H&, const std::string& key, const std::string&)> set;
   std::function<std::string(const H&)> get;
   std::function<void(const H&, Json&)> to_json;
-  std::function<void(H&, const Json&)> from_json;
+  std::function<void(H&, const std::string& key, const Json&)> from_json;
 };
+
+void require_json_type(const std::string& key, const Json& v, bool ok, const char* what) {
+  if (!ok) throw std::invalid_argument("option '" + key + "': " + v.dump() + " is not " + what);
+}
 
 // below_hi: the range is [lo, hi), as torch has it for betas (beta = 1 never forgets, and AdamW's bias
 // correction divides by 1 - beta^t = 0).
 template <typename H>
 Field<H> number_field(const char* name, double H::*member, double lo, double hi, bool below_hi = false) {
-  return {name,
-          [member, lo, hi, below_hi](H& h, const std::string& key, const std::string& text) {
-            double v = parse_double(key, text);
-            if (v < lo || v > hi || (below_hi && v == hi))
-              throw std::invalid_argument("option '" + key + "': " + text + " is outside [" + format_double(lo) +
-                                          ", " + format_double(hi) + (below_hi ? ")" : "]"));
-            h.*member = v;
-          },
-          [member](const H& h) { return format_double(h.*member); },
+  const auto set = [member, lo, hi, below_hi](H& h, const std::string& key, const std::string& text) {
+    double v = parse_double(key, text);
+    if (v < lo || v > hi || (below_hi && v == hi))
+      throw std::invalid_argument("option '" + key + "': " + text + " is outside [" + format_double(lo) + ", " +
+                                  format_double(hi) + (below_hi ? ")" : "]"));
+    h.*member = v;
+  };
+  return {name, set, [member](const H& h) { return format_double(h.*member); },
           [name, member](const H& h, Json& j) { j[name] = h.*member; },
-          [name, member](H& h, const Json& j) { h.*member = j.at(name).get<double>(); }};
+          [set](H& h, const std::string& key, const Json& v) {
+            require_json_type(key, v, v.is_number(), "a number");
+            set(h, key, v.dump());  // nlohmann writes doubles so that they read back exactly
+          }};
 }
 
 template <typename H, typename E>
@@ -118,7 +138,17 @@ Field<H> enum_field(const char* name, E H::*member) {
           [member](H& h, const std::string& key, const std::string& text) { h.*member = parse_enum<E>(key, text); },
           [member](const H& h) { return std::string(enum_name(h.*member)); },
           [name, member](const H& h, Json& j) { j[name] = enum_name(h.*member); },
-          [name, member](H& h, const Json& j) { h.*member = parse_enum<E>(name, j.at(name).get<std::string>()); }};
+          [member](H& h, const std::string& key, const Json& v) {
+            require_json_type(key, v, v.is_string(), "a string");
+            h.*member = parse_enum<E>(key, v.get<std::string>());
+          }};
+}
+
+void set_ns_steps(NorMuonHyper& h, const std::string& key, const std::string& text) {
+  double v = parse_double(key, text);
+  if (v != std::floor(v) || v < 1 || v > 100)
+    throw std::invalid_argument("option '" + key + "': " + text + " is not an integer in [1, 100]");
+  h.ns_steps = static_cast<int>(v);
 }
 
 const std::vector<Field<NorMuonHyper>>& normuon_fields() {
@@ -132,17 +162,16 @@ const std::vector<Field<NorMuonHyper>>& normuon_fields() {
        [](H& h, const std::string& key, const std::string& text) { h.nesterov = parse_bool(key, text); },
        [](const H& h) { return std::string(h.nesterov ? "true" : "false"); },
        [](const H& h, Json& j) { j["nesterov"] = h.nesterov; },
-       [](H& h, const Json& j) { h.nesterov = j.at("nesterov").get<bool>(); }},
-      {"ns_steps",
-       [](H& h, const std::string& key, const std::string& text) {
-         double v = parse_double(key, text);
-         if (v != std::floor(v) || v < 1 || v > 100)
-           throw std::invalid_argument("option '" + key + "': " + text + " is not an integer in [1, 100]");
-         h.ns_steps = static_cast<int>(v);
-       },
-       [](const H& h) { return std::to_string(h.ns_steps); },
+       [](H& h, const std::string& key, const Json& v) {
+         require_json_type(key, v, v.is_boolean(), "a boolean (true | false)");
+         h.nesterov = v.get<bool>();
+       }},
+      {"ns_steps", set_ns_steps, [](const H& h) { return std::to_string(h.ns_steps); },
        [](const H& h, Json& j) { j["ns_steps"] = h.ns_steps; },
-       [](H& h, const Json& j) { h.ns_steps = j.at("ns_steps").get<int>(); }},
+       [](H& h, const std::string& key, const Json& v) {
+         require_json_type(key, v, v.is_number(), "a number");
+         set_ns_steps(h, key, v.dump());
+       }},
       enum_field<H>("ns_coefficients", &H::ns_coefficients),
       enum_field<H>("ns_precision", &H::ns_precision),
       enum_field<H>("reduce_axis", &H::reduce_axis),
@@ -275,21 +304,43 @@ std::string Options::to_json() const {
   return j.dump();  // nlohmann writes doubles with round-trip precision
 }
 
+// Every value goes through the checks of set(): a state file's options are input like any other (a file
+// with ns_steps=10^9 or beta1=5 was used as it was).
 Options Options::from_json(const std::string& text) {
   try {
-    Json j = Json::parse(text);
+    const Json j = detail::parse_bounded_json(text);
+    if (!j.is_object()) throw std::invalid_argument("not a JSON object");
     Options o;
-    o.nonfinite = parse_enum<NonFinitePolicy>("nonfinite", j.at("nonfinite").get<std::string>());
+    const Json& nonfinite = j.at("nonfinite");
+    require_json_type("nonfinite", nonfinite, nonfinite.is_string(), "a string");
+    o.nonfinite = parse_enum<NonFinitePolicy>("nonfinite", nonfinite.get<std::string>());
+    const Json& groups = j.at("groups");
+    if (!groups.is_array()) throw std::invalid_argument("\"groups\" is not a JSON array");
     o.groups.clear();
-    for (const auto& jg : j.at("groups")) {
+    for (const auto& jg : groups) {
+      if (!jg.is_object()) throw std::invalid_argument("a group is " + jg.dump() + ", not a JSON object");
       GroupOptions g;
-      g.name = jg.at("name").get<std::string>();
-      g.algorithm = parse_algorithm(jg.at("algorithm").get<std::string>());
+      const Json& name = jg.at("name");
+      require_json_type("name", name, name.is_string() && !name.get<std::string>().empty(), "a group name");
+      g.name = name.get<std::string>();
+      if (o.find_group(g.name)) throw std::invalid_argument("group '" + g.name + "' is defined twice");
+      const Json& algorithm = jg.at("algorithm");
+      require_json_type(g.name + ".algorithm", algorithm, algorithm.is_string(), "a string");
+      g.algorithm = parse_enum<Algorithm>(g.name + ".algorithm", algorithm.get<std::string>());
       const Json& h = jg.at("hyper");
+      if (!h.is_object()) throw std::invalid_argument("group '" + g.name + "': \"hyper\" is not a JSON object");
+      const auto read_fields = [&](const auto& fields, auto& hyper) {
+        for (const auto& f : fields) {
+          const std::string key = g.name + "." + f.name;
+          const auto it = h.find(f.name);
+          if (it == h.end()) throw std::invalid_argument("option '" + key + "' is missing");
+          f.from_json(hyper, key, *it);
+        }
+      };
       if (g.algorithm == Algorithm::normuon)
-        for (const auto& f : normuon_fields()) f.from_json(g.normuon, h);
+        read_fields(normuon_fields(), g.normuon);
       else
-        for (const auto& f : adamw_fields()) f.from_json(g.adamw, h);
+        read_fields(adamw_fields(), g.adamw);
       o.groups.push_back(g);
     }
     return o;

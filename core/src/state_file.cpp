@@ -1,7 +1,11 @@
 // State files: atomic save, all-or-nothing load, header inspection. Byte layout: docs/layout-and-state.md.
 #include "normuon/state_file.h"
 
+#include "bounded_json.h"
+
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -11,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -32,11 +37,28 @@ constexpr uint64_t kDataAlign = 8;                // safetensors pads its header
 constexpr uint64_t kMaxIoChunk = uint64_t{1} << 30;  // read()/write() cap a single call below 2 GiB
 constexpr size_t kMaxListed = 8;                  // names listed in one error message
 
+// The metadata keys this format defines; any other key is a caller's (StateFileHeader::extra_metadata).
+const std::set<std::string>& format_metadata_keys() {
+  static const std::set<std::string> keys{"format",  "format_version", "backend",     "layout_fingerprint",
+                                          "created_utc", "options",    "group_names", "group_steps",
+                                          "checksums",   "header_crc32"};
+  return keys;
+}
+
 [[noreturn]] void fail(const std::string& path, const std::string& what) {
   throw StateFileError("state file '" + path + "': " + what);
 }
 
 std::string errno_text() { return std::strerror(errno); }
+
+const char* file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  return "not a regular file";
+}
 
 std::string shape_text(const std::vector<int64_t>& shape) {
   std::string out = "[";
@@ -93,7 +115,8 @@ uint32_t header_crc(const json& root) {
 
 // The header JSON, padded with spaces so that the data section starts 8-byte aligned.
 std::string header_text(const std::string& path, const std::vector<StateTensorRef>& tensors,
-                        const FlatState& state, const Options& options, const std::string& backend) {
+                        const FlatState& state, const Options& options, const std::string& backend,
+                        const std::map<std::string, std::string>& extra) {
   json root = json::object(), checksums = json::object();
   uint64_t offset = 0;
   for (const StateTensorRef& t : tensors) {
@@ -113,6 +136,11 @@ std::string header_text(const std::string& path, const std::vector<StateTensorRe
                           {"group_names", json(layout.group_names).dump()},
                           {"group_steps", json(state.group_steps).dump()},
                           {"checksums", checksums.dump()}};
+  for (const auto& [key, value] : extra) {
+    if (format_metadata_keys().count(key))
+      fail(path, "save failed: extra metadata key \"" + key + "\" is one of the format's own keys");
+    root["__metadata__"][key] = value;
+  }
   std::string text;
   try {
     // The header protects itself too: a CRC of its canonical JSON (nlohmann sorts keys) without this key.
@@ -142,20 +170,95 @@ std::string directory_of(const std::string& path) {
   return slash == 0 ? "/" : path.substr(0, slash);
 }
 
+std::string base_name(const std::string& path) {
+  const size_t slash = path.find_last_of('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+constexpr const char* kTempInfix = ".tmp-";
+constexpr size_t kTempHexDigits = 8;
+
 // A sibling of `path` that no other writer picks: pid plus a random suffix, created with O_EXCL.
 std::string temp_name(const std::string& path) {
   char suffix[16];
   std::snprintf(suffix, sizeof suffix, "%08x", static_cast<unsigned>(std::random_device{}()));
-  return path + ".tmp-" + std::to_string(::getpid()) + "-" + suffix;
+  return path + kTempInfix + std::to_string(::getpid()) + "-" + suffix;
 }
 
-// write temp -> fsync -> rename over path -> fsync directory, so a crash leaves the old or the new file.
+// The file a save replaces: `path`, or the end of its chain of symbolic links, so that saving onto a link
+// replaces what it points to and the link stays.
+struct SaveTarget {
+  std::string file;
+  bool exists = false;
+  mode_t mode = 0;  // permission bits of the existing file, which the new one keeps
+};
+
+SaveTarget resolve_save_target(const std::string& path) {
+  constexpr int kMaxLinks = 40;  // as the kernel's own limit (ELOOP)
+  SaveTarget target;
+  target.file = path;
+  for (int links = 0;; ++links) {
+    struct stat st{};
+    if (::lstat(target.file.c_str(), &st) != 0) {
+      if (errno == ENOENT) return target;  // a new file (or a dangling link's target, which is created)
+      fail(path, "save failed: cannot stat '" + target.file + "': " + errno_text());
+    }
+    if (!S_ISLNK(st.st_mode)) {
+      if (!S_ISREG(st.st_mode))
+        fail(path, "save failed: '" + target.file + "' is " + file_kind(st.st_mode) + ", not a regular file");
+      target.exists = true;
+      target.mode = st.st_mode & 0777;
+      return target;
+    }
+    if (links == kMaxLinks) fail(path, "save failed: more than 40 levels of symbolic links");
+    std::string link(static_cast<size_t>(st.st_size > 0 ? st.st_size : 0) + 256, '\0');
+    const ssize_t n = ::readlink(target.file.c_str(), &link[0], link.size());
+    if (n <= 0) fail(path, "save failed: cannot read the symbolic link '" + target.file + "': " + errno_text());
+    if (static_cast<size_t>(n) >= link.size()) fail(path, "save failed: the symbolic link '" + target.file + "' changed");
+    link.resize(static_cast<size_t>(n));
+    target.file = link.front() == '/' ? link : directory_of(target.file) + "/" + link;
+  }
+}
+
+// Removes temporary files of `file` (`file.tmp-<pid>-<8 hex>`, exactly what temp_name makes) whose writer
+// is gone: a save killed before its rename leaves one, and no later save would. A file of a live process
+// (another save of the same target under way), of this process, or of a process this one may not signal
+// stays. Best effort: a failure here does not fail the save.
+void remove_stale_temps(const std::string& file) {
+  const std::string prefix = base_name(file) + kTempInfix;
+  DIR* dir = ::opendir(directory_of(file).c_str());
+  if (!dir) return;
+  while (const dirent* entry = ::readdir(dir)) {
+    const std::string name = entry->d_name;
+    if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::string rest = name.substr(prefix.size());
+    const size_t dash = rest.find('-');
+    if (dash == std::string::npos || dash == 0 || dash > 9 || rest[0] == '0') continue;
+    const std::string pid_text = rest.substr(0, dash), hex = rest.substr(dash + 1);
+    if (pid_text.find_first_not_of("0123456789") != std::string::npos || hex.size() != kTempHexDigits ||
+        hex.find_first_not_of("0123456789abcdef") != std::string::npos)
+      continue;
+    const pid_t pid = static_cast<pid_t>(std::stol(pid_text));
+    if (pid == ::getpid() || ::kill(pid, 0) == 0 || errno != ESRCH) continue;
+    struct stat st{};
+    if (::fstatat(::dirfd(dir), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode))
+      ::unlinkat(::dirfd(dir), name.c_str(), 0);
+  }
+  ::closedir(dir);
+}
+
+// write temp -> fsync -> rename over the target -> fsync directory, so a crash leaves the old or the new
+// file.
 void write_atomically(const std::string& path, const std::string& header,
                       const std::vector<StateTensorRef>& tensors) {
-  const std::string tmp = temp_name(path);
+  const SaveTarget target = resolve_save_target(path);
+  const std::string tmp = temp_name(target.file);
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
   if (fd < 0) fail(path, "save failed: cannot create '" + tmp + "': " + errno_text());
   try {
+    // The new file replaces the old one, so it takes the old one's permissions (a 0600 file stays private).
+    if (target.exists && ::fchmod(fd, target.mode) != 0)
+      fail(path, "save failed: setting the mode of '" + tmp + "': " + errno_text());
     unsigned char length[kLengthBytes];
     for (uint64_t i = 0, n = header.size(); i < kLengthBytes; ++i, n >>= 8) length[i] = static_cast<unsigned char>(n);
     write_all(fd, length, kLengthBytes, path, tmp);
@@ -166,15 +269,17 @@ void write_atomically(const std::string& path, const std::string& header,
     const int closed = ::close(fd);
     fd = -1;
     if (closed != 0) fail(path, "save failed: closing '" + tmp + "': " + errno_text());
-    if (::rename(tmp.c_str(), path.c_str()) != 0)
-      fail(path, "save failed: renaming '" + tmp + "' over it: " + errno_text());
+    if (::rename(tmp.c_str(), target.file.c_str()) != 0)
+      fail(path, "save failed: renaming '" + tmp + "' over '" + target.file + "': " + errno_text());
   } catch (...) {
     if (fd >= 0) ::close(fd);
     ::unlink(tmp.c_str());
     throw;
   }
+  remove_stale_temps(target.file);
+  if (target.file != path) remove_stale_temps(path);  // earlier versions put them beside the link
   // The rename itself is durable only once the directory entry is on disk.
-  const std::string dir = directory_of(path);
+  const std::string dir = directory_of(target.file);
   const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   const bool synced = dir_fd >= 0 && ::fsync(dir_fd) == 0;
   const std::string why = synced ? "" : errno_text();
@@ -211,12 +316,14 @@ void read_exact(int fd, char* out, uint64_t size, const std::string& path) {
 }
 
 RawFile read_file(const std::string& path, bool with_data) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever. It changes nothing
+  // for the regular files that pass the check below.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) fail(path, "cannot open: " + errno_text());
   const FdCloser closer{fd};
   struct stat st{};
   if (::fstat(fd, &st) != 0) fail(path, "cannot stat: " + errno_text());
-  if (!S_ISREG(st.st_mode)) fail(path, "not a regular file");
+  if (!S_ISREG(st.st_mode)) fail(path, std::string("is ") + file_kind(st.st_mode) + ", not a regular file");
 
   RawFile raw;
   raw.file_size = static_cast<uint64_t>(st.st_size);
@@ -239,13 +346,21 @@ RawFile read_file(const std::string& path, bool with_data) {
   return raw;
 }
 
+// JSON from the file, nesting bounded (see bounded_json.h); errors become StateFileErrors.
+json parse_file_json(const std::string& path, const std::string& what, const char* begin, const char* end,
+                     const std::function<void(const std::string&)>& on_top_key = {}) {
+  try {
+    return detail::parse_bounded_json(begin, end, on_top_key);
+  } catch (const detail::JsonTooDeep& e) {
+    fail(path, what + " is refused: " + e.what());
+  } catch (const json::parse_error& e) {
+    fail(path, what + " is not valid JSON: " + e.what());
+  }
+}
+
 // JSON text stored inside a metadata string.
 json parse_embedded(const std::string& path, const std::string& key, const std::string& text) {
-  try {
-    return json::parse(text);
-  } catch (const json::parse_error& e) {
-    fail(path, "metadata \"" + key + "\" is not valid JSON: " + e.what());
-  }
+  return parse_file_json(path, "metadata \"" + key + "\"", text.data(), text.data() + text.size());
 }
 
 std::string metadata_string(const std::string& path, const json& meta, const char* key) {
@@ -313,17 +428,10 @@ StateFileHeader parse_header(const std::string& path, const RawFile& raw) {
   // safetensors forbids duplicate names, which a JSON parser would silently merge.
   std::set<std::string> top_keys;
   std::string duplicate;
-  const auto on_event = [&](int depth, json::parse_event_t event, json& parsed) {
-    if (event == json::parse_event_t::key && depth == 1 && !top_keys.insert(parsed.get<std::string>()).second)
-      duplicate = parsed.get<std::string>();
-    return true;
+  const auto on_top_key = [&](const std::string& key) {
+    if (!top_keys.insert(key).second && duplicate.empty()) duplicate = key;
   };
-  json root;
-  try {
-    root = json::parse(text, text + raw.header_size, on_event);
-  } catch (const json::parse_error& e) {
-    fail(path, std::string("header is not valid JSON: ") + e.what());
-  }
+  const json root = parse_file_json(path, "header", text, text + raw.header_size, on_top_key);
   if (!duplicate.empty()) fail(path, "header names '" + duplicate + "' twice");
 
   const auto meta_it = root.find("__metadata__");
@@ -355,6 +463,8 @@ StateFileHeader parse_header(const std::string& path, const RawFile& raw) {
     fail(path, "header checksum mismatch (stored " + stored_header_crc + ", computed " + actual_header_crc +
                    "): the header was changed or damaged");
 
+  for (const auto& kv : meta.items())
+    if (!format_metadata_keys().count(kv.key())) h.extra_metadata[kv.key()] = kv.value().get<std::string>();
   h.backend = metadata_string(path, meta, "backend");
   h.layout_fingerprint = metadata_string(path, meta, "layout_fingerprint");
   h.created_utc = metadata_string(path, meta, "created_utc");
@@ -406,9 +516,9 @@ StateFileHeader parse_header(const std::string& path, const RawFile& raw) {
   return h;
 }
 
-void verify_checksums(const std::string& path, const StateFileHeader& h, const RawFile& raw) {
+void verify_checksums(const std::string& path, const StateFileHeader& h, const char* data) {
   for (const StateTensorInfo& t : h.tensors) {
-    const uint32_t actual = crc_of(raw.data() + t.begin, t.end - t.begin);
+    const uint32_t actual = crc_of(data + t.begin, t.end - t.begin);
     if (actual != t.crc32)
       fail(path, "checksum mismatch in tensor '" + t.name + "': stored crc32 " + crc_hex(t.crc32) + ", computed " +
                      crc_hex(actual) + " (the data is corrupted)");
@@ -449,17 +559,43 @@ std::string layout_differences(const std::vector<StateTensorRef>& expected,
 
 void save_state(const std::string& path, const FlatState& state, const Options& options,
                 const std::string& backend) {
+  save_state_with_metadata(path, state, options, backend, {});
+}
+
+void save_state_with_metadata(const std::string& path, const FlatState& state, const Options& options,
+                              const std::string& backend, const std::map<std::string, std::string>& extra) {
   if (state.group_steps.size() != state.layout->group_names.size())
     fail(path, "save failed: " + std::to_string(state.group_steps.size()) + " group steps for " +
                    std::to_string(state.layout->group_names.size()) + " groups");
   // state_tensors() hands out writable pointers; saving only reads through them.
   const std::vector<StateTensorRef> tensors = file_tensors(const_cast<FlatState&>(state));
-  write_atomically(path, header_text(path, tensors, state, options, backend), tensors);
+  write_atomically(path, header_text(path, tensors, state, options, backend, extra), tensors);
 }
 
-void load_state(const std::string& path, FlatState& state, Options* options) {
-  const RawFile raw = read_file(path, true);
-  StateFileHeader h = parse_header(path, raw);
+void check_state_save_path(const std::string& path) {
+  const SaveTarget target = resolve_save_target(path);
+  const std::string tmp = temp_name(target.file);
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) fail(path, "cannot save here: cannot create '" + tmp + "': " + errno_text());
+  ::close(fd);
+  ::unlink(tmp.c_str());
+}
+
+StateFileContents read_state_file(const std::string& path) {
+  RawFile raw = read_file(path, true);
+  StateFileContents file;
+  file.path = path;
+  file.header = parse_header(path, raw);
+  file.data_offset = kLengthBytes + raw.header_size;
+  file.bytes = std::shared_ptr<const char[]>(std::move(raw.bytes));
+  return file;
+}
+
+void load_state_file(const StateFileContents& file, FlatState& state, Options* options) {
+  const std::string& path = file.path;
+  const StateFileHeader& h = file.header;
+  if (!file.bytes || file.data_offset > h.file_size) fail(path, "no file contents to load (use read_state_file)");
+  const char* data = file.bytes.get() + file.data_offset;
   std::map<std::string, const StateTensorInfo*> in_file;
   for (const StateTensorInfo& t : h.tensors) in_file[t.name] = &t;
 
@@ -473,21 +609,28 @@ void load_state(const std::string& path, FlatState& state, Options* options) {
                                           "assignments or placement differ"
                                         : differences));
   if (!differences.empty()) fail(path, "the file does not match the layout: " + differences);
-  verify_checksums(path, h, raw);
+  verify_checksums(path, h, data);
 
-  // Everything is verified; nothing below can fail, so `state` is never left half loaded.
+  // Everything is verified; the copies below allocate first, then nothing can fail, so `state` is never
+  // left half loaded.
+  std::vector<int64_t> steps = h.group_steps;
+  Options loaded_options = options ? h.options : Options();
   for (const StateTensorRef& t : expected) {
     const StateTensorInfo& info = *in_file.at(t.name);
-    if (info.end > info.begin) std::memcpy(t.data, raw.data() + info.begin, info.end - info.begin);
+    if (info.end > info.begin) std::memcpy(t.data, data + info.begin, info.end - info.begin);
   }
-  state.group_steps = std::move(h.group_steps);
-  if (options) *options = std::move(h.options);
+  state.group_steps = std::move(steps);
+  if (options) *options = std::move(loaded_options);
+}
+
+void load_state(const std::string& path, FlatState& state, Options* options) {
+  load_state_file(read_state_file(path), state, options);
 }
 
 StateFileHeader read_state_header(const std::string& path, bool verify) {
   const RawFile raw = read_file(path, verify);
   StateFileHeader h = parse_header(path, raw);
-  if (verify) verify_checksums(path, h, raw);
+  if (verify) verify_checksums(path, h, raw.data());
   return h;
 }
 

@@ -5,13 +5,27 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <new>
+#include <string>
 #include <vector>
 
 #include "normuon/layout.h"
 
 namespace normuon {
 
-// A fixed-size, 64-byte aligned, zero-initialised float buffer. Never reallocates.
+// An allocation that failed, or that could not succeed on this machine, with what it was for: still a
+// std::bad_alloc (Python sees a MemoryError), but its what() says how much memory and what for.
+class OutOfMemoryError : public std::bad_alloc {
+ public:
+  explicit OutOfMemoryError(std::string message) : message_(std::move(message)) {}
+  const char* what() const noexcept override { return message_.c_str(); }
+
+ private:
+  std::string message_;
+};
+
+// A fixed-size, 64-byte aligned, zero-initialised float buffer. Never reallocates. Throws
+// OutOfMemoryError when the memory cannot be had.
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
@@ -40,6 +54,8 @@ constexpr const char* kExpAvgSuffix = "exp_avg";
 constexpr const char* kExpAvgSqSuffix = "exp_avg_sq";
 
 struct FlatState {
+  // Throws OutOfMemoryError, naming the layout's size and its largest parameter, when the buffers need more
+  // than this machine's memory and swap (checked before allocating) or an allocation fails.
   explicit FlatState(const Layout& layout);
 
   const Layout* layout;

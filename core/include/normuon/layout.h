@@ -23,6 +23,10 @@ constexpr int64_t kAlignFloats = 16;  // 64 bytes: one cache line, one AVX-512 v
 
 inline int64_t align_up(int64_t n) { return (n + kAlignFloats - 1) / kAlignFloats * kAlignFloats; }
 
+// The most floats one layout buffer (params, momentum, row_var, exp_avg, masters) may hold, padding
+// included: 2^40 like the per-parameter limit, so every offset, and every byte count (x4), fits int64.
+constexpr int64_t kMaxLayoutFloats = kMaxParamElements;
+
 struct LayoutEntry {
   std::string name;
   std::vector<int64_t> shape;
@@ -66,6 +70,8 @@ struct Layout {
   uint64_t fingerprint = 0;
 
   // Validates the manifest, routes every parameter, checks its group exists and matches its algorithm.
+  // A buffer that would exceed kMaxLayoutFloats is an std::invalid_argument naming the parameter at
+  // which it does.
   static Layout build(const Manifest& manifest, const Options& options);
 
   int find(const std::string& name) const;  // -1 when absent

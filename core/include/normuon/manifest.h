@@ -12,6 +12,11 @@
 
 namespace normuon {
 
+// The most elements one parameter may have, and the most floats a layout buffer may hold (layout.h):
+// 2^40, about 1.1e12 (4 TiB of fp32 per buffer). Far above what one optimizer process holds, and low enough
+// that every offset and byte count of a layout fits int64 with room to spare.
+constexpr int64_t kMaxParamElements = int64_t{1} << 40;
+
 // dtype of the model's parameter. The optimizer keeps fp32 master values and fp32 state for all of them.
 enum class DType { f32, bf16, f16 };
 
@@ -32,8 +37,8 @@ struct ParamSpec {
 struct Manifest {
   std::vector<ParamSpec> params;
 
-  // Checks names (non-empty, unique), shapes (no negative extents) and overrides (NorMuon only on 2-D).
-  // Throws std::invalid_argument naming the offending parameter.
+  // Checks names (non-empty, unique), shapes (no negative extents, at most kMaxParamElements elements) and
+  // overrides (NorMuon only on 2-D). Throws std::invalid_argument naming the offending parameter.
   void validate() const;
 
   // CSV with header: name,shape,dtype,role,group,algorithm

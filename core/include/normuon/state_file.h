@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -42,13 +43,39 @@ struct StateFileHeader {
   std::vector<int64_t> group_steps;
   std::vector<StateTensorInfo> tensors;  // in file order
   uint64_t file_size = 0;
+  // Metadata keys this format does not define (a later version's, or a caller's own, such as the
+  // `normuon run` step counter "run_step"), with their values.
+  std::map<std::string, std::string> extra_metadata;
+};
+
+// A state file read once, whole: its header parsed and its structure checked, but neither its checksums
+// nor its fit to a layout yet (load_state_file does both). Reading the options from `header` and then
+// loading the tensors from the same object takes both from one version of the file, even while the file
+// is being replaced.
+struct StateFileContents {
+  std::string path;
+  StateFileHeader header;
+  std::shared_ptr<const char[]> bytes;  // the whole file
+  uint64_t data_offset = 0;             // where the data section starts in `bytes`
 };
 
 // Writes parameters, state tensors, group steps, options and backend name. Atomic: a temporary file in
 // the same directory is written, flushed, fsync'ed and renamed over `path`; on any error the old file
 // (if any) is left as it was and the temporary file is removed.
+// If `path` is a symbolic link, the file it points to is replaced (the link stays); a file that exists
+// keeps its permission bits. After the rename, temporary files of the same target left by a save that
+// was killed (`PATH.tmp-<pid>-<hex>` whose process no longer exists) are removed.
 void save_state(const std::string& path, const FlatState& state, const Options& options,
                 const std::string& backend);
+// save_state with extra metadata entries (string -> string) for the caller, kept in
+// StateFileHeader::extra_metadata; a key of the format's own metadata is refused.
+void save_state_with_metadata(const std::string& path, const FlatState& state, const Options& options,
+                              const std::string& backend, const std::map<std::string, std::string>& extra);
+
+// Checks, without writing anything there, that save_state(path, ...) can create its file: the directory
+// exists and is writable, and the target is not a directory or another non-regular file. For a long run
+// that saves at the end, so that a bad path fails before the first step rather than after the last.
+void check_state_save_path(const std::string& path);
 
 // Reads and fully verifies a file (magic, version, header JSON, sizes, offsets, checksums, layout
 // fingerprint, tensor names, dtypes and shapes) before anything in `state` changes: on any error it throws
@@ -57,5 +84,9 @@ void load_state(const std::string& path, FlatState& state, Options* options = nu
 
 // Header only, with each tensor's stored checksum verified against its bytes when verify_checksums.
 StateFileHeader read_state_header(const std::string& path, bool verify_checksums = true);
+
+// One read of the whole file (see StateFileContents), then load_state's checks and copy from those bytes.
+StateFileContents read_state_file(const std::string& path);
+void load_state_file(const StateFileContents& file, FlatState& state, Options* options = nullptr);
 
 }  // namespace normuon
