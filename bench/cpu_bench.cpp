@@ -22,6 +22,7 @@
 #define NORMUON_BENCH_HAVE_FAST 1
 #include "fast_cpu_backend.h"
 #include "newton_schulz.h"
+#include "thread_budget.h"
 #endif
 
 namespace normuon::bench {
@@ -46,7 +47,7 @@ CpuBenchResult run_cpu_bench(const Layout& layout, const Options& options, const
     throw std::invalid_argument("run_cpu_bench: needs warmup >= 0, repeats >= 1 and threads >= 0");
   CpuBenchResult r;
   r.model = config.model;
-  r.threads = config.threads > 0 ? config.threads : omp_get_num_procs();
+  r.threads = config.threads > 0 ? config.threads : fast::default_threads();
   r.repeats = config.repeats;
   const int threads = r.threads;
   const GradientGenerator generator{config.seed, 0};

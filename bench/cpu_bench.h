@@ -20,7 +20,7 @@ struct CpuBenchConfig {
   std::string model = "tiny";  // the name printed and written to the CSV: a preset or a manifest path
   int64_t warmup = 1;          // unmeasured steps first
   int64_t repeats = 5;         // measured steps, >= 1
-  int threads = 0;             // of both backends and the triad; 0: one per processor
+  int threads = 0;             // of both backends and the triad; 0: fast::default_threads()
   uint64_t seed = 1234;        // the gradient generator's
   bool quiet = false;          // no per-step progress and no description of the fast backend's batches
 };

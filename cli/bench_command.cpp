@@ -31,7 +31,8 @@ the 3x bar and the AdamW bandwidth against the 60%-of-triad bar. Run it on an ot
 
   --preset NAME | --manifest FILE   the model (default: preset tiny)
   --threads N      threads of BOTH backends and of the triad (at::set_num_threads for the reference,
-                   the fast backend's OpenMP team); default: one per processor
+                   the fast backend's OpenMP team); default: one per processor this process
+                   may use (its affinity mask), within its cgroup CPU quota
   --set KEY=VALUE  hyper-parameters and knobs, as for `normuon run` (the same for both backends)
   --seed S         gradient generator seed (default 1234)
   --csv FILE       also write every number as CSV (one row per backend per phase/metric)

@@ -1,5 +1,7 @@
 #include "fast_cpu_backend.h"
 
+#include "thread_budget.h"
+
 #include <omp.h>
 
 #include <chrono>
@@ -39,7 +41,7 @@ std::string FastCpuBackend::unsupported_reason(const Layout& layout, const Optio
 }
 
 FastCpuBackend::FastCpuBackend(const Layout& layout, const Options& options, int threads)
-    : layout_(layout), threads_(threads > 0 ? threads : omp_get_num_procs()) {
+    : layout_(layout), threads_(threads > 0 ? threads : fast::default_threads()) {
   const std::string reason = unsupported_reason(layout, options);
   if (!reason.empty()) throw std::invalid_argument("fast-cpu backend: " + reason);
   batches_ = newton_schulz_batches(layout);

@@ -29,8 +29,9 @@ struct FastStepCounters {
 class FastCpuBackend : public Backend {
  public:
   // The layout must outlive the backend; options give the groups (as for Layout::build). `threads`:
-  // OpenMP threads of its passes and GEMMs, 0 = one per processor. It is set for the duration of each
-  // step only, so a host that lowers the process-wide count (libtorch sets 1 here) doesn't starve it.
+  // OpenMP threads of its passes and GEMMs, 0 = default_threads() (thread_budget.h: the processors this
+  // process may use, within its CPU quota). It is set for the duration of each step only, so a host
+  // that lowers the process-wide count (libtorch sets 1 here) doesn't starve it.
   FastCpuBackend(const Layout& layout, const Options& options, int threads = 0);
   ~FastCpuBackend() override;
 

@@ -10,9 +10,11 @@
 #include <limits>
 
 #include <omp.h>
+#include <sched.h>
 
 #include "fast_cpu_backend.h"
 #include "newton_schulz.h"
+#include "thread_budget.h"
 #include "normuon/grad_gen.h"
 #include "normuon/presets.h"
 
@@ -185,4 +187,34 @@ BOOST_AUTO_TEST_CASE(thread_count_is_the_backends_own) {
   two.steps(1, 1);
   BOOST_TEST(omp_get_max_threads() == 1);
   omp_set_num_threads(omp_get_num_procs());
+}
+
+BOOST_AUTO_TEST_CASE(the_default_thread_count_respects_affinity_and_cgroup_quotas) {
+  // It was one thread per processor of the machine, ignoring taskset and a container's --cpus: on a
+  // shared 2-vCPU machine OpenMP's spinning threads then made a small step 47x slower.
+  BOOST_TEST(fast::quota_threads_v2("max 100000\n") == 0);
+  BOOST_TEST(fast::quota_threads_v2("150000 100000\n") == 2);
+  BOOST_TEST(fast::quota_threads_v2("100000 100000") == 1);
+  BOOST_TEST(fast::quota_threads_v2("50000 100000") == 1);  // half a CPU still gets one thread
+  BOOST_TEST(fast::quota_threads_v2("garbage") == 0);
+  BOOST_TEST(fast::quota_threads_v1(-1, 100000) == 0);
+  BOOST_TEST(fast::quota_threads_v1(400000, 100000) == 4);
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  BOOST_REQUIRE(sched_getaffinity(0, sizeof set, &set) == 0);
+  const int allowed = CPU_COUNT(&set);
+  BOOST_TEST(fast::default_threads() >= 1);
+  BOOST_TEST(fast::default_threads() <= allowed);
+  // Pinned to one processor (as taskset -c 0 would), the default follows.
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
+    if (CPU_ISSET(cpu, &set)) {
+      CPU_SET(cpu, &one);
+      break;
+    }
+  BOOST_REQUIRE(sched_setaffinity(0, sizeof one, &one) == 0);
+  const int pinned = fast::default_threads();
+  sched_setaffinity(0, sizeof set, &set);
+  BOOST_TEST(pinned == 1);
 }

@@ -512,7 +512,7 @@ class MegatronNorMuon(_MegatronFlat):
     step synchronisation across optimizers relies on).
 
     Keyword-only extras: backend ('auto' | 'fast' | 'reference'; None reads NORMUON_BACKEND, then 'auto',
-    which is the fast backend), threads (fast backend; 0 = one per processor), nonfinite ('error' |
+    which is the fast backend), threads (fast backend; 0 = one per processor this process may use, within its CPU quota), nonfinite ('error' |
     'skip_step'), verdict ('deferred', the default: on CUDA a step's NaN/Inf verdict is read at the next
     step, so no host sync; 'sync': in the same step).
     """

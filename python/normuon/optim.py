@@ -141,7 +141,8 @@ class NorMuonAdamW(torch.optim.Optimizer):
     adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW defaults.
     overrides: {name: "normuon" | "adamw" | "auto"}, wins over the rule. roles: {name: role}.
     backend: "auto" | "fast" | "reference"; None reads NORMUON_BACKEND, then "auto" (= fast). No fallback.
-    threads: the fast backend's threads (0 = one per processor). nonfinite: "error" | "skip_step".
+    threads: the fast backend's threads (0: one per processor the process may use, within its CPU quota).
+        nonfinite: "error" | "skip_step".
     verdict: on CUDA, when a step's NaN/Inf verdict reaches the host: "sync" (in step(), one host sync) or
         "deferred" (at the next step(), no sync; a bad step changes nothing on the device either way).
 
