@@ -3,7 +3,7 @@
 // with per-phase CUDA-event timers, eager without timers, CUDA graph replay), the device's own copy
 // bandwidth and bf16 GEMM rate, and the per-parameter reference stepping the same device buffers; the
 // report gives per phase and per step the times, launches, achieved bandwidth and TFLOP/s against those
-// rates, the lower bound of perf-anchors.md section 2.7 computed from them, and verdict lines. Only
+// rates, the lower bound computed from them (docs/bench-cuda.md), and verdict lines. Only
 // run_cuda_bench needs the CUDA backend; the report is plain C++ and builds everywhere.
 #pragma once
 
@@ -35,7 +35,7 @@ struct CudaBenchConfig {
 };
 
 // Bytes each elementwise phase moves per step, from the layout (docs/bench-cuda.md, --help), and the
-// minimal elementwise traffic of perf-anchors.md section 2.6/2.7.
+// minimal elementwise traffic (docs/bench-cuda.md, Lower bound).
 struct CudaTraffic {
   int64_t normuon_elements = 0, adamw_elements = 0, stat_elements = 0, matrices = 0;
   double momentum = 0, normalisation = 0, update = 0, adamw = 0;

@@ -128,7 +128,7 @@ CudaBenchSummary summarise_cuda_bench(const CudaBenchResult& r) {
     put("newton_schulz", "share_of_gemm_rate", 100 * s.ns_share, "%");
   }
 
-  // The lower bound of perf-anchors.md section 2.7 with this run's rates.
+  // The lower bound (docs/bench-cuda.md) with this run's rates.
   s.bound_ns_ms = gemm_tflops > 0 ? r.ns_flops / (gemm_tflops * 1e12) * 1e3 : 0;
   s.bound_mem_ms = copy_gbps > 0 ? r.traffic.minimal / (copy_gbps * 1e9) * 1e3 : 0;
   s.bound_ms = s.bound_ns_ms + s.bound_mem_ms;
@@ -244,7 +244,7 @@ void print_cuda_bench(const CudaBenchResult& r, Transcript& log) {
   }
 
   // The lower bound.
-  log.say("\nlower bound (perf-anchors.md 2.7 with this run's rates): Newton-Schulz %.2f TFLOP / %.1f TFLOP/s = %.3f ms\n"
+  log.say("\nlower bound (docs/bench-cuda.md, with this run's rates): Newton-Schulz %.2f TFLOP / %.1f TFLOP/s = %.3f ms\n"
           "  + minimal elementwise traffic %.3f GB / %.1f GB/s = %.3f ms  =>  %.3f ms per step\n"
           "  whole step: CUDA graph %.3f ms = %.2fx the bound; eager %.3f ms = %.2fx\n",
           r.ns_flops / 1e12, s.gemm_tflops.median, s.bound_ns_ms, r.traffic.minimal / 1e9, copy_gbps, s.bound_mem_ms,
@@ -336,7 +336,7 @@ void write_cuda_bench_markdown(const CudaBenchResult& r, const std::string& cons
       << "| fast-cuda CUDA graph | " << cell(s.graph) << " | " << ratio_cell(s.reference.median, s.graph.median)
       << " | " << format("%.2fx", s.graph_ratio) << " |\n"
       << "| reference-cuda | " << (r.reference_ran ? cell(s.reference) : "-") << " | | |\n"
-      << "| lower bound (perf-anchors.md 2.7) | " << format("%.3f", s.bound_ms) << " | | |\n\n";
+      << "| lower bound (docs/bench-cuda.md) | " << format("%.3f", s.bound_ms) << " | | |\n\n";
   out << "## Launches per step\n\n| | count |\n|---|---|\n"
       << "| eager: kernels and cuBLASLt matmuls (host-counted) | " << r.launches << " (+1 memset) |\n"
       << "| CUDA graph: kernel nodes in the captured graph | " << r.graph_nodes << " |\n"
@@ -349,7 +349,7 @@ void write_cuda_bench_markdown(const CudaBenchResult& r, const std::string& cons
       << " |\n"
       << "| bf16 GEMM " << r.gemm.n << "^3, cuBLASLt, fp32 accumulation (" << r.gemm.algo << ") | "
       << format("%.1f [%.1f - %.1f] TFLOP/s", s.gemm_tflops.median, s.gemm_tflops.min, s.gemm_tflops.max) << " |\n\n";
-  out << "## Lower bound (perf-anchors.md section 2.7, this run's rates)\n\n"
+  out << "## Lower bound (docs/bench-cuda.md, this run's rates)\n\n"
       << format("Newton-Schulz %.2f TFLOP / %.1f TFLOP/s = %.3f ms, plus the minimal elementwise traffic %.3f GB / "
                 "%.1f GB/s = %.3f ms: **%.3f ms** per step. The CUDA-graph step takes %.3f ms, %.2fx the bound.\n\n",
                 r.ns_flops / 1e12, s.gemm_tflops.median, s.bound_ns_ms, traffic.minimal / 1e9, copy_gbps, s.bound_mem_ms,

@@ -63,7 +63,7 @@ What it reports (times: median [min - max] over the samples):
   * Newton-Schulz TFLOP/s = newton_schulz_flops() (sum over matrices of ns_steps*(4*m*m*n + 2*m*m*m),
     m = min(rows, cols), n = max) / the phase's median time, as % of the measured bf16 GEMM rate;
     verdict against 50% (the bar is set for gpt-1.3b's shapes);
-  * the lower bound of perf-anchors.md section 2.7 with this run's rates:
+  * the lower bound (docs/bench-cuda.md) with this run's rates:
       bound = NS FLOPs / GEMM rate + minimal elementwise bytes / copy bandwidth,
       minimal bytes = Nm*(G + 4 + 4 + X + X + 4 + 4) + Na*(G + 24)
     (read g, M; write M, U; read O, p; write p: 22 B per element with bf16 gradients and bf16

@@ -1,5 +1,5 @@
-"""Contract tests of normuon.megatron.MegatronAdamW, the AdamW for Megatron's Adam groups, without Megatron
-(research notes, megatron.md section 5.5): numbers as there, 1 Megatron-shaped groups and the scheduler,
+"""Contract tests of normuon.megatron.MegatronAdamW, the AdamW for Megatron's Adam groups, without Megatron.
+Numbers as in test_megatron_contract.py: 1 Megatron-shaped groups and the scheduler,
 2 the Float16 wrapper's swap, 3 the DistributedOptimizer's 1-D shards, 4 the DistributedOptimizer's load
 (group step, or one shared per-parameter step tensor), 5 LayerWise narrowing, 6 parameter-shaped checkpoint
 state, 7 step counters. The oracle is reference.adamw_update (the spec's AdamW, what torch >= 2.0 computes)
@@ -265,8 +265,8 @@ def test_4_distributed_optimizer_load_keeps_the_bias_correction(backend, variant
     """DistributedOptimizer.load_state_dict hands over only exp_avg / exp_avg_sq per parameter, with the step
     in the groups (TE/Apex installed) or, without them, one tensor object shared by every parameter's
     'step' (and the groups' step). The next steps must use t = 4, 5, 6 in the bias correction, the shared
-    tensor must never be incremented in place (research notes 2.2: torch's AdamW advances an aliased step
-    once per parameter), and the steps written back must be separate tensors."""
+    tensor must never be incremented in place (torch's AdamW advances an aliased step once per
+    parameter), and the steps written back must be separate tensors."""
     params = make_params(seed=4)
     opt = build([{"params": params[:3], "wd_mult": 1.0}, {"params": params[3:], "wd_mult": 1.0}], backend)
     for t in (1, 2, 3):

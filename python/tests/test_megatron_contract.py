@@ -1,6 +1,6 @@
-"""Contract tests of normuon.megatron without Megatron (research notes, megatron.md section 5.5): they replay
+"""Contract tests of normuon.megatron without Megatron: they replay
 the call sequences of Megatron's wrappers on plain torch and check what Megatron relies on. Numbers in the
-test names are the notes' contract numbers: 1 Megatron-shaped groups and the scheduler, 2 the Float16
+test names are contract numbers: 1 Megatron-shaped groups and the scheduler, 2 the Float16
 wrapper's parameter swap, 3 the DistributedOptimizer-style swap (as far as it applies to a matrix
 optimizer), 5 LayerWise narrowing, 6 parameter-shaped checkpoint state, 7 step counters, 8 resume
 determinism, 10 registration against a stub megatron.core module tree. 4 is AdamW's: MegatronAdamW's

@@ -1,5 +1,5 @@
-"""MegatronNorMuon on Megatron's attention and tensor-parallel metadata (research notes, megatron.md 2.4 and
-contract 9): per-block QKV (split_qkv with is_qkv / qkv_split_shapes), checked block by block against
+"""MegatronNorMuon on Megatron's attention and tensor-parallel metadata (Megatron's TensorParallelMuon
+in megatron/core/optimizer/emerging_optimizers.py; contract 9): per-block QKV (split_qkv with is_qkv / qkv_split_shapes), checked block by block against
 reference.normuon_update, and tensor-parallel shards (tensor_model_parallel / partition_dim): run per shard
 under tp_mode 'blockwise', refused with the parameter's name under 'duplicated' / 'distributed' (the whole
 matrix would need a gather over the TP group, which the adapter does not do)."""
