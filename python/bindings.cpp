@@ -84,6 +84,31 @@ const GroupOptions& find_group(const Options& o, const py::object& key) {
   return o.group(key.cast<std::string>());
 }
 
+// A state file's header as a dict, for Python.
+py::dict header_dict(const StateFileHeader& h) {
+  py::dict d;
+  d["format"] = h.format;
+  d["version"] = h.version;
+  d["backend"] = h.backend;
+  d["layout_fingerprint"] = h.layout_fingerprint;
+  d["created_utc"] = h.created_utc;
+  d["options"] = h.options;
+  d["group_names"] = h.group_names;
+  d["group_steps"] = h.group_steps;
+  d["file_size"] = h.file_size;
+  py::list tensors;
+  for (const auto& t : h.tensors) {
+    py::dict td;
+    td["name"] = t.name;
+    td["dtype"] = t.dtype;
+    td["shape"] = t.shape;
+    td["crc32"] = t.crc32;
+    tensors.append(td);
+  }
+  d["tensors"] = tensors;
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -438,30 +463,24 @@ PYBIND11_MODULE(_C, m) {
           return options;
         },
         py::arg("path"), py::arg("state"), "All-or-nothing load; returns the saved options");
-  m.def("read_state_header",
-        [](const std::string& path, bool verify) {
-          const StateFileHeader h = read_state_header(path, verify);
-          py::dict d;
-          d["format"] = h.format;
-          d["version"] = h.version;
-          d["backend"] = h.backend;
-          d["layout_fingerprint"] = h.layout_fingerprint;
-          d["created_utc"] = h.created_utc;
-          d["options"] = h.options;
-          d["group_names"] = h.group_names;
-          d["group_steps"] = h.group_steps;
-          d["file_size"] = h.file_size;
-          py::list tensors;
-          for (const auto& t : h.tensors) {
-            py::dict td;
-            td["name"] = t.name;
-            td["dtype"] = t.dtype;
-            td["shape"] = t.shape;
-            td["crc32"] = t.crc32;
-            tensors.append(td);
-          }
-          d["tensors"] = tensors;
-          return d;
-        },
-        py::arg("path"), py::arg("verify_checksums") = true);
+  m.def(
+      "read_state_header",
+      [](const std::string& path, bool verify) { return header_dict(read_state_header(path, verify)); },
+      py::arg("path"), py::arg("verify_checksums") = true);
+  // One read of a state file: its header to look at, then the tensors loaded from the same bytes (a file
+  // replaced in between cannot mix two versions).
+  py::class_<StateFileContents>(m, "StateFileContents")
+      .def_property_readonly("header", [](const StateFileContents& c) { return header_dict(c.header); });
+  m.def("read_state_file", &read_state_file, py::arg("path"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "load_state_file",
+      [](const StateFileContents& contents, FlatState& state) {
+        Options options;
+        {
+          py::gil_scoped_release release;
+          load_state_file(contents, state, &options);
+        }
+        return options;
+      },
+      py::arg("contents"), py::arg("state"), "All-or-nothing load from a file read once; returns the saved options");
 }

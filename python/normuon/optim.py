@@ -963,11 +963,10 @@ class NorMuonAdamW(torch.optim.Optimizer):
         self._refresh_masters()
         _C.save_state(os.fspath(path), self._to_flat(), self._options, self.backend)
 
-    def _file_layout(self, path):
+    def _file_layout(self, header):
         """This layout, or, when the file names the parameters with other wrapper prefixes (saved under DDP
         or torch.compile and loaded without, or back), the same layout under the file's names: the values
         sit at the same places, so the scratch state loads and moves over unchanged."""
-        header = _C.read_state_header(path, False)
         in_file = {t["name"] for t in header["tensors"]}
         ours = [e.name for e in self._entries]
         if header["layout_fingerprint"] == self._layout.fingerprint or set(ours) <= in_file:
@@ -989,8 +988,9 @@ class NorMuonAdamW(torch.optim.Optimizer):
         reduce_axis), and the model's parameters from the file's fp32 values."""
         self._need_native("import_state")
         path = os.fspath(path)
-        flat = _C.FlatState(self._file_layout(path))
-        saved = _C.load_state(path, flat)  # all or nothing, into a scratch state
+        contents = _C.read_state_file(path)  # one read: the header looked at and the tensors are one version
+        flat = _C.FlatState(self._file_layout(contents.header))
+        saved = _C.load_state_file(contents, flat)  # all or nothing, into a scratch state
         # Every saved value is checked before anything moves: what the layout and the CUDA plan fixed, and
         # each group's values as a step would check them (a file with ns_steps=0 changed the state first).
         updated = []
@@ -1171,6 +1171,11 @@ def _dense_grad(e):
 
 
 def _make_entry(index, name, tensor, role):
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates (os.fsdecode of a bad byte): the C++ manifest needs UTF-8
+        raise ValueError(f"parameter name {name!r} is not valid UTF-8 (the manifest and state files store names "
+                         "as UTF-8): rename it") from None
     if tensor.dtype not in _DTYPES:
         raise ValueError(f"parameter '{name}' is {tensor.dtype}; NorMuonAdamW takes float32, bfloat16 or float16")
     if tensor.device.type not in ("cpu", "cuda"):

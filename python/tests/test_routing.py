@@ -240,3 +240,9 @@ def test_pickling_and_copying_raise_a_clear_type_error(how, backend):
             do(opt)
     with pytest.raises(TypeError, match="NorMuonAdamW cannot be pickled"):
         torch.save(normuon.NorMuonAdamW(model, backend=backend), io.BytesIO())
+
+
+def test_a_name_that_is_not_utf8_gets_a_clear_error(native):
+    # It reached pybind's "incompatible constructor arguments" for the C++ manifest.
+    with pytest.raises(ValueError, match="is not valid UTF-8"):
+        normuon.NorMuonAdamW([("w\udcff", torch.nn.Parameter(torch.zeros(4, 4)))])

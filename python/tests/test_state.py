@@ -279,3 +279,27 @@ def test_import_state_checks_the_files_values_before_changing_anything(tmp_path,
     assert all(torch.equal(before[0][n], after[0][n]) for n in before[0])
     assert all(torch.equal(v, after[1]["state"][i][k]) for i, s in before[1]["state"].items() for k, v in s.items())
     assert before[1]["param_groups"] == after[1]["param_groups"]
+
+
+def test_import_state_reads_the_file_once(tmp_path, monkeypatch, native):
+    # The header (for wrapper prefixes) and the tensors came from two reads: a file replaced in between
+    # could mix two versions. Now one read_state_file, and load_state_file from the same bytes.
+    from normuon import optim as optim_module
+
+    model = make_model()
+    opt = normuon.NorMuonAdamW(model)
+    fill_grads(model, 1)
+    opt.step()
+    opt.export_state(tmp_path / "s.safetensors")
+    reads = []
+    real = optim_module._C.read_state_file
+
+    def counting(path):
+        reads.append(path)
+        return real(path)
+
+    monkeypatch.setattr(optim_module._C, "read_state_file", counting)
+    for name in ("read_state_header", "load_state"):
+        monkeypatch.setattr(optim_module._C, name, lambda *a, **k: pytest.fail(f"a second read: {name}"))
+    opt.import_state(tmp_path / "s.safetensors")
+    assert reads == [str(tmp_path / "s.safetensors")]
