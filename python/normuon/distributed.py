@@ -12,7 +12,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .optim import ADAMW_KEYS, NORMUON_FIELDS, NorMuonAdamW, not_copyable, resolve_inputs
+from .optim import ADAMW_KEYS, NORMUON_FIELDS, NorMuonAdamW, NotCopyable, resolve_inputs
 from .routing import ROUTING_COLUMNS, routing_text
 from .reference import nonfinite_gradient
 
@@ -46,7 +46,7 @@ class _Param:
     __slots__ = ("index", "name", "tensor", "shape", "dtype", "algorithm", "group", "owner", "cost")
 
 
-class DistributedNorMuonAdamW(torch.optim.Optimizer):
+class DistributedNorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     """NorMuonAdamW over data-parallel ranks: every NorMuon matrix is orthogonalised by one owner rank, the
     new values are exchanged in one packed all_gather per step, and every rank ends with the same
     parameters, bit for bit equal to a single-process NorMuonAdamW run (docs/distributed.md).
@@ -214,15 +214,6 @@ class DistributedNorMuonAdamW(torch.optim.Optimizer):
     @property
     def backend(self):
         return self._local.backend
-
-    def __reduce_ex__(self, protocol):
-        raise TypeError(not_copyable(type(self).__name__))
-
-    def __copy__(self):
-        raise TypeError(not_copyable(type(self).__name__))
-
-    def __deepcopy__(self, memo):
-        raise TypeError(not_copyable(type(self).__name__))
 
     def add_param_group(self, param_group):
         if getattr(self, "_built", False):

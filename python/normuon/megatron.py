@@ -23,7 +23,7 @@ from collections import defaultdict
 import torch
 
 from . import optim as _optim
-from .optim import not_copyable
+from .optim import NotCopyable
 from . import reference
 
 # megatron-core releases whose emerging-optimizer registry this adapter was written against (major, minor),
@@ -131,7 +131,7 @@ class _Slot:
         self.param, self.entries, self.proxies, self.rows, self.views = param, entries, proxies, rows, views
 
 
-class _MegatronFlat(torch.optim.Optimizer):
+class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
     """What MegatronNorMuon and MegatronAdamW share: an inner NorMuonAdamW (one algorithm) over the
     parameters param_groups holds now, built lazily and rebuilt when they change; the Megatron-facing
     state (self.state, state dicts) translated to and from its flat buffers; TE FusedAdam's step rule.
@@ -162,15 +162,6 @@ class _MegatronFlat(torch.optim.Optimizer):
         self._group_map = []    # (index in param_groups, index in the inner optimizer's groups)
         self._advanced = []     # groups whose step the last step() advanced (taken back if it was skipped)
         self.last_skip_reason = None
-
-    def __reduce_ex__(self, protocol):
-        raise TypeError(not_copyable(type(self).__name__))
-
-    def __copy__(self):
-        raise TypeError(not_copyable(type(self).__name__))
-
-    def __deepcopy__(self, memo):
-        raise TypeError(not_copyable(type(self).__name__))
 
     def _fail(self, message):
         raise ValueError(f"{self._label}: {message}")

@@ -108,6 +108,25 @@ def _option_text(value):
     return repr(value) if isinstance(value, float) else str(value)
 
 
+class NotCopyable:
+    """The optimizers of this package refuse pickling and copying with a TypeError: a copy would share or
+    lose the native buffers and the bindings to the model's tensors, and step wrongly."""
+
+    def _refuse(self):
+        raise TypeError(f"{type(self).__name__} cannot be pickled or copied: its state lives in native buffers "
+                        "bound to the model's own tensors. Save opt.state_dict() (torch.save) or "
+                        "opt.export_state(path), and build a new optimizer over the new model, then load it")
+
+    def __reduce_ex__(self, protocol):
+        self._refuse()
+
+    def __copy__(self):
+        self._refuse()
+
+    def __deepcopy__(self, memo):
+        self._refuse()
+
+
 class _Entry:
     """One parameter: the user's tensor, its state (views of the optimizer's buffers) and, when it is
     bf16/fp16, its fp32 master."""
@@ -125,7 +144,7 @@ class _Entry:
         return self.master if self.low_precision else self.tensor.detach()
 
 
-class NorMuonAdamW(torch.optim.Optimizer):
+class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     """NorMuon on 2-D hidden matrices, AdamW on everything else (docs/spec.md, docs/python.md).
 
     params: the model (recommended: its modules tell the embeddings and the head, routing.py),
@@ -459,15 +478,6 @@ class NorMuonAdamW(torch.optim.Optimizer):
         if e.algorithm == "normuon":
             return {"momentum_buffer": e.state[0], "moment2_buffer": e.state[1]}
         return {"exp_avg": e.state[0], "exp_avg_sq": e.state[1]}
-
-    def __reduce_ex__(self, protocol):
-        raise TypeError(not_copyable(type(self).__name__))
-
-    def __copy__(self):
-        raise TypeError(not_copyable(type(self).__name__))
-
-    def __deepcopy__(self, memo):
-        raise TypeError(not_copyable(type(self).__name__))
 
     def add_param_group(self, param_group):
         """torch's add_param_group (a layer unfrozen, a head added): a dict with "params" and, optionally,
@@ -1054,12 +1064,6 @@ def _normuon_betas(group, seen):
     return resolved
 
 
-def not_copyable(name):
-    """Why an optimizer of this package cannot be pickled or copied (a copy would share or lose the native
-    buffers and the bindings to the model's tensors, and step wrongly)."""
-    return (f"{name} cannot be pickled or copied: its state lives in native buffers bound to the model's own "
-            "tensors. Save opt.state_dict() (torch.save) or opt.export_state(path), and build a new optimizer "
-            "over the new model, then load it")
 
 
 def _resolve_choice(backend):
