@@ -16,6 +16,7 @@
 #include "newton_schulz.h"
 #include "thread_budget.h"
 #include "normuon/grad_gen.h"
+#include "normuon/param_table.h"
 #include "normuon/presets.h"
 
 // Every malloc of the process is counted (operator new goes through malloc too).
@@ -134,6 +135,30 @@ BOOST_AUTO_TEST_CASE(nonfinite_gradients_change_nothing) {
   Options skip = run.options;
   skip.set("nonfinite=skip_step");
   BOOST_TEST(run.backend.step(run.state, skip).skipped);
+  BOOST_TEST(run.state.same_optimizer_state(before));
+}
+
+BOOST_AUTO_TEST_CASE(a_gradient_scale_belongs_to_its_step_only) {
+  // A table-mode step with a GradScaler scale left the pointer bound: a later FlatState step divided by
+  // it (freed memory, in Python) and left out the NaN scan, so a NaN gradient went into the state.
+  Run run(preset_manifest("tiny"), with(""));
+  TableState table_state(run.layout);
+  ParamTable table(run.layout);
+  std::vector<std::vector<float>> params(run.layout.entries.size()), grads(run.layout.entries.size());
+  run.gen.fill_gradients(run.state, 1);
+  for (size_t e = 0; e < run.layout.entries.size(); ++e) {
+    const int i = static_cast<int>(e);
+    params[e].assign(run.state.param(i), run.state.param(i) + run.layout.entries[e].numel);
+    grads[e].assign(run.state.grad(i), run.state.grad(i) + run.layout.entries[e].numel);
+    table.params[e].data = params[e].data();
+    table.grads[e].data = grads[e].data();
+  }
+  const float scale = 1024.0f;
+  BOOST_TEST(!run.backend.step(table_state, table, run.options, &scale).skipped);
+  run.gen.fill_gradients(run.state, 2);
+  run.state.grad(0)[3] = std::numeric_limits<float>::quiet_NaN();
+  const FlatState before = run.state;
+  BOOST_CHECK_THROW(run.backend.step(run.state, run.options), std::runtime_error);
   BOOST_TEST(run.state.same_optimizer_state(before));
 }
 

@@ -71,6 +71,7 @@ ParamOperand table_operand(const ParamTable& table, int e, float* masters) {
 
 void StepOperands::bind(FlatState& state) {
   layout = state.layout;
+  grad_scale = nullptr;  // a scale belongs to one step: set after binding, never left from an earlier one
   params.resize(layout->entries.size());
   for (size_t e = 0; e < params.size(); ++e) {
     const int i = static_cast<int>(e);
@@ -89,6 +90,7 @@ void StepOperands::bind(TableState& state, const ParamTable& table) {
   const std::string reason = table.invalid_reason();
   if (!reason.empty()) throw std::invalid_argument(reason);
   layout = state.layout;
+  grad_scale = nullptr;
   params.resize(layout->entries.size());
   for (size_t e = 0; e < params.size(); ++e) params[e] = table_operand(table, static_cast<int>(e), state.masters.data());
   momentum = state.momentum.data();

@@ -314,6 +314,7 @@ StepResult FastCudaBackend::step(FlatState& state, const Options& options) {
     throw std::logic_error("fast-cuda backend: step(FlatState&) on a table-mode backend (caller_tensors); use "
                            "set_tensors() and enqueue_step()");
   const DeviceScope scope(device_index_);
+  set_grad_scaling(nullptr, nullptr);  // the FlatState form never scales: no scaler left from table mode
   set_options(options, &state.group_steps);  // checks the groups first, before anything moves
   device_->upload(state, stream_);
   enqueue_step();

@@ -79,7 +79,8 @@ class FastCudaBackend : public Backend {
   void set_tensors(const ParamTable& table);
   // torch's GradScaler for the next steps (device addresses of its fp32 scale and found_inf; nullptr:
   // none): gradients are divided by the scale as they are read, and a step with found_inf != 0 changes
-  // nothing and is not reported (the scaler deals with it). A captured graph keeps the addresses it saw.
+  // nothing and is not reported (the scaler deals with it). A captured graph keeps the addresses it saw;
+  // step(FlatState&) clears them.
   void set_grad_scaling(const float* grad_scale, const float* found_inf) {
     buffers_.grad_scale = grad_scale;
     buffers_.found_inf = found_inf;

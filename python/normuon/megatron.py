@@ -161,6 +161,7 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         self._slots = {}        # id(param) -> _Slot
         self._group_map = []    # (index in param_groups, index in the inner optimizer's groups)
         self._advanced = []     # groups whose step the last step() advanced (taken back if it was skipped)
+        self._settled_reason = None  # why the previous step was skipped, learnt when it was settled
         self.last_skip_reason = None
 
     def _fail(self, message):
@@ -357,7 +358,8 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._ensure_built()
+        self._settled_reason = None
+        self._ensure_built()  # settles the previous step first (verdict='deferred')
         hypers = [(j, self._hypers(i, self.param_groups[i])) for i, j in self._group_map]
         steps = [_step_value(self._label, self.param_groups[i].get("step", 0), f"param_groups[{i}]")
                  for i, _ in self._group_map]
@@ -384,7 +386,9 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
                         slot.param.detach().index_copy_(0, rows, proxy)
             if split:
                 self._install_state()
-        self.last_skip_reason = skipped
+        # Deferred: this step's own verdict comes at the next one; what is reported now is the previous
+        # step's, as NorMuonAdamW reports it.
+        self.last_skip_reason = skipped if skipped is not None else self._settled_reason
         if skipped is None:
             self._advanced = [i for i, g in enumerate(self.param_groups) if len(g["params"]) > 0]
             for i in self._advanced:
@@ -403,7 +407,7 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
             raise
         if skipped is not None:
             self._take_back()
-            self.last_skip_reason = skipped
+            self.last_skip_reason = self._settled_reason = skipped
         self._advanced = []
 
     def _take_back(self):

@@ -281,8 +281,10 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 nm.update({k: ug[k] for k in NORMUON_FIELDS if k in ug})
                 if "momentum" in ug:
                     nm["beta1"] = ug["momentum"]
-                if "betas" in ug:
+                if "betas" in ug:  # the pair itself; beta1 / beta2 given beside it must agree with it
                     nm["betas"] = ug["betas"]
+                    if not any(k in ug for k in ("beta1", "beta2", "momentum")):
+                        nm.pop("beta1"), nm.pop("beta2")
                 aw.update({k[len("adamw_"):]: ug[k] for k in ADAMW_PREFIXED if k in ug})
             aw["betas"] = tuple(aw["betas"])
             base = ug.get("name", None if named else f"group{gi}")
@@ -494,21 +496,32 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self._sync_hyper()  # the current values of the existing groups, checked
         self._settle()
         self._refresh_masters()
-        kept = []
+        kept, extra = [], {}
         for g in self.param_groups:
             keys = NORMUON_FIELDS if g["algorithm"] == "normuon" else ADAMW_KEYS
             kept.append(dict({k: g[k] for k in keys}, params=list(zip(g["names"], g["params"])), name=g["name"],
                              algorithm=g["algorithm"]))
+            # What schedulers and users keep in a group (initial_lr, max_lr, ...) stays with it.
+            extra[g["name"]] = {k: v for k, v in g.items() if k not in set(keys) | _GROUP_OWN_KEYS}
         model = self._model() if self._model is not None else None
-        added, roles = resolve_inputs([dict(param_group)], model=model)
+        known = {"params", "names", "name", "algorithm", "momentum", "betas"} | set(NORMUON_FIELDS) | \
+            set(ADAMW_KEYS) | set(ADAMW_PREFIXED)
+        new_extra = {k: v for k, v in param_group.items() if k not in known}  # a scheduler's initial_lr, ...
+        added, roles = resolve_inputs([{k: v for k, v in param_group.items() if k in known}], model=model)
         old = {id(e.tensor): e for e in self._entries}
         roles.update({e.name: (e.role, e.evidence) for e in self._entries})
         groups, entries = self._build_groups(kept + added, *self._defaults_by_algorithm, {}, roles)
+        devices = sorted({str(e.tensor.device) for e in entries})
+        if len(devices) > 1:
+            raise ValueError(f"NorMuonAdamW needs every parameter on one device; got {', '.join(devices)}")
+        for i, g in enumerate(groups):  # every value checked before anything is swapped
+            self._validated(i, dict(g))
         saved = {i: ([t.clone() for t in e.state], e.master.clone() if e.low_precision else None)
                  for i, e in old.items()}
         steps = {g["name"]: t for g, t in zip(self.param_groups, self._steps)}
         self.param_groups = []
         for g in groups:
+            g.update(extra.get(g["name"], new_extra))
             super().add_param_group(g)
         self._build(entries)
         for e in entries:
@@ -565,6 +578,12 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         if _C is not None:
             self._push_options()
         return hypers
+
+    def _reconcile_betas(self):
+        """Both forms of every NorMuon group's pair agree again (as the next step would make them)."""
+        for i, g in enumerate(self.param_groups):
+            if g["algorithm"] == "normuon":
+                self._betas_seen[i] = _normuon_betas(g, self._betas_seen[i])
 
     def _push_options(self):
         """Checked values into the C++ options; only what changed since the last push."""
@@ -641,23 +660,27 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             g["step"] = t
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, **kwargs):
         """One optimizer step over every parameter with a gradient (parameters without one are left as
         they are). Raises RuntimeError for a NaN/Inf gradient under nonfinite='error', before anything
         changes; under 'skip_step' nothing changes and last_skip_reason says why. On CUDA with
-        verdict='deferred' that verdict comes at the next step() (the bad step changed nothing)."""
+        verdict='deferred' that verdict comes at the next step() (the bad step changed nothing).
+        kwargs: grad_scaler=, which torch 1.13's GradScaler passes (see _scaler)."""
+        unknown = sorted(set(kwargs) - {"grad_scaler"})
+        if unknown:
+            raise TypeError(f"step() got unexpected keyword argument(s) {', '.join(unknown)}")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         hypers = self._sync_hyper()
         self._refresh_masters()
-        scaler = self._scaler()
+        scaler = self._scaler(kwargs.get("grad_scaler"))
         grad_scale = None
         if scaler is not None and self._cuda_backend is None:  # on the CPU, found_inf is read right away
             if float(scaler[1]) != 0:
                 scaler = _FOUND_INF
-            else:
+            elif scaler[0] is not None:
                 grad_scale = scaler[0].to(device="cpu")
         if scaler is _FOUND_INF:
             skipped = FOUND_INF_REASON
@@ -679,20 +702,29 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self.last_skip_reason = skipped
         return loss
 
-    def _scaler(self):
-        """torch's GradScaler (torch.amp / torch.cuda.amp) hands a fused optimizer its scale and found_inf as
-        attributes for one step (_step_supports_amp_scaling): (scale, found_inf) as fp32 scalars on the
-        parameters' device, or None. The step divides every gradient by the scale as it reads it and changes
-        nothing when found_inf is set, as torch's fused AdamW does."""
+    def _scaler(self, grad_scaler=None):
+        """torch's GradScaler with this optimizer (_step_supports_amp_scaling): (scale or None, found_inf) as
+        fp32 scalars on the parameters' device, or None without a scaler. The step divides every gradient
+        by the scale as it reads it and changes nothing when found_inf is set, as torch's fused AdamW does.
+        torch >= 2.0 hands both over as attributes for one step; after scaler.unscale_(opt) (to clip) the
+        scale is None: the gradients are unscaled already. torch 1.13 passes itself (grad_scaler=): its
+        unscale_ then runs here (a pass of its own, as for any optimizer) and gives found_inf."""
+        if grad_scaler is not None:
+            state = grad_scaler._per_optimizer_states[id(self)]
+            if not state["found_inf_per_device"]:  # unscale_ not called yet this iteration
+                grad_scaler.unscale_(self)
+            found = sum(float(v) for v in state["found_inf_per_device"].values())
+            return None, torch.tensor(found, dtype=torch.float32, device=self._device)
         scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        if scale is None and found_inf is None:
+        if found_inf is None:
+            if scale is not None:
+                raise ValueError("a gradient scaler handed over grad_scale without found_inf")
             return None
-        if scale is None or found_inf is None:
-            raise ValueError("a gradient scaler must hand over both grad_scale and found_inf")
-        scale = scale.detach().to(device=self._device, dtype=torch.float32).reshape(()).contiguous()
         found_inf = found_inf.detach().to(device=self._device, dtype=torch.float32).reshape(()).contiguous()
-        if self._device.type == "cpu" and not (math.isfinite(float(scale)) and float(scale) > 0):
-            raise ValueError(f"the gradient scaler's scale {float(scale)!r} is not finite and > 0")
+        if scale is not None:
+            scale = scale.detach().to(device=self._device, dtype=torch.float32).reshape(()).contiguous()
+            if self._device.type == "cpu" and not (math.isfinite(float(scale)) and float(scale) > 0):
+                raise ValueError(f"the gradient scaler's scale {float(scale)!r} is not finite and > 0")
         return scale, found_inf
 
     def _reference_step(self, hypers, grad_scale=None):
@@ -727,7 +759,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             backend.set_tensors(self._table)
             # The host's copy of the counters (no device read): host-exact bias corrections.
             backend.set_options(self._options, self._steps)
-            backend.set_grad_scaling(*((0, 0) if scaler is None else (scaler[0].data_ptr(), scaler[1].data_ptr())))
+            scale_ptr = 0 if scaler is None or scaler[0] is None else scaler[0].data_ptr()
+            backend.set_grad_scaling(scale_ptr, 0 if scaler is None else scaler[1].data_ptr())
             backend.enqueue_step()
             if scaler is not None:
                 if self._found_inf_host is None:
@@ -862,6 +895,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             hook(self)
         self._refresh_masters()
         self._settle()
+        self._reconcile_betas()  # a scheduler may have moved betas since the last step
         by_tensor = {id(e.tensor): e for e in self._entries}
         groups, state, index = [], {}, 0
         for g in self.param_groups:
@@ -897,6 +931,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             hook(self)
 
     def _load_state_dict(self, state_dict):
+        self._settle()  # a pending deferred verdict must not move the counters about to be loaded
         if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
             raise ValueError("not a NorMuonAdamW state dict: expected the keys 'state' and 'param_groups'")
         saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
@@ -998,6 +1033,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         reduce_axis), and the model's parameters from the file's fp32 values."""
         self._need_native("import_state")
         path = os.fspath(path)
+        self._settle()  # as load_state_dict
         contents = _C.read_state_file(path)  # one read: the header looked at and the tensors are one version
         flat = _C.FlatState(self._file_layout(contents.header))
         saved = _C.load_state_file(contents, flat)  # all or nothing, into a scratch state
@@ -1030,6 +1066,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self._sync_hyper()
 
 
+_GROUP_OWN_KEYS = {"params", "names", "name", "algorithm", "step", "betas"}  # the optimizer's own group keys
 _FOUND_INF = object()  # step(): the scaler found inf/NaN gradients
 FOUND_INF_REASON = "the gradient scaler found inf/NaN gradients; step skipped"
 

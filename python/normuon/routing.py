@@ -68,18 +68,23 @@ def module_roles(model):
     Parameters of custom modules are left to the names."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
-    roles, vocab = {}, 0
+    roles, tables = {}, []
     for mname, m in model.named_modules():
         if isinstance(m, EMBEDDING_MODULES) and isinstance(getattr(m, "weight", None), torch.Tensor):
             roles[id(m.weight)] = ("embedding", f"{type(m).__name__} '{mname}'")
-            vocab = max(vocab, m.weight.shape[0])
-    candidates = []  # 2-D weights mapping onto the vocabulary
-    for mname, m in model.named_modules():
-        w = getattr(m, "weight", None)
-        if isinstance(m, EMBEDDING_MODULES) or not isinstance(w, torch.Tensor) or w.dim() != 2 or id(w) in roles:
-            continue
-        if vocab and w.shape[0] == vocab:
-            candidates.append((mname, m, w))
+            tables.append((mname, m.weight))
+    token = _token_embedding(tables)
+    tied = token is not None and any(
+        getattr(m, "weight", None) is token[1] for m in model.modules() if not isinstance(m, EMBEDDING_MODULES))
+    candidates = []  # layers from the embedding's width onto its vocabulary (none to look for when tied)
+    if token is not None and not tied:
+        vocab, width = token[1].shape[0], token[1].shape[1] if token[1].dim() == 2 else None
+        for mname, m in model.named_modules():
+            w = getattr(m, "weight", None)
+            if isinstance(m, EMBEDDING_MODULES) or not isinstance(w, torch.Tensor) or w.dim() != 2 or id(w) in roles:
+                continue
+            if w.shape[0] == vocab and w.shape[1] == width:
+                candidates.append((mname, m, w))
     if len(candidates) > 1:  # several layers map onto the vocabulary: the one named a head, else the last one
         named = [c for c in candidates if _looks_like_head(strip_wrappers(f"{c[0]}.weight").lower().split("."))]
         chosen = named[-1] if named else candidates[-1]
@@ -102,6 +107,20 @@ def module_roles(model):
             else:
                 roles[id(p)] = (_shape_role(parts, p.dim()), type(m).__name__)
     return roles
+
+
+# Embedding tables that hold positions, not tokens: never the vocabulary a head maps onto.
+POSITION_WORDS = ("wpe", "pos", "position", "positions", "pos_emb", "position_embeddings", "relative")
+
+
+def _token_embedding(tables):
+    """(name, weight) of the token embedding among the embedding tables: the largest of those not named
+    as positions (nanoGPT's wpe can be larger than a character vocabulary), else the largest."""
+    def positional(name):
+        return any(w in c for c in strip_wrappers(name.lower()).split(".") for w in POSITION_WORDS)
+
+    pool = [t for t in tables if not positional(t[0])] or tables
+    return max(pool, key=lambda t: t[1].shape[0]) if pool else None
 
 
 def _shape_role(parts, ndim):

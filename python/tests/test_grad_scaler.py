@@ -81,3 +81,65 @@ def test_with_torchs_cpu_grad_scaler(backend):
     for n in want:  # the scaled backward differs from the plain one only by rounding of the loss scaling
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6)
     assert [g["step"] for g in opt_amp.param_groups] == [g["step"] for g in opt_plain.param_groups] == [4, 4]
+
+
+def test_after_unscale_only_found_inf_is_handed_over(backend):
+    # scaler.unscale_(opt) (to clip) unscales the gradients and leaves grad_scale None: the step then took
+    # that for a broken scaler and raised. Now it reads the gradients as they are and honours found_inf.
+    plain, amp = make_model(), make_model()
+    opt_plain = normuon.NorMuonAdamW(plain, backend=backend)
+    opt_amp = normuon.NorMuonAdamW(amp, backend=backend)
+    fill_grads(plain, 1)
+    fill_grads(amp, 1)
+    opt_amp.grad_scale, opt_amp.found_inf = None, torch.tensor(0.0)
+    opt_amp.step()
+    opt_plain.step()
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(plain.parameters(), amp.parameters()))
+    opt_amp.found_inf = torch.tensor(1.0)
+    opt_amp.step()
+    assert opt_amp.last_skip_reason == FOUND_INF_REASON
+
+
+class ScalerOf113:
+    """torch 1.13's GradScaler protocol with _step_supports_amp_scaling: it calls step(grad_scaler=self),
+    and the optimizer unscales through it (its unscale_ needs CUDA there, so this one divides on the CPU)."""
+
+    def __init__(self, scale):
+        self.scale = scale
+        self._per_optimizer_states = {}
+
+    def unscale_(self, opt):
+        state = self._per_optimizer_states.setdefault(id(opt), {"found_inf_per_device": {}})
+        found = 0.0
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.grad.div_(self.scale)
+                    found += float(not torch.isfinite(p.grad).all())
+        state["found_inf_per_device"]["cpu"] = torch.tensor(found)
+
+    def step(self, opt):
+        self._per_optimizer_states[id(opt)] = {"found_inf_per_device": {}}
+        return opt.step(grad_scaler=self)
+
+
+def test_torch_113_grad_scaler_protocol(backend):
+    # torch 1.13 passes itself as grad_scaler=; step() had no such argument: a TypeError on every CUDA
+    # torch 1.13 install. Now the scaler's own unscale_ runs and its found_inf skips.
+    plain, amp = make_model(), make_model()
+    opt_plain = normuon.NorMuonAdamW(plain, backend=backend)
+    opt_amp = normuon.NorMuonAdamW(amp, backend=backend)
+    scaler = ScalerOf113(1024.0)
+    for step in (1, 2):
+        fill_grads(plain, step)
+        fill_grads(amp, step)
+        scaled(amp, 1024.0)
+        scaler.step(opt_amp)
+        opt_plain.step()
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(plain.parameters(), amp.parameters()))
+    fill_grads(amp, 3)
+    amp.blocks[0].attn.weight.grad[0, 0] = float("inf")
+    scaler.step(opt_amp)
+    assert opt_amp.last_skip_reason == FOUND_INF_REASON
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        opt_amp.step(closur=None)

@@ -591,6 +591,7 @@ def test_a_deferred_skip_takes_back_the_step_counters(backend):
     opt._inner._settle = lambda: next(answers)
     opt.step()  # settles the first step as skipped (1 -> 0), then runs this one (0 -> 1)
     assert [g["step"] for g in opt.param_groups] == [1]
+    assert opt.last_skip_reason == "nonfinite gradient in 'g0.p1'"  # reported, as NorMuonAdamW reports it
     opt.step()
     assert [g["step"] for g in opt.param_groups] == [2] and opt.last_skip_reason is None
 

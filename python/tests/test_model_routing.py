@@ -198,3 +198,26 @@ def test_distributed_wrapper_prints_the_routing_with_owners(tmp_path, native):
     assert rows["module.table.weight"]["owner"] == "all"
     text = out.getvalue()
     assert text.startswith("DistributedNorMuonAdamW: 5 parameters") and "owner" in text.splitlines()[1]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_position_table_larger_than_the_vocabulary_does_not_make_a_hidden_matrix_the_head(tied, native):
+    # Char-level nanoGPT: wpe (256 positions) is larger than the vocabulary (65), and c_fc maps 64 -> 256:
+    # the largest embedding was taken as the vocabulary and c_fc became the "head", on AdamW, silently.
+    class CharGPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(65, 64)
+            self.wpe = nn.Embedding(256, 64)
+            self.c_fc = nn.Linear(64, 256)
+            self.c_proj = nn.Linear(256, 64)
+            self.lm_head = nn.Linear(64, 65, bias=False)
+            if tied:
+                self.lm_head.weight = self.wte.weight
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rows = table(normuon.NorMuonAdamW(CharGPT()))
+    assert rows["c_fc.weight"]["algorithm"] == "normuon" and rows["c_proj.weight"]["algorithm"] == "normuon"
+    if not tied:
+        assert rows["lm_head.weight"]["role"] == "head"

@@ -246,3 +246,25 @@ def test_a_name_that_is_not_utf8_gets_a_clear_error(native):
     # It reached pybind's "incompatible constructor arguments" for the C++ manifest.
     with pytest.raises(ValueError, match="is not valid UTF-8"):
         normuon.NorMuonAdamW([("w\udcff", torch.nn.Parameter(torch.zeros(4, 4)))])
+
+
+def test_add_param_group_with_a_bad_value_changes_nothing(native):
+    # The new group's values were checked after the groups and entries had been replaced: the optimizer
+    # was left broken (its steps reset, state_dict failing).
+    model = make_model()
+    opt = normuon.NorMuonAdamW(model)
+    from conftest import fill_grads
+    fill_grads(model, 1)
+    opt.step()
+    before = opt.state_dict()
+    with pytest.raises(ValueError, match="lr=-1"):
+        opt.add_param_group({"params": [("extra.weight", torch.nn.Parameter(torch.zeros(8, 8)))], "lr": -1})
+    assert len(opt.param_groups) == 2 and [g["step"] for g in opt.param_groups] == [1, 1]
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    fill_grads(model, 2)
+    opt.step()
+    # Keys that schedulers and users keep in the groups stay (and a new group may bring its own).
+    opt.param_groups[0]["initial_lr"] = 0.02
+    opt.add_param_group({"params": [("extra.weight", torch.nn.Parameter(torch.zeros(8, 8)))], "initial_lr": 0.1})
+    assert opt.param_groups[0]["initial_lr"] == 0.02 and opt.param_groups[-1]["initial_lr"] == 0.1

@@ -243,3 +243,26 @@ def test_betas_and_beta1_disagreeing_is_an_error(backend):
     with pytest.raises(ValueError, match="disagree"):
         normuon.NorMuonAdamW([{"params": list(model.named_parameters()), "betas": (0.9, 0.9), "beta1": 0.5}],
                              backend=backend)
+
+
+def test_a_checkpoint_saved_after_a_scheduler_moved_betas_loads(backend):
+    # state_dict saved the scheduler's betas beside the stale beta1, and loading it said they disagree.
+    model = make_model()
+    opt = normuon.NorMuonAdamW(model, backend=backend)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.02, total_steps=10)
+    fill_grads(model, 1)
+    opt.step()
+    sched.step()
+    sd = opt.state_dict()
+    assert sd["param_groups"][0]["betas"] == (sd["param_groups"][0]["beta1"], sd["param_groups"][0]["beta2"])
+    other = normuon.NorMuonAdamW(make_model(), backend=backend)
+    other.load_state_dict(sd)
+    assert other.param_groups[0]["beta1"] == sd["param_groups"][0]["beta1"] != 0.95
+
+
+def test_betas_given_alone_in_a_normuon_group(backend):
+    # {"betas": ...} in a NorMuon or auto group always raised "disagree" (the defaults filled beta1 first).
+    model = make_model()
+    opt = normuon.NorMuonAdamW([{"params": list(model.named_parameters()), "betas": (0.9, 0.99)}], backend=backend)
+    nm = next(g for g in opt.param_groups if g["algorithm"] == "normuon")
+    assert (nm["beta1"], nm["beta2"], nm["betas"]) == (0.9, 0.99, (0.9, 0.99))
