@@ -11,6 +11,7 @@ packages=(
   libdnnl-dev                     # oneDNN: the batched (bf16) GEMMs of the fast CPU backend
   libeigen3-dev libboost-test-dev pybind11-dev libcsv-dev nlohmann-json3-dev zlib1g-dev
   python3-dev python3-numpy python3-pytest   # the Python extension module and its tests
+  clang libclang-rt-14-dev                   # libFuzzer on the parsers (tests/fuzz)
 )
 missing=()
 for p in "${packages[@]}"; do
