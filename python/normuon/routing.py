@@ -3,8 +3,9 @@ docs/spec.md section 2). From the model's modules where there is one, from names
 (docs/python.md, Routing).
 
 Module evidence (NorMuonAdamW(model) or model=): the weight of an nn.Embedding / nn.EmbeddingBag, or any
-tensor tied to one, is an embedding; the head is the layer that maps onto the token vocabulary (a 2-D weight
-whose out_features equal the largest embedding's num_embeddings), else the module the names call a head.
+tensor tied to one, is an embedding; the head is the layer from the token embedding's width onto its
+vocabulary (the token embedding: the largest table not named as positions; a tied head is the embedding and
+ends the search), else the module the names call a head.
 Name evidence (bare tensors, named_parameters()): wrapper prefixes are stripped first (DDP's module.,
 torch.compile's _orig_mod., model., FSDP's and checkpointing's wrappers).
 """
