@@ -12,6 +12,7 @@
 #include <stdexcept>
 
 #include "alloc_counter.h"
+#include "busy_process.h"
 #include "machine_info.h"
 #include "normuon/grad_gen.h"
 #include "op_counter.h"
@@ -208,6 +209,23 @@ CpuBenchResult run_cpu_bench(const Layout& layout, const Options& options, const
     omp_set_num_threads(saved);
   }
 
+  // Under contention: a busy process beside the run (a shared machine). The run's threads and one
+  // thread, on copies of the state, fed the same gradients; one untimed step each first.
+  {
+    FlatState crowded = fast_state, single = fast_state;
+    FastCpuBackend one_thread(layout, options, 1);
+    const BusyProcess busy;
+    for (int64_t i = 0; i <= config.repeats; ++i) {
+      generator.fill_gradients(crowded, timed_steps + 2 + i);
+      std::copy(crowded.grads.data(), crowded.grads.data() + crowded.grads.size(), single.grads.data());
+      single.has_grad = crowded.has_grad;
+      const double many = timed_step(fast, crowded).wall_ms, one = timed_step(one_thread, single).wall_ms;
+      if (i == 0) continue;
+      r.contended_ms.push_back(many);
+      r.contended_one_thread_ms.push_back(one);
+    }
+  }
+
   // Sanity: both backends did the same work (`normuon compare` checks agreement properly).
   for (int64_t i = 0; i < ref_state.params.size(); ++i)
     r.max_param_diff =
@@ -261,6 +279,8 @@ CpuBenchSummary summarise_cpu_bench(const CpuBenchResult& r) {
   s.adamw_share_stream = summarise(share_stream);
   const CpuPhaseRow& whole = s.whole_step();
   s.speedup = whole.fast.median > 0 ? whole.reference.median / whole.fast.median : 0;
+  s.contended = summarise(r.contended_ms);
+  s.contended_one_thread = summarise(r.contended_one_thread_ms);
   return s;
 }
 
@@ -332,6 +352,17 @@ void print_cpu_bench(const CpuBenchResult& r, Transcript& log) {
           s.speedup >= 3 ? "met" : "NOT met");
   log.say("fused AdamW: %.0f%% of triad bandwidth (bar 60%%: %s)\n", 100 * share.median,
           share.median >= 0.6 ? "met" : "NOT met");
+  if (s.contended.n > 0) {
+    const double quiet = s.whole_step().fast.median;
+    const double vs_quiet = quiet > 0 ? s.contended.median / quiet : 0;
+    const double vs_one = s.contended_one_thread.median > 0 ? s.contended.median / s.contended_one_thread.median : 0;
+    log.say("\nunder contention (one busy process beside the run): fast %s ms with %d thread%s, %s ms with one "
+            "thread\n", ms_cell(s.contended).c_str(), r.threads, r.threads == 1 ? "" : "s",
+            ms_cell(s.contended_one_thread).c_str());
+    log.say("contended step: %.2fx the quiet step (bar 2x: %s); %.2fx the one-thread step under the same "
+            "contention (bar 1x: %s)\n", vs_quiet, vs_quiet <= 2 ? "met" : "NOT met", vs_one,
+            vs_one <= 1 ? "met" : "NOT met");
+  }
 }
 
 void write_cpu_bench_csv(const CpuBenchResult& r, const std::string& path) {
@@ -380,6 +411,11 @@ void write_cpu_bench_csv(const CpuBenchResult& r, const std::string& path) {
         gflops(ns.fast.min), n);
   }
   row("fast/reference", "whole_step_speedup", "x", s.speedup, s.speedup, s.speedup, n);
+  if (s.contended.n > 0) {
+    row("fast", "whole_step_contended", "ms", s.contended.median, s.contended.min, s.contended.max, n);
+    row("fast_one_thread", "whole_step_contended", "ms", s.contended_one_thread.median, s.contended_one_thread.min,
+        s.contended_one_thread.max, n);
+  }
   out.flush();
   if (!out) throw std::runtime_error("write failed: " + path);
 }

@@ -52,6 +52,9 @@ struct CpuBenchResult {
   double onednn_allocations = std::numeric_limits<double>::quiet_NaN();
   int64_t onednn_gemm_calls = 0;
   double max_param_diff = 0;  // between the two states after the run (`normuon compare` checks them)
+  // The fast step with a busy process beside it (one spinning process): with the run's threads, and
+  // with one thread under the same contention; `repeats` steps each, after the quiet ones.
+  std::vector<double> contended_ms, contended_one_thread_ms;
   std::string load_before, load_after;
 };
 
@@ -69,6 +72,7 @@ struct CpuBenchSummary {
   Summary triad_traffic_gbps, triad_stream_gbps, adamw_gbps;
   Summary adamw_share, adamw_share_stream;  // fractions of the triad's traffic / STREAM-counted figure
   double speedup = 0;                       // reference / fast, whole-step wall medians
+  Summary contended, contended_one_thread;  // whole-step wall times under contention
   const CpuPhaseRow& newton_schulz() const { return rows[1]; }
   const CpuPhaseRow& whole_step() const { return rows.back(); }
 };

@@ -76,6 +76,11 @@ BOOST_AUTO_TEST_CASE(cpu_bench_measures_both_backends_on_tiny) {
   BOOST_REQUIRE_EQUAL(r.reference.size(), 1u);
   BOOST_REQUIRE_EQUAL(r.fast.size(), 1u);
   BOOST_REQUIRE_EQUAL(r.triad_ms.size(), 1u);
+  // Under contention (a busy process beside it): one measured step each with the run's threads and one.
+  BOOST_REQUIRE_EQUAL(r.contended_ms.size(), 1u);
+  BOOST_REQUIRE_EQUAL(r.contended_one_thread_ms.size(), 1u);
+  BOOST_TEST(r.contended_ms[0] > 0);
+  BOOST_TEST(r.contended_one_thread_ms[0] > 0);
   BOOST_TEST(r.reference[0].wall_ms > 0);
   BOOST_TEST(r.fast[0].wall_ms > 0);
   BOOST_TEST(r.fast[0].phases.newton_schulz > 0);
@@ -135,9 +140,10 @@ BOOST_AUTO_TEST_CASE(cpu_bench_report_and_csv) {
                           "fast/gemm_calls", "machine/triad_traffic_bandwidth", "machine/triad_stream_bandwidth",
                           "fast/adamw_bandwidth", "fast/adamw_share_of_triad_traffic",
                           "reference/newton_schulz_throughput", "fast/newton_schulz_throughput",
-                          "fast/reference/whole_step_speedup"})
+                          "fast/reference/whole_step_speedup", "fast/whole_step_contended",
+                          "fast_one_thread/whole_step_contended"})
     BOOST_TEST(rows.count(key) == 1u, key);
-  BOOST_TEST(lines.size() == 1 + 18 + 14);
+  BOOST_TEST(lines.size() == 1 + 18 + 16);
   BOOST_TEST(rows["fast/gemm_calls"][5] == std::to_string(r.gemm_calls));
   BOOST_TEST(rows["fast/elementwise_passes"][5] == std::to_string(r.elementwise_passes));
 }
