@@ -676,13 +676,11 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         hypers = self._sync_hyper()
         self._refresh_masters()
         scaler = self._scaler(kwargs.get("grad_scaler"))
-        grad_scale = None
+        grad_scale, found_inf = None, False
         if scaler is not None and self._cuda_backend is None:  # on the CPU, found_inf is read right away
-            if float(scaler[1]) != 0:
-                scaler = _FOUND_INF
-            elif scaler[0] is not None:
-                grad_scale = scaler[0].to(device="cpu")
-        if scaler is _FOUND_INF:
+            found_inf = float(scaler[1]) != 0
+            grad_scale = None if scaler[0] is None else scaler[0].to(device="cpu")
+        if found_inf:
             skipped = FOUND_INF_REASON
         elif self._reference is not None:
             skipped = self._reference_step(hypers, grad_scale)
@@ -790,16 +788,17 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             except RuntimeError:
                 self._steps = before
                 raise
+            reason = result.reason if result.skipped else None
             if event is not None:  # the scaler's found_inf, copied behind the step
                 event.synchronize()
                 if float(self._found_inf_host) != 0:
-                    result = _ScalerSkip()
-        if result.skipped:
+                    reason = FOUND_INF_REASON
+        if reason is not None:
             self._steps = before
-            self.last_skip_reason = result.reason
+            self.last_skip_reason = reason
         for g, t in zip(self.param_groups, self._steps):
             g["step"] = t
-        return result.reason if result.skipped else None
+        return reason
 
     def _to_flat(self):
         """A host FlatState of this optimizer (parameters as fp32 masters, state, steps): what state files hold."""
@@ -1067,14 +1066,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
 
 
 _GROUP_OWN_KEYS = {"params", "names", "name", "algorithm", "step", "betas"}  # the optimizer's own group keys
-_FOUND_INF = object()  # step(): the scaler found inf/NaN gradients
 FOUND_INF_REASON = "the gradient scaler found inf/NaN gradients; step skipped"
-
-
-class _ScalerSkip:
-    """A step result: the gradient scaler's found_inf skipped the step (the device changed nothing)."""
-    skipped = True
-    reason = FOUND_INF_REASON
 
 
 def _normuon_betas(group, seen):

@@ -137,15 +137,14 @@ def _shape_role(parts, ndim):
 
 def vocabulary_lookalikes(entries):
     """Entries routed to NorMuon by the rule on name evidence that look like an output head or an embedding
-    the names did not reveal: the shape of the token embedding (the largest embedding) either way round, or,
+    the names did not reveal: the shape of the token embedding (_token_embedding) either way round, or,
     when no embedding is known, a matrix holding the vocabulary-like dimension (the largest dimension of all
     matrices, at least twice any other, in at most two of them: an embedding and a head)."""
     matrices = [e for e in entries if len(e.shape) == 2]
     suspect = [e for e in matrices if e.algorithm == "normuon" and e.evidence == "name" and e.override is None]
-    embeddings = [e.shape for e in matrices if e.role == "embedding"]
-    if embeddings:
-        token = sorted(max(embeddings, key=lambda shape: shape[0]))
-        return [e for e in suspect if sorted(e.shape) == token]
+    token = _token_embedding([(e.name, e.tensor) for e in matrices if e.role == "embedding"])
+    if token is not None:
+        return [e for e in suspect if sorted(e.shape) == sorted(token[1].shape)]
     dims = sorted({d for e in matrices for d in e.shape}, reverse=True)
     if len(matrices) < 3 or len(dims) < 2 or dims[0] < 2 * dims[1]:
         return []

@@ -221,3 +221,17 @@ def test_a_position_table_larger_than_the_vocabulary_does_not_make_a_hidden_matr
     assert rows["c_fc.weight"]["algorithm"] == "normuon" and rows["c_proj.weight"]["algorithm"] == "normuon"
     if not tied:
         assert rows["lm_head.weight"]["role"] == "head"
+
+
+def test_the_name_warning_takes_the_same_token_embedding_as_the_modules(native):
+    # By names, the largest embedding was taken for the token table: a position table larger than the
+    # vocabulary (char-level nanoGPT) made a hidden matrix of its shape a "lookalike".
+    torch.manual_seed(0)
+    named = [("wte.weight", nn.Parameter(torch.randn(65, 64))), ("wpe.weight", nn.Parameter(torch.randn(256, 64))),
+             ("h.0.c_fc.weight", nn.Parameter(torch.randn(256, 64))),
+             ("h.0.c_proj.weight", nn.Parameter(torch.randn(64, 256)))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        normuon.NorMuonAdamW(named)
+    with pytest.warns(UserWarning, match="'unnamed.weight' went to NorMuon on their names alone"):
+        normuon.NorMuonAdamW(named + [("unnamed.weight", nn.Parameter(torch.randn(65, 64)))])
