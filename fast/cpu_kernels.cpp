@@ -93,8 +93,8 @@ void scale_add_round(const float* x, const float* y, float* out, int64_t n, floa
 }
 
 NORMUON_MULTIVERSION
-void normuon_finalize(const float* O, float* p, float* v, int64_t rows, int64_t cols, const NorMuonScalars& s,
-                      double* col_sums, float* inv_scale, NorMuonPassTimes* times) {
+void normuon_finalize(const float* O, float* p, const RowRuns& p_runs, float* v, int64_t rows, int64_t cols,
+                      const NorMuonScalars& s, double* col_sums, float* inv_scale, NorMuonPassTimes* times) {
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t stat_len = s.stats_per_row ? rows : cols;
   // Pass 1: sums of squares along the statistics axis and in total, in double.
@@ -146,7 +146,7 @@ void normuon_finalize(const float* O, float* p, float* v, int64_t rows, int64_t 
   // Pass 3: the update (recomputed with the same roundings), weight decay and the step.
   for (int64_t i = 0; i < rows; ++i) {
     const float* o = O + i * cols;
-    float* w = p + i * cols;
+    float* w = p + p_runs.at(i * cols);
     const float row_scale = s.stats_per_row ? inv_scale[i] : 0.0f;
 #pragma omp simd
     for (int64_t j = 0; j < cols; ++j) {

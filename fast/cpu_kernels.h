@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "normuon/param_table.h"
+
 namespace normuon::fast {
 
 // fp32 -> bf16 (round to nearest even, NaN stays NaN) -> fp32, as c10::BFloat16 does.
@@ -60,7 +62,8 @@ struct NorMuonScalars {
 struct NorMuonPassTimes {
   double normalisation_ms = 0, update_ms = 0;
 };
-void normuon_finalize(const float* O, float* p, float* v, int64_t rows, int64_t cols, const NorMuonScalars& s,
-                      double* col_sums, float* inv_scale, NorMuonPassTimes* times);
+// p: the parameter's fp32 values, its rows where p_runs says (whole rows: a row is contiguous).
+void normuon_finalize(const float* O, float* p, const RowRuns& p_runs, float* v, int64_t rows, int64_t cols,
+                      const NorMuonScalars& s, double* col_sums, float* inv_scale, NorMuonPassTimes* times);
 
 }  // namespace normuon::fast

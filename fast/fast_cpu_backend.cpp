@@ -126,18 +126,17 @@ StepResult FastCpuBackend::run(const Options& options) {
   // divided by a gradient scaler's scale there too (g / scale, as torch's fused AdamW unscales).
   const float* grad_scale = ops.grad_scale;
   auto grad_chunk = [&](const ParamOperand& op, int64_t begin, int64_t n) -> const float* {
-    if (op.grad_dtype == DType::f32 && !grad_scale) return static_cast<const float*>(op.grad) + begin;
+    // In place when the chunk lies in one run of the tensor (always, for a dense one).
+    if (op.grad_dtype == DType::f32 && !grad_scale && op.grad_runs.at(begin + n - 1) - op.grad_runs.at(begin) == n - 1)
+      return static_cast<const float*>(op.grad) + op.grad_runs.at(begin);
     float* scratch = grad_scratch_.data() + static_cast<int64_t>(omp_get_thread_num()) * kChunk;
-    widen(static_cast<const char*>(op.grad) + static_cast<size_t>(begin) * dtype_bytes(op.grad_dtype), op.grad_dtype,
-          scratch, n);
+    widen_rows(op.grad, op.grad_dtype, op.grad_runs, begin, scratch, n);
     if (grad_scale) fast::divide_round(scratch, n, *grad_scale, /*bf16=*/false);
     return scratch;
   };
   // A bf16 / fp16 parameter follows its master, rounded, while the values are in cache.
   auto write_low = [](const ParamOperand& op, int64_t begin, int64_t n) {
-    if (op.low)
-      narrow(op.master + begin, static_cast<char*>(op.low) + static_cast<size_t>(begin) * dtype_bytes(op.low_dtype),
-             op.low_dtype, n);
+    if (op.low) narrow_rows(op.master + begin, op.low, op.low_dtype, op.low_runs, begin, n);
   };
 
   // Phase 1: momentum + Nesterov over every NorMuon matrix, one pass.
@@ -197,8 +196,8 @@ StepResult FastCpuBackend::run(const Options& options) {
     s.neg_lr = static_cast<float>(-h.lr);
     const int t = omp_get_thread_num();
     fast::NorMuonPassTimes pass_times;
-    fast::normuon_finalize(update_.data() + e.offset, op.master, ops.row_var + e.stat_offset, e.rows, e.cols, s,
-                           col_sums_.data() + t * std::max<int64_t>(max_cols_, 1),
+    fast::normuon_finalize(update_.data() + e.offset, op.master, op.master_runs, ops.row_var + e.stat_offset, e.rows,
+                           e.cols, s, col_sums_.data() + t * std::max<int64_t>(max_cols_, 1),
                            inv_scale_.data() + t * std::max<int64_t>(max_stat_, 1), timing_ ? &pass_times : nullptr);
     write_low(op, 0, e.numel);
     normalisation_ms += pass_times.normalisation_ms;

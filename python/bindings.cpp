@@ -276,22 +276,28 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "set",
           [](ParamTable& t, const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
-             const std::vector<std::string>& grad_dtypes) {
+             const std::vector<std::string>& grad_dtypes, const std::vector<std::pair<int64_t, int64_t>>& runs) {
             const size_t n = t.params.size();
-            if (params.size() != n || grads.size() != n || grad_dtypes.size() != n)
+            if (params.size() != n || grads.size() != n || grad_dtypes.size() != n || (!runs.empty() && runs.size() != n))
               throw std::invalid_argument("ParamTable.set: " + std::to_string(params.size()) + " parameters, " +
-                                          std::to_string(grads.size()) + " gradients and " +
-                                          std::to_string(grad_dtypes.size()) + " gradient dtypes for " +
-                                          std::to_string(n) + " entries");
+                                          std::to_string(grads.size()) + " gradients, " +
+                                          std::to_string(grad_dtypes.size()) + " gradient dtypes and " +
+                                          std::to_string(runs.size()) + " row runs for " + std::to_string(n) +
+                                          " entries");
             std::vector<DType> dtypes(n);
             for (size_t e = 0; e < n; ++e) dtypes[e] = parse_dtype(grad_dtypes[e]);  // all checked first
             for (size_t e = 0; e < n; ++e) {
+              const RowRuns r = runs.empty() ? RowRuns{} : RowRuns{runs[e].first, runs[e].second};
               t.params[e].data = reinterpret_cast<void*>(params[e]);
-              t.grads[e] = TensorRef{reinterpret_cast<void*>(grads[e]), dtypes[e]};
+              t.params[e].runs = r;
+              t.grads[e] = TensorRef{reinterpret_cast<void*>(grads[e]), dtypes[e], r};
             }
           },
           py::arg("params"), py::arg("grads"), py::arg("grad_dtypes"),
-          "Addresses (0: no gradient) and gradient dtypes (f32 | bf16 | f16), one per layout entry")
+          py::arg("runs") = std::vector<std::pair<int64_t, int64_t>>{},
+          "Addresses (0: no gradient) and gradient dtypes (f32 | bf16 | f16), one per layout entry; runs: per "
+          "entry (run, pitch) in elements when the parameter and its gradient are blocks of rows of larger "
+          "tensors ((0, 0): dense), else empty")
       .def("invalid_reason", &ParamTable::invalid_reason);
 
   py::class_<TableState>(m, "TableState",

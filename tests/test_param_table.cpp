@@ -1,13 +1,14 @@
 // Table mode (core/include/normuon/param_table.h): the fast CPU backend stepping the caller's own
 // tensors gives the bits of the FlatState step, for fp32, bf16 and fp16 parameters and gradients, with
-// missing gradients, addresses that change between steps, NaN/Inf gradients, and states that cross
-// between the modes through state files.
+// missing gradients, addresses that change between steps, NaN/Inf gradients, states that cross between
+// the modes through state files, and matrices that are blocks of rows of a larger tensor (row runs).
 #define BOOST_TEST_MODULE param_table
 #include <boost/test/unit_test.hpp>
 
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -71,7 +72,7 @@ struct Caller {
       else grads[e].resize(static_cast<size_t>(le.numel) * dtype_bytes(grad_dtype) + 64);
       narrow(flat.grad(static_cast<int>(e)), grads[e].data(), grad_dtype, le.numel);
       widen(grads[e].data(), grad_dtype, flat.grad(static_cast<int>(e)), le.numel);
-      table.grads[e] = TensorRef{flat.has_grad[e] ? grads[e].data() : nullptr, grad_dtype};
+      table.grads[e] = TensorRef{flat.has_grad[e] ? grads[e].data() : nullptr, grad_dtype, {}};
     }
   }
 };
@@ -258,6 +259,158 @@ BOOST_AUTO_TEST_CASE(a_bad_table_is_refused_before_anything_changes) {
   missing.params[0].data = nullptr;
   BOOST_CHECK_THROW(twins.table_backend.step(twins.table_state, missing, twins.opts), std::invalid_argument);
   BOOST_TEST((twins.table_state.group_steps == std::vector<int64_t>{0, 0}));
+}
+
+namespace {
+
+// Megatron's fused QKV weight: per query group, 4 query rows, 2 key rows, 2 value rows and 1 row that no
+// entry covers (it must come through untouched); the three blocks are layout entries of their own.
+constexpr int64_t kGroups = 3, kCols = 24, kGroupRows = 9;
+const int64_t kBlockRows[] = {4, 2, 2};
+const int64_t kBlockFirst[] = {0, 4, 6};
+
+Manifest fused_manifest(DType dtype) {
+  Manifest m = mixed_manifest();
+  const char* names[] = {"qkv.q", "qkv.k", "qkv.v"};
+  for (int b = 0; b < 3; ++b)
+    m.params.push_back(ParamSpec{names[b], {kGroups * kBlockRows[b], kCols}, dtype, Role::matrix, "", std::nullopt});
+  return m;
+}
+
+// Elements of a dense matrix into (scatter) or out of (gather) a tensor whose rows lie in runs.
+void scatter(const char* dense, char* tensor, const RowRuns& runs, size_t bytes, int64_t n) {
+  runs.for_each_piece(0, n, [&](int64_t logical, int64_t physical, int64_t count) {
+    std::memcpy(tensor + physical * bytes, dense + logical * bytes, static_cast<size_t>(count) * bytes);
+  });
+}
+void gather(const char* tensor, char* dense, const RowRuns& runs, size_t bytes, int64_t n) {
+  runs.for_each_piece(0, n, [&](int64_t logical, int64_t physical, int64_t count) {
+    std::memcpy(dense + logical * bytes, tensor + physical * bytes, static_cast<size_t>(count) * bytes);
+  });
+}
+
+// Twins whose table steps the three blocks in place inside one fused parameter and one fused gradient.
+struct FusedTwins : Twins {
+  int first = 0;  // layout entry of the first block
+  std::vector<char> fused_param, fused_grad;
+  RowRuns runs[3];
+
+  FusedTwins(DType dtype, DType grad_dtype) : Twins(grad_dtype, fused_manifest(dtype)) {
+    first = static_cast<int>(layout.entries.size()) - 3;
+    const size_t pb = dtype_bytes(dtype), gb = dtype_bytes(grad_dtype);
+    const int64_t fused_numel = kGroups * kGroupRows * kCols;
+    fused_param.assign(static_cast<size_t>(fused_numel) * pb, 0x5a);  // the uncovered rows keep these bytes
+    fused_grad.assign(static_cast<size_t>(fused_numel) * gb, 0x7f);   // NaN-ish filler nobody may read
+    for (int b = 0; b < 3; ++b) {
+      const int e = first + b;
+      BOOST_REQUIRE(layout.entries[e].algorithm == Algorithm::normuon);
+      runs[b] = RowRuns{kBlockRows[b] * kCols, kGroupRows * kCols};
+      char* at = fused_param.data() + static_cast<size_t>(kBlockFirst[b] * kCols) * pb;
+      scatter(caller.params[e].data(), at, runs[b], pb, layout.entries[e].numel);
+      caller.table.params[e].data = at;
+      caller.table.params[e].runs = runs[b];
+    }
+    for (int b = 0; b < 3; ++b) table_state.refresh_master(first + b, caller.table);
+  }
+
+  // tamper: edits this step's gradients before both modes take them.
+  StepResult step(int64_t s, const std::function<void(FlatState&)>& tamper = {}) {
+    gen.fill_gradients(flat, s);
+    if (tamper) tamper(flat);
+    caller.take_grads(flat, false);
+    const size_t gb = dtype_bytes(caller.grad_dtype);
+    for (int b = 0; b < 3; ++b) {
+      const int e = first + b;
+      if (!caller.table.grads[e].data) continue;
+      char* at = fused_grad.data() + static_cast<size_t>(kBlockFirst[b] * kCols) * gb;
+      scatter(caller.grads[e].data(), at, runs[b], gb, layout.entries[e].numel);
+      caller.table.grads[e] = TensorRef{at, caller.grad_dtype, runs[b]};
+    }
+    StepResult a, r;
+    std::string a_error, r_error;  // nonfinite=error: both modes raise the same message
+    try { a = flat_backend.step(flat, opts); } catch (const std::runtime_error& x) { a_error = x.what(); }
+    try { r = table_backend.step(table_state, caller.table, opts); } catch (const std::runtime_error& x) { r_error = x.what(); }
+    BOOST_TEST(a_error == r_error);
+    if (!r_error.empty()) throw std::runtime_error(r_error);
+    BOOST_TEST(a.skipped == r.skipped);
+    BOOST_TEST(a.reason == r.reason);
+    return r;
+  }
+
+  // The blocks read back out of the fused parameter, then Twins' comparison; and the uncovered rows.
+  std::string difference() {
+    const size_t pb = dtype_bytes(layout.entries[first].dtype);
+    for (int b = 0; b < 3; ++b)
+      gather(static_cast<const char*>(caller.table.params[first + b].data), caller.params[first + b].data(), runs[b],
+             pb, layout.entries[first + b].numel);
+    for (int64_t g = 0; g < kGroups; ++g) {
+      const char* row = fused_param.data() + static_cast<size_t>((g * kGroupRows + 8) * kCols) * pb;
+      for (size_t k = 0; k < static_cast<size_t>(kCols) * pb; ++k)
+        if (row[k] != 0x5a) return "an uncovered row of the fused parameter changed";
+    }
+    return Twins::difference();
+  }
+};
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(blocks_of_rows_of_a_fused_tensor_step_in_place_as_the_dense_matrices) {
+  for (DType dtype : {DType::f32, DType::bf16})
+    for (DType grad_dtype : {DType::f32, DType::bf16}) {
+      FusedTwins twins(dtype, grad_dtype);
+      for (int64_t s = 1; s <= 3; ++s) {
+        BOOST_TEST(!twins.step(s).skipped);
+        BOOST_TEST(twins.difference() == "", to_string(dtype) << " parameters, " << to_string(grad_dtype)
+                                                              << " gradients, step " << s);
+      }
+      // Into a FlatState (state files) and back, through the runs.
+      FlatState out(twins.layout);
+      table_to_flat(twins.table_state, twins.caller.table, out);
+      BOOST_TEST(out.same_optimizer_state(twins.flat));
+      BOOST_TEST(same_bits(out.params.data(), twins.flat.params.data(),
+                           static_cast<size_t>(twins.layout.param_floats) * sizeof(float)));
+      BOOST_TEST(same_bits(out.grads.data(), twins.flat.grads.data(),
+                           static_cast<size_t>(twins.layout.param_floats) * sizeof(float)));
+      flat_to_table(twins.flat, twins.table_state, twins.caller.table);
+      BOOST_TEST(twins.difference() == "");
+    }
+}
+
+BOOST_AUTO_TEST_CASE(a_nonfinite_gradient_in_a_block_is_reported_at_its_element_of_the_block) {
+  FusedTwins twins(DType::f32, DType::f32);
+  const int e = twins.first + 1;  // qkv.k; element 30: its row 1 (group 0's second key row), column 6
+  std::string message;
+  try {
+    twins.step(1, [&](FlatState& flat) {
+      flat.has_grad.assign(flat.has_grad.size(), 1);
+      flat.grad(e)[30] = std::numeric_limits<float>::quiet_NaN();
+    });
+  } catch (const std::runtime_error& x) {
+    message = x.what();
+  }
+  BOOST_TEST(message.find("'qkv.k'") != std::string::npos, message);
+  BOOST_TEST(message.find("element 30") != std::string::npos, message);
+}
+
+BOOST_AUTO_TEST_CASE(row_runs_are_checked) {
+  FusedTwins twins(DType::f32, DType::f32);
+  ParamTable table = twins.caller.table;
+  BOOST_TEST(table.invalid_reason() == "");
+  auto refused = [&](ParamTable t, const std::string& words) {
+    const std::string reason = t.invalid_reason();
+    BOOST_TEST(reason.find(words) != std::string::npos, reason);
+  };
+  ParamTable partial_rows = table;
+  partial_rows.params[twins.first].runs.run = kCols + 1;  // not whole rows
+  refused(partial_rows, "whole rows");
+  ParamTable short_pitch = table;
+  short_pitch.grads[twins.first].runs = RowRuns{2 * kCols, kCols};  // runs that overlap
+  refused(short_pitch, "the gradient of 'qkv.q'");
+  ParamTable adamw = table;
+  int adamw_entry = 0;
+  while (twins.layout.entries[adamw_entry].algorithm != Algorithm::adamw) ++adamw_entry;
+  adamw.params[adamw_entry].runs = RowRuns{1, 2};
+  refused(adamw, "only NorMuon matrices");
 }
 
 BOOST_AUTO_TEST_CASE(rounding_is_torchs) {

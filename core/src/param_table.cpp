@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <utility>
 
 #include "normuon/low_precision.h"
 
@@ -17,6 +18,38 @@ void copy_into(const AlignedBuffer& src, AlignedBuffer& dst) {
 
 void copy_state(const AlignedBuffer* const from[4], AlignedBuffer* const to[4]) {
   for (int k = 0; k < 4; ++k) copy_into(*from[k], *to[k]);
+}
+
+}  // namespace
+
+void widen_rows(const void* data, DType dtype, const RowRuns& runs, int64_t begin, float* dst, int64_t n) {
+  const size_t bytes = dtype_bytes(dtype);
+  runs.for_each_piece(begin, n, [&](int64_t logical, int64_t physical, int64_t count) {
+    widen(static_cast<const char*>(data) + static_cast<size_t>(physical) * bytes, dtype, dst + (logical - begin), count);
+  });
+}
+
+void narrow_rows(const float* src, void* data, DType dtype, const RowRuns& runs, int64_t begin, int64_t n) {
+  const size_t bytes = dtype_bytes(dtype);
+  runs.for_each_piece(begin, n, [&](int64_t logical, int64_t physical, int64_t count) {
+    narrow(src + (logical - begin), static_cast<char*>(data) + static_cast<size_t>(physical) * bytes, dtype, count);
+  });
+}
+
+namespace {
+
+// Why `runs` cannot describe where entry `le`'s rows lie, or empty.
+std::string runs_invalid_reason(const RowRuns& runs, const LayoutEntry& le, const char* what) {
+  if (runs.dense()) return "";
+  const std::string where = std::string(what) + " of '" + le.name + "' ";
+  if (le.algorithm != Algorithm::normuon)
+    return where + "lies in row runs, which only NorMuon matrices may (it is an AdamW parameter)";
+  const int64_t row = le.cols;
+  if (runs.run <= 0 || runs.pitch < runs.run || row <= 0 || runs.run % row || runs.pitch % row || le.numel % runs.run)
+    return where + "has row runs of " + std::to_string(runs.run) + " elements every " + std::to_string(runs.pitch) +
+           ": a run must be whole rows (" + std::to_string(row) + " elements each) dividing the matrix, and the "
+           "pitch whole rows no shorter than the run";
+  return "";
 }
 
 }  // namespace
@@ -35,6 +68,10 @@ std::string ParamTable::invalid_reason() const {
     if (params[e].dtype != le.dtype)
       return "parameter '" + le.name + "' is " + to_string(params[e].dtype) + " but the layout says " +
              to_string(le.dtype);
+    for (const auto& [ref, what] : {std::pair{&params[e], "the parameter"}, std::pair{&grads[e], "the gradient"}}) {
+      const std::string reason = runs_invalid_reason(ref->runs, le, what);
+      if (!reason.empty()) return reason;
+    }
   }
   return "";
 }
@@ -51,7 +88,7 @@ TableState::TableState(const Layout& l)
 void TableState::refresh_master(int e, const ParamTable& table) {
   const LayoutEntry& le = layout->entries[e];
   if (le.master_offset < 0) return;  // fp32: the tensor is the master
-  widen(table.params[e].data, le.dtype, master(e), le.numel);
+  widen_rows(table.params[e].data, le.dtype, table.params[e].runs, 0, master(e), le.numel);
 }
 
 ParamOperand table_operand(const ParamTable& table, int e, float* masters) {
@@ -59,13 +96,16 @@ ParamOperand table_operand(const ParamTable& table, int e, float* masters) {
   ParamOperand op;
   if (le.master_offset < 0) {
     op.master = static_cast<float*>(table.params[e].data);
+    op.master_runs = table.params[e].runs;
   } else {
     op.master = masters + le.master_offset;
     op.low = table.params[e].data;
+    op.low_runs = table.params[e].runs;
   }
   op.low_dtype = le.dtype;
   op.grad = table.grads[e].data;
   op.grad_dtype = table.grads[e].dtype;
+  op.grad_runs = table.grads[e].runs;
   return op;
 }
 
@@ -119,12 +159,12 @@ void table_to_flat(const TableState& state, const ParamTable& table, FlatState& 
     const LayoutEntry& le = layout.entries[e];
     const int i = static_cast<int>(e);
     if (le.master_offset < 0)
-      widen(table.params[e].data, DType::f32, flat.param(i), le.numel);
+      widen_rows(table.params[e].data, DType::f32, table.params[e].runs, 0, flat.param(i), le.numel);
     else
       std::memcpy(flat.param(i), state.masters.data() + le.master_offset, static_cast<size_t>(le.numel) * sizeof(float));
     flat.has_grad[e] = table.grads[e].data != nullptr;
     if (table.grads[e].data)
-      widen(table.grads[e].data, table.grads[e].dtype, flat.grad(i), le.numel);
+      widen_rows(table.grads[e].data, table.grads[e].dtype, table.grads[e].runs, 0, flat.grad(i), le.numel);
     else
       std::memset(flat.grad(i), 0, static_cast<size_t>(le.numel) * sizeof(float));
   }
@@ -142,7 +182,7 @@ void flat_to_table(const FlatState& flat, TableState& state, const ParamTable& t
     const float* master = flat.param(static_cast<int>(e));
     if (le.master_offset >= 0)
       std::memcpy(state.masters.data() + le.master_offset, master, static_cast<size_t>(le.numel) * sizeof(float));
-    narrow(master, table.params[e].data, le.dtype, le.numel);
+    narrow_rows(master, table.params[e].data, le.dtype, table.params[e].runs, 0, le.numel);
   }
   const AlignedBuffer* const from[4] = {&flat.momentum, &flat.row_var, &flat.exp_avg, &flat.exp_avg_sq};
   AlignedBuffer* const to[4] = {&state.momentum, &state.row_var, &state.exp_avg, &state.exp_avg_sq};

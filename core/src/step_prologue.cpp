@@ -21,8 +21,7 @@ std::optional<StepResult> begin_step(StepOperands& ops, const Options& options) 
     const int64_t numel = layout.entries[e].numel;
     for (int64_t begin = 0; begin < numel; begin += 256) {
       const int64_t n = std::min<int64_t>(256, numel - begin);
-      widen(static_cast<const char*>(op.grad) + static_cast<size_t>(begin) * dtype_bytes(op.grad_dtype),
-            op.grad_dtype, chunk, n);
+      widen_rows(op.grad, op.grad_dtype, op.grad_runs, begin, chunk, n);
       for (int64_t k = 0; k < n; ++k)
         if (!std::isfinite(chunk[k])) {
           const LayoutEntry& le = layout.entries[e];

@@ -28,6 +28,9 @@ __device__ __forceinline__ float lerp(float a, float b, float w) {
   return fabsf(w) < 0.5f ? fmaf(w, b - a, a) : fmaf(w - 1.0f, b - a, b);
 }
 
+// Where element i of a matrix lies in a tensor with these runs (dense: i).
+__device__ __forceinline__ int64_t at(Runs r, int64_t i) { return r.run == 0 ? i : (i / r.run) * r.pitch + i % r.run; }
+
 __device__ __forceinline__ float load_grad(const void* grad, ElemType type, int64_t i) {
   switch (type) {
     case ElemType::bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(grad)[i]);
@@ -36,9 +39,14 @@ __device__ __forceinline__ float load_grad(const void* grad, ElemType type, int6
   }
 }
 
+// Element i of an entry's gradient, as stored.
+__device__ __forceinline__ float load_grad(const EntryOperands& op, int64_t i) {
+  return load_grad(op.grad, op.grad_type, at(op.grad_runs, i));
+}
+
 // A gradient as the step uses it: divided by the gradient scaler's scale when there is one.
 __device__ __forceinline__ float load_grad(const StepBuffers& b, const EntryOperands& op, int64_t i) {
-  const float g = load_grad(op.grad, op.grad_type, i);
+  const float g = load_grad(op, i);
   return b.grad_scale ? g / *b.grad_scale : g;
 }
 
@@ -53,11 +61,14 @@ __device__ __forceinline__ void store_ns(void* data, bool bf16, int64_t i, float
 
 // The fp32 value, and the caller's bf16 / fp16 parameter rounded to nearest even (as torch's .to()).
 __device__ __forceinline__ void store_param(const EntryOperands& op, int64_t i, float p) {
-  op.master[i] = p;
+  op.master[at(op.master_runs, i)] = p;
   if (!op.low) return;
-  if (op.low_type == ElemType::bf16) static_cast<__nv_bfloat16*>(op.low)[i] = __float2bfloat16_rn(p);
-  else static_cast<__half*>(op.low)[i] = __float2half_rn(p);
+  const int64_t j = at(op.low_runs, i);
+  if (op.low_type == ElemType::bf16) static_cast<__nv_bfloat16*>(op.low)[j] = __float2bfloat16_rn(p);
+  else static_cast<__half*>(op.low)[j] = __float2half_rn(p);
 }
+
+__device__ __forceinline__ float load_param(const EntryOperands& op, int64_t i) { return op.master[at(op.master_runs, i)]; }
 
 // Sum over the block in a fixed tree order; every thread gets the result.
 __device__ double block_sum(double x, double* shared) {
@@ -79,7 +90,7 @@ __global__ void scan_gradients_kernel(StepBuffers b, const Chunk* chunks) {
   const EntryOperands op = b.operands[c.entry];
   unsigned long long first = kNoBadGradient;
   for (int i = threadIdx.x; i < c.size; i += blockDim.x)
-    if (!isfinite(load_grad(op.grad, op.grad_type, c.begin + i))) {
+    if (!isfinite(load_grad(op, c.begin + i))) {
       first = (static_cast<unsigned long long>(c.entry) << kBadElementBits) | static_cast<unsigned long long>(c.begin + i);
       break;  // later elements of this thread have larger indices
     }
@@ -101,7 +112,7 @@ __global__ void advance_steps_kernel(StepBuffers b) {
       const int64_t element = static_cast<int64_t>(status.first_bad & ((1ull << kBadElementBits) - 1));
       status.reported_bad = status.first_bad;
       status.reported_step = b.group_steps[b.entries[entry].group] + 1;
-      status.reported_value = load_grad(b.operands[entry].grad, b.operands[entry].grad_type, element);
+      status.reported_value = load_grad(b.operands[entry], element);
     }
     return;
   }
@@ -227,7 +238,7 @@ __global__ void normuon_update_kernel(StepBuffers b, const Chunk* chunks) {
         const uint32_t idx = static_cast<uint32_t>(c.begin + i);  // a matrix has < 2^32 elements
         const uint32_t row = idx / cols;
         o[k] = load_ns(m.ns_output, m.ns_bf16, idx);
-        p[k] = op.master[idx];
+        p[k] = load_param(op, idx);
         scale[k] = inv_scale[m.stats_per_row ? row : idx - row * cols];
       }
     }
@@ -262,7 +273,7 @@ __global__ void adamw_kernel(StepBuffers b, const Chunk* chunks) {
       const int i = i0 + k * kBlock;
       if (i < c.size) {
         g[k] = load_grad(b, op, c.begin + i);
-        p[k] = op.master[c.begin + i];
+        p[k] = load_param(op, c.begin + i);
         m[k] = b.exp_avg[adam_base + i];
         v[k] = b.exp_avg_sq[adam_base + i];
       }

@@ -72,6 +72,9 @@ inline EntryOperands entry_operands(const ParamTable& table, int e, float* maste
   out.grad = op.grad;
   out.grad_type = elem_type(op.grad_dtype);
   out.low_type = elem_type(op.low_dtype);
+  out.master_runs = {op.master_runs.run, op.master_runs.pitch};
+  out.low_runs = {op.low_runs.run, op.low_runs.pitch};
+  out.grad_runs = {op.grad_runs.run, op.grad_runs.pitch};
   return out;
 }
 

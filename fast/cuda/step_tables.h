@@ -24,12 +24,20 @@ enum class ElemType : int32_t { f32, bf16, f16 };
 
 // Where the step finds one parameter's tensors (one per layout entry, in device memory): the backend's
 // flat buffers, or the caller's own tensors (table mode, re-uploaded when an address changes).
+// A tensor's rows in runs (RowRuns of param_table.h): element i of the matrix lies at
+// (i / run) * pitch + i % run; run == 0: dense. Only the caller's tensors of table mode have runs (a block
+// of Megatron's fused QKV weight).
+struct Runs {
+  int64_t run, pitch;
+};
+
 struct EntryOperands {
   float* master;      // the fp32 values the step reads and writes
   void* low;          // a bf16 / fp16 parameter written rounded from master in the same pass, or nullptr
   const void* grad;   // the gradient (read only when has_grad)
   ElemType grad_type;
   ElemType low_type;
+  Runs master_runs, low_runs, grad_runs;
 };
 
 // One per layout entry.
