@@ -5,7 +5,9 @@ docs/spec.md section 2). From the model's modules where there is one, from names
 Module evidence (NorMuonAdamW(model) or model=): the weight of an nn.Embedding / nn.EmbeddingBag, or any
 tensor tied to one, is an embedding; the head is the layer from the token embedding's width onto its
 vocabulary (the token embedding: the largest table not named as positions; a tied head is the embedding and
-ends the search), else the module the names call a head.
+ends the search), and the last layer of a module named as a head (the layers before it in that module feed
+it: RoBERTa's lm_head.dense). With no head from the vocabulary, a last layer whose output width no other
+layer has may be the model's output layer: it stays a hidden matrix, with a warning.
 Name evidence (bare tensors, named_parameters()): wrapper prefixes are stripped first (DDP's module.,
 torch.compile's _orig_mod., model., FSDP's and checkpointing's wrappers).
 """
@@ -17,13 +19,22 @@ import torch
 # Leading name components that wrappers add (DDP, torch.compile, Hugging Face, FSDP, activation checkpointing).
 WRAPPER_PREFIXES = ("module", "_orig_mod", "model", "base_model", "_fsdp_wrapped_module",
                     "_checkpoint_wrapped_module")
-# An embedding: a component containing "embed" (embed_tokens, word_embeddings, tok_embeddings), ending in
-# "_emb" (tok_emb, pos_emb, token_emb), or one of these as the tensor or its module (T5's "shared").
-EMBEDDING_WORDS = ("wte", "wpe", "emb", "shared")
-# A head: the first component (after the prefixes) is one of these...
-HEAD_FIRST = ("lm_head", "head", "output", "classifier", "score")
-HEAD_ANYWHERE = ("lm_head", "classifier")  # ...or a component anywhere is one of these...
-HEAD_PATHS = (("predictions", "decoder"),)  # ...or these components follow each other (BERT's cls.predictions)
+# An embedding, by name: the tensor's owner -- the tensor itself when it is a bare Parameter (minGPT's pos_emb,
+# CLIP's positional_embedding), else the module holding it, past list indices (MusicGen's embed_tokens.0) --
+# contains "embed", ends in "_emb", or is one of these (T5's "shared" and relative_attention_bias, Swin's
+# relative_position_bias_table). Layers inside an embedding block are not (BERT's embeddings.LayerNorm,
+# diffusers' time_embedding.linear_1, DETR's bbox_embed.layers.0).
+EMBEDDING_WORDS = ("wte", "wpe", "emb", "shared", "relative_attention_bias", "relative_position_bias_table")
+# ...nor is a time embedding reached through a list index: a Sequential MLP (LDM's time_embed.0), not a table.
+TIME_WORDS = ("time", "timestep")
+# A head, by name: the module path starts with one of these (dotted: components that follow each other)...
+HEAD_FIRST = ("lm_head", "head", "heads", "output", "classifier", "score", "fc", "embed_out", "unembed",
+              "text_projection", "visual_projection", "visual.proj", "v_head", "value_head")
+# ...or holds one of these anywhere (BERT's cls.predictions.decoder, DETR's class_embed, Megatron's output_layer).
+HEAD_ANYWHERE = ("lm_head", "classifier", "class_embed", "output_layer", "predictions.decoder")
+# Layers inside a head that transform its input, hidden matrices: RoBERTa's lm_head.dense and classifier.dense,
+# timm's head.pre_logits.fc, torchvision ViT's heads.pre_logits.
+HEAD_HIDDEN = ("dense", "transform", "pre_logits")
 EMBEDDING_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 
 
@@ -35,32 +46,60 @@ def strip_wrappers(name):
     return ".".join(parts)
 
 
+def _embedding_named(component):
+    return "embed" in component or component.endswith("_emb") or component in EMBEDDING_WORDS
+
+
 def _looks_like_embedding(parts):
-    if any("embed" in c for c in parts) or any(c.endswith("_emb") for c in parts):
-        return True
-    owner_and_leaf = parts[-2:] if parts[-1] in ("weight", "embedding") else parts[-1:]
-    return any(c in EMBEDDING_WORDS for c in owner_and_leaf)
+    if parts[-1] not in ("weight", "bias") and _embedding_named(parts[-1]):
+        return True  # a bare Parameter named as an embedding
+    i = len(parts) - 2  # the module holding the tensor, past list indices
+    while i > 0 and parts[i].isdigit():
+        i -= 1
+    if i < 0 or not _embedding_named(parts[i]):
+        return False
+    return not (i < len(parts) - 2 and parts[i].startswith(TIME_WORDS))
+
+
+def _head_root(parts):
+    """The index of the component where the name first calls a module a head, or None."""
+    ends = []
+    for words, anywhere in ((HEAD_FIRST, False), (HEAD_ANYWHERE, True)):
+        for word in words:
+            k = word.split(".")
+            starts = range(len(parts) - len(k) + 1) if anywhere else range(1 if len(parts) >= len(k) else 0)
+            ends += [i + len(k) - 1 for i in starts if parts[i:i + len(k)] == k]
+    return min(ends) if ends else None
 
 
 def _looks_like_head(parts):
-    if parts[0] in HEAD_FIRST or any(c in HEAD_ANYWHERE for c in parts):
-        return True
-    return any(tuple(parts[i:i + len(p)]) == p for p in HEAD_PATHS for i in range(len(parts)))
+    root = _head_root(parts)
+    return root is not None and not any(c in HEAD_HIDDEN for c in parts[root + 1:])
 
 
 def infer_role(name, shape):
     """The manifest role of a parameter from its name and shape alone."""
     parts = strip_wrappers(name.lower()).split(".")
+    if len(shape) == 2 and _looks_like_head(parts):  # first: GPT-NeoX's embed_out, DETR's class_embed are heads
+        return "head"
     if _looks_like_embedding(parts):
         return "embedding"
-    if _looks_like_head(parts):
-        return "head"
     return _shape_role(parts, len(shape))
 
 
 def _torch_module(module):
     """A module class from torch.nn itself: its parameters' roles follow from the class, not from names."""
     return type(module).__module__.startswith("torch.nn.")
+
+
+class _Doubt(str):
+    """The evidence of a parameter the modules make a hidden matrix although it may be the output layer;
+    vocabulary_lookalikes warns about it unless roles= or overrides= said what it is."""
+
+    def __new__(cls, evidence, message):
+        doubt = super().__new__(cls, evidence)
+        doubt.message = message
+        return doubt
 
 
 def module_roles(model):
@@ -95,19 +134,78 @@ def module_roles(model):
         candidates = [chosen]
     for mname, m, w in candidates:
         roles[id(w)] = ("head", f"{type(m).__name__} '{mname}' maps onto the vocabulary ({vocab})")
+    named_heads = _named_heads(model, roles)
     for mname, m in model.named_modules():
         if not _torch_module(m) or isinstance(m, EMBEDDING_MODULES):
             continue
         for pname, p in m.named_parameters(recurse=False):
-            if id(p) in roles:
-                continue
-            full = f"{mname}.{pname}" if mname else pname
-            parts = strip_wrappers(full.lower()).split(".")
-            if p.dim() == 2 and _looks_like_head(parts):  # no vocabulary to check against: the name decides
-                roles[id(p)] = ("head", f"{type(m).__name__} '{mname}', named as a head")
-            else:
-                roles[id(p)] = (_shape_role(parts, p.dim()), type(m).__name__)
+            if id(p) not in roles:
+                full = f"{mname}.{pname}" if mname else pname
+                roles[id(p)] = (_shape_role(strip_wrappers(full.lower()).split("."), p.dim()), type(m).__name__)
+    if not tied and not candidates:
+        _doubt_the_last_layer(model, roles, named_heads)
     return roles
+
+
+def _named_heads(model, roles):
+    """Adds to roles the heads that modules named as heads hold; their module paths. A module named as a head
+    (lm_head, classifier, heads, fc, ...; a ModuleList / ModuleDict of them: Deformable DETR's class_embed.N)
+    holds one head, its last 2-D weight of a torch.nn layer: the layers before it feed it (RoBERTa's
+    lm_head.dense, VGG's classifier.0 and .3, ViT's heads.pre_logits), and a layer under a hidden component
+    (HEAD_HIDDEN) is never the head. A module that holds the tied embedding or the head onto the vocabulary
+    has its head already."""
+    groups = []
+    for mname, m in model.named_modules():
+        parts = strip_wrappers(mname.lower()).split(".") if mname else []
+        if not parts or _head_root(parts) != len(parts) - 1:
+            continue  # not named as a head, or inside a module that is
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            groups += [(f"{mname}.{k}", c) for k, c in m.named_children()]
+        else:
+            groups.append((mname, m))
+    found = []
+    for gname, g in groups:
+        members = [(f"{gname}.{sub}" if sub else gname, sm, p)
+                   for sub, sm in g.named_modules(remove_duplicate=False) if _torch_module(sm)
+                   for p in sm.parameters(recurse=False) if p.dim() == 2]
+        if not members or any(roles.get(id(p), ("",))[0] in ("embedding", "head") for _, _, p in members):
+            continue
+        depth = len(gname.split("."))
+        heads = [x for x in members if not any(c in HEAD_HIDDEN for c in x[0].lower().split(".")[depth:])]
+        if heads:
+            mname, m, p = heads[-1]
+            roles[id(p)] = ("head", f"{type(m).__name__} '{mname}', named as a head")
+            found.append(mname)
+    return found
+
+
+def _doubt_the_last_layer(model, roles, named_heads):
+    """No head onto a vocabulary: the model's last 2-D weight of a torch.nn layer (registration order), when
+    its output width (rows) is no other matrix's width, is likely the output layer (ResNet's fc, a classifier
+    under a name of its own). When it is not a head already, its evidence says so (a _Doubt), and
+    vocabulary_lookalikes warns. Its role stays: the modules did not say it is the head."""
+    owners = {}  # id(tensor) -> the first module holding it
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), m)
+    matrices = [(n, p) for n, p in model.named_parameters() if p.dim() == 2]
+    layers = [(n, p) for n, p in matrices if _torch_module(owners[id(p)]) and
+              not isinstance(owners[id(p)], EMBEDDING_MODULES) and roles.get(id(p), ("",))[0] != "embedding"]
+    if len(layers) < 2:
+        return
+    name, last = layers[-1]
+    if roles.get(id(last), ("",))[0] == "head" or any(
+            last.shape[0] in p.shape for n, p in matrices if p is not last):
+        return
+    role, evidence = roles[id(last)]
+    named = (f"the layers named as heads ({', '.join(repr(n) for n in named_heads)}) are not the last one"
+             if named_heads else "no layer is named as a head")
+    message = (f"'{name}' ({last.shape[0]}x{last.shape[1]}) is the last layer of the model and its output width "
+               f"{last.shape[0]} is no other layer's, so it may be the model's output layer (the logits); no layer "
+               f"maps onto a token embedding's vocabulary and {named}. It goes to NorMuon as a hidden matrix: if it "
+               f"is an output layer, pass roles={{'{name}': 'head'}} (AdamW); if it is a hidden matrix, "
+               f"overrides={{'{name}': 'normuon'}}")
+    roles[id(last)] = (role, _Doubt(evidence, message))
 
 
 # Embedding tables that hold positions, not tokens: never the vocabulary a head maps onto.
@@ -139,7 +237,10 @@ def vocabulary_lookalikes(entries):
     """Entries routed to NorMuon by the rule on name evidence that look like an output head or an embedding
     the names did not reveal: the shape of the token embedding (_token_embedding) either way round, or,
     when no embedding is known, a matrix holding the vocabulary-like dimension (the largest dimension of all
-    matrices, at least twice any other, in at most two of them: an embedding and a head)."""
+    matrices, at least twice any other, in at most two of them: an embedding and a head).
+    It warns itself, with the routing, about the layers the modules routed to NorMuon that may be the
+    output layer (_doubt_the_last_layer), unless roles= or overrides= said what they are."""
+    _warn_doubts(entries)
     matrices = [e for e in entries if len(e.shape) == 2]
     suspect = [e for e in matrices if e.algorithm == "normuon" and e.evidence == "name" and e.override is None]
     token = _token_embedding([(e.name, e.tensor) for e in matrices if e.role == "embedding"])
@@ -150,6 +251,17 @@ def vocabulary_lookalikes(entries):
         return []
     holders = [e for e in matrices if dims[0] in e.shape]
     return [e for e in suspect if e in holders] if len(holders) <= 2 else []
+
+
+def _warn_doubts(entries):
+    doubts = [e for e in entries if isinstance(e.evidence, _Doubt) and e.algorithm == "normuon" and e.override is None]
+    if doubts:
+        rows = [dict(name=e.name, shape=tuple(e.shape), role=e.role, algorithm=e.algorithm, why=e.why)
+                for e in entries]
+        table = routing_text("NorMuonAdamW", rows, "print_routing() adds groups and layout",
+                             ("name", "shape", "role", "algorithm", "why"))
+        warnings.warn("NorMuonAdamW: " + "; ".join(e.evidence.message for e in doubts) + ". The routing:\n" + table,
+                      stacklevel=4)  # _warn_doubts <- vocabulary_lookalikes <- NorMuonAdamW.__init__ <- the caller
 
 
 ROUTING_COLUMNS = ("name", "shape", "dtype", "role", "algorithm", "group", "stats", "why")
