@@ -19,11 +19,13 @@ import math
 import re
 import warnings
 from collections import defaultdict
+from collections.abc import MutableMapping
 
 import torch
 
 from . import optim as _optim
 from .optim import NotCopyable
+from .row_blocks import split_rows
 from . import reference
 
 # megatron-core releases whose emerging-optimizer registry this adapter was written against (major, minor),
@@ -123,12 +125,50 @@ def _tp_sharded(p):
 
 class _Slot:
     """One parameter of the outer optimizer and what stands for it in the inner NorMuonAdamW: the parameter
-    itself (rows is None), or one tensor per block of rows (a split QKV weight)."""
+    itself (blocks is None), or its blocks of rows (a split QKV weight: RowBlocks, stepped in place)."""
 
-    __slots__ = ("param", "entries", "proxies", "rows", "views")
+    __slots__ = ("param", "entries", "blocks", "views", "lazy")
 
-    def __init__(self, param, entries, proxies, rows, views):
-        self.param, self.entries, self.proxies, self.rows, self.views = param, entries, proxies, rows, views
+    def __init__(self, param, entries, blocks, views):
+        self.param, self.entries, self.blocks, self.views = param, entries, blocks, views
+        self.lazy = None  # the _SplitState installed in self.state for a split parameter
+
+
+class _SplitState(MutableMapping):
+    """self.state[p] of a parameter split into row blocks: parameter-shaped fp32 copies of its blocks' state,
+    assembled on first access. A step reads and writes the blocks where they lie and needs no copy, so
+    while nobody looks, none is made; once looked at, the next step reads the copies back (edits in place
+    and replaced entries are honoured) and installs a fresh one."""
+
+    def __init__(self, assemble):
+        self._assemble, self._data = assemble, None
+
+    @property
+    def touched(self):
+        return self._data is not None
+
+    def _values(self):
+        if self._data is None:
+            self._data = self._assemble()
+        return self._data
+
+    def __getitem__(self, key):
+        return self._values()[key]
+
+    def __setitem__(self, key, value):
+        self._values()[key] = value
+
+    def __delitem__(self, key):
+        del self._values()[key]
+
+    def __iter__(self):
+        return iter(self._values())
+
+    def __len__(self):
+        return len(self._values())
+
+    def __repr__(self):
+        return f"_SplitState({self._values()!r})"
 
 
 class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
@@ -181,7 +221,7 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
             self._fail(f"{where} is sparse")
 
     def _blocks(self, p, where):
-        """None, or one row-index tensor per block that the inner optimizer treats as its own matrix."""
+        """None, or the RowBlocks that the inner optimizer treats as matrices of their own."""
         return None
 
     # --------------------------------------------------------------------------- the flat layout
@@ -214,32 +254,33 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
                 present.append((i, params))
         inner, slots, group_map = None, {}, []
         if present:
-            groups, plan = [], []
+            groups, plan, all_blocks = [], [], []
             for i, params in present:
                 tensors, names = [], []
                 for k, p in enumerate(params):
-                    rows = self._blocks(p, f"param_groups[{i}]['params'][{k}]")
-                    if rows is None:
-                        proxies, labels = [p], [f"g{i}.p{k}"]
-                    else:  # standalone tensors of the parameter's dtype, one per block
-                        proxies = [p.detach().index_select(0, r) for r in rows]
-                        labels = [f"g{i}.p{k}.b{j}" for j in range(len(rows))]
-                    plan.append((p, proxies, rows))
-                    tensors += proxies
+                    blocks = self._blocks(p, f"param_groups[{i}]['params'][{k}]")
+                    if blocks is None:
+                        keys, labels = [p], [f"g{i}.p{k}"]
+                    else:  # each block stepped where it lies in the parameter, as a matrix of its own
+                        keys = [b.key for b in blocks]
+                        labels = [f"g{i}.p{k}.b{j}" for j in range(len(blocks))]
+                        all_blocks += blocks
+                    plan.append((p, keys, blocks))
+                    tensors += keys
                     names += labels
                 groups.append(dict(params=tensors, names=names, name=f"g{i}", algorithm=self._algorithm,
                                    **self._inner_defaults()))
             try:
                 inner = _optim.NorMuonAdamW(groups, backend=self._choice, threads=self._threads,
-                                            nonfinite=self.nonfinite, verdict=self.verdict)
+                                            nonfinite=self.nonfinite, verdict=self.verdict, _row_blocks=all_blocks)
             except ValueError as error:
                 raise ValueError(f"{self._label}: {error} (gI.pK is param_groups[I]['params'][K])") from None
             entries = {id(e.tensor): e for e in inner._entries}
             group_map = [(i, j) for j, (i, _) in enumerate(present)]
-            for p, proxies, rows in plan:
-                found = [entries[id(t)] for t in proxies]
-                views = self._memory_views(found[0]) if rows is None else None
-                slots[id(p)] = _Slot(p, found, proxies, rows, views)
+            for p, keys, blocks in plan:
+                found = [entries[id(t)] for t in keys]
+                views = self._memory_views(found[0]) if blocks is None else None
+                slots[id(p)] = _Slot(p, found, blocks, views)
         # Carry the values over: check everything first, then write (old views stay valid until then).
         writes, where = [], self._positions()
         for slot in slots.values():
@@ -259,22 +300,26 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
 
     def _install_state(self):
         """self.state from the flat state: live views for parameters the inner optimizer holds itself,
-        fresh parameter-shaped copies for split ones (never written in place afterwards: someone may hold
-        them)."""
+        parameter-shaped copies for split ones, assembled when first looked at (_SplitState)."""
         state = defaultdict(dict)
         for slot in self._slots.values():
-            state[slot.param] = dict(slot.views) if slot.rows is None else self._assemble(slot, master=False)
+            if slot.blocks is None:
+                state[slot.param] = dict(slot.views)
+            else:
+                slot.lazy = state[slot.param] = _SplitState(lambda slot=slot: self._assemble(slot, master=False))
         self.state = state
 
     def _adopt_state(self):
-        """Someone replaced, removed, added or (for split parameters) edited entries of self.state (a load
+        """Someone replaced, removed, added or (for split parameters) looked at entries of self.state (a load
         through torch's machinery, offload/restore, a wrapper moving state): copy their values into the flat
         state, reinstall the views."""
         stale = []
         for slot in self._slots.values():
             current = self.state.get(slot.param)
-            # A split parameter's state is a copy: always read back, so in-place edits are seen too.
-            if slot.rows is not None or not current or any(current.get(k) is not v for k, v in slot.views.items()):
+            if slot.blocks is not None:  # its copies, once assembled, may have been edited: read them back
+                if current is not slot.lazy or slot.lazy.touched:
+                    stale.append(slot)
+            elif not current or any(current.get(k) is not v for k, v in slot.views.items()):
                 stale.append(slot)
         if not stale and len(self.state) == len(self._slots):
             return
@@ -284,13 +329,7 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
                                         f"state of {where.get(id(slot.param), 'a parameter')}")
         for dst, src in writes:
             dst.copy_(src)
-        if any(slot.rows is None for slot in stale) or len(self.state) != len(self._slots):
-            state = defaultdict(dict)
-            for slot in self._slots.values():  # split parameters keep the copies just read (same values)
-                kept = self.state.get(slot.param)
-                state[slot.param] = kept if slot.rows is not None and kept else (
-                    dict(slot.views) if slot.rows is None else self._assemble(slot, master=False))
-            self.state = state
+        self._install_state()
 
     def _positions(self):
         """id(param) -> where it sits in param_groups, for messages."""
@@ -313,7 +352,7 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
             if key != "step" and (not isinstance(src, torch.Tensor) or not src.is_floating_point()):
                 got = src.dtype if isinstance(src, torch.Tensor) else type(src).__name__
                 self._fail(f"{where}: {key} is {got}, not a floating-point tensor")
-        if slot.rows is None:
+        if slot.blocks is None:
             return self._entry_writes(slot.entries[0], saved, where)
         shape = tuple(slot.param.shape)
         for key, src in saved.items():
@@ -321,8 +360,8 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
                 self._fail(f"{where}: {key} has shape {tuple(src.shape)}, expected {shape} (the state of a "
                            "parameter split into QKV blocks is parameter-shaped)")
         writes = []
-        for j, (e, rows) in enumerate(zip(slot.entries, slot.rows)):
-            part = {k: v.index_select(0, rows.to(v.device)) for k, v in saved.items() if k != "step"}
+        for j, (e, block) in enumerate(zip(slot.entries, slot.blocks)):
+            part = {k: block.values(v) for k, v in saved.items() if k != "step"}
             writes += self._entry_writes(e, part, f"{where} (block {j})")
         return writes
 
@@ -330,13 +369,13 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         """Parameter-shaped fresh fp32 copies of a parameter's state (and master_param, for a bf16/f16
         parameter, with master)."""
         parts = [self._entry_export(e, master) for e in slot.entries]
-        if slot.rows is None:
+        if slot.blocks is None:
             return parts[0]
         out = {}
         for key in parts[0]:
             full = torch.empty(tuple(slot.param.shape), dtype=torch.float32, device=parts[0][key].device)
-            for part, rows in zip(parts, slot.rows):
-                full.index_copy_(0, rows.to(full.device), part[key])
+            for part, block in zip(parts, slot.blocks):
+                block.write(full, part[key])
             out[key] = full
         return out
 
@@ -365,12 +404,6 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
                  for i, _ in self._group_map]
         skipped = None
         if self._inner is not None:
-            split = [slot for slot in self._slots.values() if slot.rows is not None]
-            for slot in split:  # the blocks follow the parameter and its gradient
-                p, grad = slot.param.detach(), slot.param.grad
-                for proxy, rows in zip(slot.proxies, slot.rows):
-                    proxy.copy_(p.index_select(0, rows))
-                    proxy.grad = None if grad is None else grad.detach().index_select(0, rows)
             for j, h in hypers:
                 self._inner.param_groups[j].update(h)
             # TE FusedAdam's rule: the step about to run is group['step'] + 1 (AdamW's bias correction reads
@@ -378,14 +411,6 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
             self._inner._set_group_steps(steps)
             self._inner.step()
             skipped = self._inner.last_skip_reason
-            for slot in split:
-                for proxy in slot.proxies:
-                    proxy.grad = None
-                if skipped is None and slot.param.grad is not None:
-                    for proxy, rows in zip(slot.proxies, slot.rows):
-                        slot.param.detach().index_copy_(0, rows, proxy)
-            if split:
-                self._install_state()
         # Deferred: this step's own verdict comes at the next one; what is reported now is the previous
         # step's, as NorMuonAdamW reports it.
         self.last_skip_reason = skipped if skipped is not None else self._settled_reason
@@ -633,13 +658,7 @@ class MegatronNorMuon(_MegatronFlat):
         rows, total = p.shape[0], sum(sizes)
         if rows % total:
             self._fail(f"{where} has {rows} rows, not a multiple of sum(qkv_split_shapes) = {total} ({sizes})")
-        # On the parameter's device: index_select / index_copy_ on a CUDA parameter need CUDA indices.
-        starts = torch.arange(rows // total, device=p.device) * total
-        blocks, offset = [], 0
-        for size in sizes:
-            blocks.append((starts.unsqueeze(1) + offset + torch.arange(size, device=p.device)).reshape(-1))
-            offset += size
-        return blocks
+        return split_rows(p, sizes)
 
     def _inner_defaults(self):
         # The spec's defaults stand in for lr & co. until step() writes the groups' values (Megatron

@@ -132,16 +132,34 @@ class _Entry:
     bf16/fp16, its fp32 master."""
 
     __slots__ = ("index", "name", "tensor", "shape", "dtype", "role", "evidence", "algorithm", "why", "group", "override",
-                 "master", "version", "grad", "state", "stats_per_row", "stat_len", "has_grad")
+                 "master", "version", "grad", "state", "stats_per_row", "stat_len", "has_grad", "block")
 
     @property
     def low_precision(self):
         return self.dtype != torch.float32
 
     @property
+    def source(self):
+        """The tensor that holds the values: the parameter, or the one a block of rows lies in (RowBlock)."""
+        return self.tensor if self.block is None else self.block.param
+
+    @property
     def param(self):
-        """The fp32 values a step reads and writes: the parameter itself, or the master of a bf16/fp16 one."""
-        return self.master if self.low_precision else self.tensor.detach()
+        """The fp32 values a step reads and writes: the parameter itself, or the master of a bf16/fp16 one
+        (and, for the Python reference, of a block of rows)."""
+        return self.master if self.master is not None else self.tensor.detach()
+
+    def values(self):
+        """The parameter's values as they are now, shape self.shape (a block's: a copy)."""
+        t = self.source.detach()
+        return t if self.block is None else self.block.values(t)
+
+    def write(self, values):
+        """Writes `values` (self.shape) into the parameter, rounded to its dtype."""
+        if self.block is None:
+            self.tensor.detach().copy_(values)
+        else:
+            self.block.write(self.block.param.detach(), values)
 
 
 class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
@@ -176,7 +194,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     def __init__(self, params=None, lr=0.02, beta1=0.95, beta2=0.95, weight_decay=0.0, nesterov=True, ns_steps=5, *,
                  momentum=None, adamw_lr=3e-4, adamw_betas=(0.9, 0.95), adamw_eps=1e-10, adamw_weight_decay=0.0,
                  normuon_params=None, adamw_params=None, model=None, overrides=None, roles=None, backend=None,
-                 threads=0, nonfinite="error", verdict="sync", **knobs):
+                 threads=0, nonfinite="error", verdict="sync", _row_blocks=(), **knobs):
         unknown = sorted(set(knobs) - set(NORMUON_KNOBS))
         if unknown:
             raise TypeError(f"NorMuonAdamW got unexpected keyword argument(s) {', '.join(unknown)} "
@@ -192,6 +210,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self.nonfinite = nonfinite
         self.verdict = verdict
         self._pending_steps_before = None
+        # The Megatron adapter's split QKV: RowBlocks, each standing in the groups as its key tensor.
+        self._row_blocks = {id(b.key): b for b in _row_blocks}
         normuon_defaults = dict(reference.NORMUON_DEFAULTS, lr=lr, beta1=beta1, beta2=beta2,
                                 weight_decay=weight_decay, nesterov=nesterov, ns_steps=ns_steps, **knobs)
         adamw_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)
@@ -309,7 +329,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 seen_tensors.add(id(tensor))
                 told = roles.pop(name, (None, "name"))
                 role, evidence = told if isinstance(told, tuple) else (told, "roles=")
-                e = _make_entry(len(entries), name, tensor, role)
+                e = _make_entry(len(entries), name, tensor, role, self._row_blocks.get(id(tensor)))
                 e.evidence = evidence
                 explicit = overrides.pop(name, None)
                 override = explicit
@@ -378,7 +398,9 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             for e in self._entries:
                 second = (e.stat_len,) if e.algorithm == "normuon" else e.shape
                 e.state = (torch.zeros(e.shape, device=self._device), torch.zeros(second, device=self._device))
-                e.master = torch.empty(e.shape, device=self._device) if e.low_precision else None
+                # The reference steps contiguous matrices: a block of rows gets a working copy, as a bf16/fp16
+                # parameter gets its master.
+                e.master = torch.empty(e.shape, device=self._device) if e.low_precision or e.block else None
             self._reference = reference.ReferenceBackend()
             self._init_masters()
             return
@@ -467,13 +489,15 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 e.state = (buffers["exp_avg"][adam].view(e.shape), buffers["exp_avg_sq"][adam].view(e.shape))
             e.master = (buffers["masters"][le.master_offset:le.master_offset + le.numel].view(e.shape)
                         if e.low_precision else None)
+            if e.block is not None and e.master is None and self._reference is not None:
+                e.master = torch.empty(e.shape, device=self._device)  # the reference's working copy
 
     def _init_masters(self):
         """The fp32 masters of bf16/fp16 parameters from the model (the only copy the optimizer makes)."""
         for e in self._entries:
-            if e.low_precision:
-                e.master.copy_(e.tensor.detach())
-            e.version = e.tensor._version
+            if e.master is not None:
+                e.master.copy_(e.values())
+            e.version = e.source._version
 
     @staticmethod
     def _state_views(e):
@@ -603,24 +627,30 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         master from it, unless it still holds the rounded master (a model reloaded after the optimizer:
         the master keeps its low bits). Writes through .data bypass the counter and are not seen."""
         for e in self._entries:
-            t = e.tensor
-            if t.shape != e.shape or t.dtype != e.dtype or t.device != self._device:
+            t = e.source
+            shape = e.shape if e.block is None else (e.block.groups * e.block.pitch, e.block.cols)
+            if tuple(t.shape) != shape or t.dtype != e.dtype or t.device != self._device:
                 raise RuntimeError(f"parameter '{e.name}' is now {t.dtype} {list(t.shape)} on {t.device}; it was "
-                                   f"{e.dtype} {list(e.shape)} on {self._device} when the optimizer was built")
-            if t._version != e.version:
-                if e.low_precision and not torch.equal(t.detach(), e.master.to(e.dtype)):
-                    e.master.copy_(t.detach())
-                e.version = t._version
+                                   f"{e.dtype} {list(shape)} on {self._device} when the optimizer was built")
+            version = e.source._version
+            if version != e.version:
+                if e.master is not None:
+                    values = e.values()
+                    if not (e.low_precision and torch.equal(values, e.master.to(e.dtype))):
+                        e.master.copy_(values)
+                e.version = version
 
     def _bind(self):
         """The model's current parameters and gradients, by address, into the backend's table: no torch op
         (data_ptr and attribute reads only; a non-contiguous gradient is the one exception, copied). The
         table is handed over again only when an address changed."""
-        params, grads, dtypes, keep = [], [], [], []
+        params, grads, dtypes, runs, keep = [], [], [], [], []
         for e in self._entries:
-            t = e.tensor
+            t = e.source
             if not t.is_contiguous():
                 raise RuntimeError(f"parameter '{e.name}' is not contiguous; NorMuonAdamW steps parameters in place")
+            # A block of rows (RowBlock) starts `offset` elements in, in row runs of its parameter and gradient.
+            offset, run = (0, (0, 0)) if e.block is None else (e.block.offset, e.block.runs)
             g = _dense_grad(e)
             e.has_grad = g is not None
             if g is None:
@@ -628,19 +658,20 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 dtypes.append("f32")
             else:
                 dtype = _DTYPES.get(g.dtype)
-                if dtype is None or g.shape != e.shape or g.device != self._device:
+                if dtype is None or g.shape != t.shape or g.device != self._device:
                     raise RuntimeError(f"parameter '{e.name}': its gradient is {g.dtype} {list(g.shape)} on "
-                                       f"{g.device}; expected float32, bfloat16 or float16 {list(e.shape)} on "
+                                       f"{g.device}; expected float32, bfloat16 or float16 {list(t.shape)} on "
                                        f"{self._device}")
                 if not g.is_contiguous():
                     g = g.contiguous()
                     keep.append(g)
-                grads.append(g.data_ptr())
+                grads.append(g.data_ptr() + offset * g.element_size())
                 dtypes.append(dtype)
-            params.append(t.data_ptr())
-        bound = (params, grads, dtypes)
+            params.append(t.data_ptr() + offset * t.element_size())
+            runs.append(run)
+        bound = (params, grads, dtypes, runs)
         if bound != self._bound:
-            self._table.set(params, grads, dtypes)
+            self._table.set(params, grads, dtypes, runs if self._row_blocks else [])
             self._bound = bound
         return keep
 
@@ -731,7 +762,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             g = _dense_grad(e)
             e.has_grad = g is not None
             if g is not None:
-                e.grad = g.detach().to(torch.float32)
+                g = g.detach() if e.block is None else e.block.values(g.detach())
+                e.grad = g.to(torch.float32)
                 if grad_scale is not None:
                     e.grad = e.grad / grad_scale.to(e.grad.device)
         steps = list(self._steps)
@@ -739,9 +771,9 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         if skipped is None:
             self._steps = steps
             for e in self._entries:
-                if e.has_grad and e.low_precision:
-                    e.tensor.detach().copy_(e.master)  # rounds to the parameter's dtype
-                e.version = e.tensor._version
+                if e.has_grad and e.master is not None:
+                    e.write(e.master)  # rounds to the parameter's dtype
+                e.version = e.source._version
         return skipped
 
     def _cuda_step(self, scaler=None):
@@ -806,7 +838,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         flat = _C.FlatState(self._layout)
         params = torch.from_numpy(flat.params)
         for e, le in zip(self._entries, self._layout.entries):
-            src = e.master if e.low_precision else e.tensor.detach()
+            src = e.master if e.master is not None else e.values()
             params[le.offset:le.offset + le.numel].copy_(src.reshape(-1))
         for k, t in self._buffers.items():
             if k != "masters":
@@ -822,10 +854,10 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 t.copy_(torch.from_numpy(getattr(flat, k)))
         for e, le in zip(self._entries, self._layout.entries):
             values = params[le.offset:le.offset + le.numel].view(e.shape)
-            if e.low_precision:
+            if e.master is not None:
                 e.master.copy_(values)
-            e.tensor.detach().copy_(values)  # rounds to the parameter's dtype
-            e.version = e.tensor._version
+            e.write(values)  # rounds to the parameter's dtype
+            e.version = e.source._version
         self._set_group_steps(list(flat.group_steps))
 
     # ----------------------------------------------------------------------------------- inspection
@@ -985,7 +1017,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         for dst, src in writes:
             dst.copy_(src)
         for e in self._entries:  # the masters just loaded win over the model's values as they are now
-            e.version = e.tensor._version
+            e.version = e.source._version
         for g, new in zip(self.param_groups, new_groups):
             g.clear()
             g.update(new)
@@ -1197,13 +1229,13 @@ def _named_by(params, names):
 
 def _dense_grad(e):
     """The parameter's gradient, or None; a sparse one is refused."""
-    g = e.tensor.grad
+    g = e.source.grad
     if g is not None and g.is_sparse:
         raise RuntimeError(f"parameter '{e.name}' has a sparse gradient, which NorMuonAdamW does not support")
     return g
 
 
-def _make_entry(index, name, tensor, role):
+def _make_entry(index, name, tensor, role, block=None):
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:  # lone surrogates (os.fsdecode of a bad byte): the C++ manifest needs UTF-8
@@ -1216,8 +1248,8 @@ def _make_entry(index, name, tensor, role):
     if tensor.is_sparse:
         raise ValueError(f"parameter '{name}' is sparse")
     e = _Entry()
-    e.index, e.name, e.tensor = index, name, tensor
-    e.shape, e.dtype = tuple(tensor.shape), tensor.dtype
+    e.index, e.name, e.tensor, e.block = index, name, tensor, block
+    e.shape, e.dtype = tuple(tensor.shape) if block is None else block.shape, tensor.dtype
     e.role = role if role is not None else infer_role(name, e.shape)
     if e.role not in ("matrix", "embedding", "head", "norm", "bias", "other"):
         raise ValueError(f"parameter '{name}': unknown role {e.role!r} (matrix | embedding | head | norm | bias | other)")

@@ -118,3 +118,19 @@ def fill_grads(model, step, seed=7, skip=()):
 
 def params_of(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def count_ops():
+    """A TorchDispatchMode that records the ATen operators dispatched inside it (.ops)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    return CountOps()

@@ -5,24 +5,11 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import normuon
-from conftest import fill_grads, make_model
+from conftest import count_ops, fill_grads, make_model
 
 pytestmark = pytest.mark.usefixtures("native")
-
-
-class CountOps(TorchDispatchMode):
-    """Counts the ATen operators dispatched inside the mode."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def ops_per_step(n_layer, dtype, backend):
@@ -31,7 +18,7 @@ def ops_per_step(n_layer, dtype, backend):
     fill_grads(model, 1)
     opt.step()  # the first step binds the table
     fill_grads(model, 2)
-    with CountOps() as count:
+    with count_ops() as count:
         opt.step()
     return count.ops
 

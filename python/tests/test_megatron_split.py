@@ -257,16 +257,84 @@ def test_tp_blockwise_runs_each_shard_as_its_own_matrix(backend):
         assert_close(p.detach(), oracle.p[k], backend)
 
 
-def test_qkv_block_indices_live_on_the_parameters_device():
-    # CUDA's index_select / index_copy_ refuse indices on another device: the blocks of a CUDA parameter
-    # were built on the CPU and Megatron's default (split_qkv) failed at its first GPU step. The meta
-    # device stands in for CUDA here: only the devices are compared.
-    p = torch.nn.Parameter(torch.empty(10, 4, device="meta"))
+def test_qkv_blocks_are_row_runs_of_the_parameter_itself():
+    # Each block is its rows of every query group, read and written where they lie (RowBlock): no index
+    # tensors (built on the CPU for a CUDA parameter, they crashed Megatron's first GPU step) and no copy.
+    p = torch.nn.Parameter(torch.arange(40.0).reshape(10, 4))
     p.is_qkv = True
     p.qkv_split_shapes = [3, 1, 1]
     fake = SimpleNamespace(split_qkv=True, is_qkv_fn=lambda q: True, qkv_split_shapes=None,
                            _split_shapes=MegatronNorMuon._split_shapes,
                            _fail=lambda msg: pytest.fail(msg))
     blocks = MegatronNorMuon._blocks(fake, p, "qkv")
-    assert [tuple(b.shape) for b in blocks] == [(6,), (2,), (2,)]
-    assert all(b.device == p.device for b in blocks), [b.device for b in blocks]
+    assert [b.shape for b in blocks] == [(6, 4), (2, 4), (2, 4)]
+    assert [(b.offset, b.runs) for b in blocks] == [(0, (12, 20)), (12, (4, 20)), (16, (4, 20))]
+    rows = [[0, 1, 2, 5, 6, 7], [3, 8], [4, 9]]
+    for b, r in zip(blocks, rows):
+        assert torch.equal(b.values(p.detach()), p.detach()[r])
+        assert b.key.data_ptr() == p.data_ptr() + b.offset * 4  # a view of the parameter, not a copy
+
+
+def split_model(n_layers, seed=0):
+    """n_layers of Megatron-like attention weights: a fused QKV (4 query groups of 2 q, 1 k, 1 v rows) and
+    an output projection."""
+    g = torch.Generator().manual_seed(seed)
+    params = []
+    for _ in range(n_layers):
+        qkv = torch.randn(16, 8, generator=g).requires_grad_()
+        qkv.is_qkv, qkv.qkv_split_shapes = True, [2, 1, 1]
+        params += [qkv, torch.randn(8, 8, generator=g).requires_grad_()]
+    return params
+
+
+def split_step_ops(n_layers, dtype):
+    from conftest import count_ops
+    params = [torch.nn.Parameter(p.detach().to(dtype)) for p in split_model(n_layers)]
+    for p, q in zip(params, split_model(n_layers)):
+        p.is_qkv, p.qkv_split_shapes = getattr(q, "is_qkv", False), getattr(q, "qkv_split_shapes", None)
+    opt = build([{"params": params}], "fast", split_qkv=True)
+    set_grads(params, grads_for(params, 1))
+    opt.step()  # builds the layout and binds the table
+    set_grads(params, grads_for(params, 2))
+    addresses = [p.data_ptr() for p in params]
+    with count_ops() as count:
+        opt.step()
+    assert [p.data_ptr() for p in params] == addresses  # stepped where they are
+    return count.ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_split_qkv_step_dispatches_no_op_per_block(native, dtype):
+    """The blocks are stepped in place through row runs: no index_select / index_copy_ per block, no
+    parameter-shaped state copies assembled after the step; the op count does not grow with the model."""
+    small, large = split_step_ops(1, dtype), split_step_ops(6, dtype)
+    assert len(small) == len(large), (small, large)
+    assert not [op for op in large if "index" in op or "copy" in op], large
+
+
+def test_split_state_is_assembled_only_when_looked_at(native):
+    """opt.state[p] of a split weight is assembled on first access; once looked at and edited, the edit is
+    read back before the next step (as a twin whose blocks' momentum is zeroed directly shows)."""
+    params, twin_params = split_model(2), split_model(2)
+    opt, twin = (build([{"params": ps}], "fast", split_qkv=True) for ps in (params, twin_params))
+    for t in (1, 2):
+        for ps, o in ((params, opt), (twin_params, twin)):
+            set_grads(ps, grads_for(ps, t))
+            o.step()
+    state = opt.state[params[0]]
+    assert not state.touched  # nobody looked: no copy was made
+    momentum = state["momentum_buffer"]
+    assert state.touched and tuple(momentum.shape) == (16, 8)
+    slot = opt._slots[id(params[0])]
+    for block, e in zip(slot.blocks, slot.entries):
+        assert torch.equal(block.values(momentum), e.state[0])
+    momentum.zero_()  # an edit in place
+    for e in twin._slots[id(twin_params[0])].entries:
+        e.state[0].zero_()
+    for ps, o in ((params, opt), (twin_params, twin)):
+        set_grads(ps, grads_for(ps, 3))
+        o.step()
+    assert not opt.state[params[0]].touched  # a fresh one after the step
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["momentum_buffer"], twin.state[q]["momentum_buffer"])

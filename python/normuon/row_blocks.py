@@ -1,0 +1,60 @@
+"""A block of rows of a 2-D parameter, stepped where it lies as a matrix of its own.
+
+Megatron's fused QKV weight holds, per query group, the group's query rows, then its key rows, then its value
+rows (a gate block too with attention_output_gate). With split_qkv each block (its rows of every query group)
+is orthogonalised, normalised and scaled as a matrix of its own. A RowBlock names such a block: `run` rows
+taken every `pitch` rows from row `first`. The fast backends read and write it in the parameter and its
+gradient through row runs (core/include/normuon/param_table.h, RowRuns): no copy per step.
+"""
+
+
+class RowBlock:
+    """Rows first + g*pitch ... first + g*pitch + run - 1 of every g < rows / pitch, of a 2-D `param`: a
+    matrix of shape (rows / pitch * run, cols)."""
+
+    __slots__ = ("param", "first", "run", "pitch", "groups", "cols", "shape", "key")
+
+    def __init__(self, param, first, run, pitch):
+        rows, cols = param.shape
+        if not (0 <= first and 0 < run and first + run <= pitch and rows % pitch == 0):
+            raise ValueError(f"rows {first}..{first + run - 1} of every {pitch} do not fit a parameter of "
+                             f"{rows} rows")
+        self.param, self.first, self.run, self.pitch = param, first, run, pitch
+        self.groups, self.cols = rows // pitch, cols
+        self.shape = (self.groups * run, cols)
+        # What stands for the block where a tensor is needed (an optimizer's param group, state keys): a
+        # view of its rows, made once. The values are always read through view() of the live parameter.
+        self.key = self.view(param.detach())
+
+    def view(self, t):
+        """The block's rows of `t` (the parameter, its gradient, or a tensor shaped like them) as a
+        (groups, run, cols) view: no copy."""
+        return t.view(self.groups, self.pitch, self.cols)[:, self.first:self.first + self.run]
+
+    def values(self, t):
+        """The block of `t` as a new contiguous (rows, cols) tensor."""
+        return self.view(t).reshape(self.shape)
+
+    def write(self, t, values):
+        """Writes (rows, cols) `values` into the block's rows of `t`."""
+        self.view(t).copy_(values.reshape(self.groups, self.run, self.cols))
+
+    @property
+    def offset(self):
+        """Elements from the tensor's first element to the block's."""
+        return self.first * self.cols
+
+    @property
+    def runs(self):
+        """(run, pitch) in elements: param_table.h's RowRuns."""
+        return self.run * self.cols, self.pitch * self.cols
+
+
+def split_rows(param, sizes):
+    """The RowBlocks of a parameter whose row groups are [sizes[0] rows | sizes[1] rows | ...], in order."""
+    blocks, first = [], 0
+    for size in sizes:
+        blocks.append(RowBlock(param, first, size, sum(sizes)))
+        first += size
+    return blocks
+
