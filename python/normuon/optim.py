@@ -14,7 +14,8 @@ from collections import defaultdict
 import torch
 
 from . import reference
-from .routing import infer_role, module_roles, routing_text, strip_wrappers, vocabulary_lookalikes
+from .routing import (infer_role, module_roles, output_layer_doubts, routing_text, strip_wrappers,
+                      vocabulary_lookalikes)
 
 try:
     from . import _C
@@ -242,6 +243,10 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                           "shape, or a vocabulary-sized dimension no hidden matrix has). Pass the model "
                           "(NorMuonAdamW(model) or model=), or roles= / overrides= to say what they are. The "
                           "routing:\n" + self.routing_text(), stacklevel=2)
+        doubts = output_layer_doubts(entries)
+        if doubts:
+            warnings.warn("NorMuonAdamW: " + "; ".join(doubts) + ". The routing:\n" + self.routing_text(),
+                          stacklevel=2)
 
     # ------------------------------------------------------------------------------------------- building
 

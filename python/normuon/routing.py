@@ -94,7 +94,7 @@ def _torch_module(module):
 
 class _Doubt(str):
     """The evidence of a parameter the modules make a hidden matrix although it may be the output layer;
-    vocabulary_lookalikes warns about it unless roles= or overrides= said what it is."""
+    output_layer_doubts names it unless roles= or overrides= said what it is."""
 
     def __new__(cls, evidence, message):
         doubt = super().__new__(cls, evidence)
@@ -237,10 +237,7 @@ def vocabulary_lookalikes(entries):
     """Entries routed to NorMuon by the rule on name evidence that look like an output head or an embedding
     the names did not reveal: the shape of the token embedding (_token_embedding) either way round, or,
     when no embedding is known, a matrix holding the vocabulary-like dimension (the largest dimension of all
-    matrices, at least twice any other, in at most two of them: an embedding and a head).
-    It warns itself, with the routing, about the layers the modules routed to NorMuon that may be the
-    output layer (_doubt_the_last_layer), unless roles= or overrides= said what they are."""
-    _warn_doubts(entries)
+    matrices, at least twice any other, in at most two of them: an embedding and a head)."""
     matrices = [e for e in entries if len(e.shape) == 2]
     suspect = [e for e in matrices if e.algorithm == "normuon" and e.evidence == "name" and e.override is None]
     token = _token_embedding([(e.name, e.tensor) for e in matrices if e.role == "embedding"])
@@ -253,15 +250,11 @@ def vocabulary_lookalikes(entries):
     return [e for e in suspect if e in holders] if len(holders) <= 2 else []
 
 
-def _warn_doubts(entries):
-    doubts = [e for e in entries if isinstance(e.evidence, _Doubt) and e.algorithm == "normuon" and e.override is None]
-    if doubts:
-        rows = [dict(name=e.name, shape=tuple(e.shape), role=e.role, algorithm=e.algorithm, why=e.why)
-                for e in entries]
-        table = routing_text("NorMuonAdamW", rows, "print_routing() adds groups and layout",
-                             ("name", "shape", "role", "algorithm", "why"))
-        warnings.warn("NorMuonAdamW: " + "; ".join(e.evidence.message for e in doubts) + ". The routing:\n" + table,
-                      stacklevel=4)  # _warn_doubts <- vocabulary_lookalikes <- NorMuonAdamW.__init__ <- the caller
+def output_layer_doubts(entries):
+    """What to say about the layers the modules routed to NorMuon that may be the output layer
+    (_doubt_the_last_layer), unless roles= or overrides= said what they are: one message each."""
+    return [e.evidence.message for e in entries
+            if isinstance(e.evidence, _Doubt) and e.algorithm == "normuon" and e.override is None]
 
 
 ROUTING_COLUMNS = ("name", "shape", "dtype", "role", "algorithm", "group", "stats", "why")
