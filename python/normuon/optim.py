@@ -690,8 +690,9 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self._steps = list(steps)
         if self._table_state is not None:
             self._table_state.group_steps = steps
-        if self._cuda_backend is not None:
-            self._device_steps.copy_(torch.tensor(steps, dtype=torch.int64))
+        if self._cuda_backend is not None:  # from pinned memory, behind the work queued so far: no host sync
+            # (torch's pinned allocator keeps the block until the copy has run)
+            self._device_steps.copy_(torch.tensor(steps, dtype=torch.int64).pin_memory(), non_blocking=True)
         for g, t in zip(self.param_groups, steps):
             g["step"] = t
 
@@ -798,11 +799,12 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             backend.set_grad_scaling(scale_ptr, 0 if scaler is None else scaler[1].data_ptr())
             backend.enqueue_step()
             if scaler is not None:
-                if self._found_inf_host is None:
+                if self._found_inf_host is None:  # made once: a step allocates nothing
                     self._found_inf_host = torch.zeros((), dtype=torch.float32).pin_memory()
+                    self._found_inf_copied = torch.cuda.Event()
                 self._found_inf_host.copy_(scaler[1], non_blocking=True)
-                self._found_inf_event = torch.cuda.Event()
-                self._found_inf_event.record(stream)
+                self._found_inf_copied.record(stream)
+                self._found_inf_event = self._found_inf_copied  # pending: _settle waits on it
             before = list(self._steps)
             active = {e.group for e in self._entries if e.has_grad}
             self._steps = [t + (g in active) for g, t in enumerate(before)]

@@ -248,9 +248,12 @@ def test_megatron_halves_add_no_torch_sync_and_a_nan_is_reported_one_step_late()
 
     torch.manual_seed(4)
     matrices = [torch.nn.Parameter(torch.randn(32, 16, device="cuda")) for _ in range(3)]
+    matrices[0].is_qkv, matrices[0].qkv_split_shapes = True, [2, 1, 1]  # split QKV: blocks stepped in place
     vectors = [torch.nn.Parameter(torch.randn(16, device="cuda")) for _ in range(2)]
+    idle = torch.nn.Parameter(torch.randn(16, device="cuda"))  # never a gradient: TE's rule still counts
     muon = MegatronNorMuon([{"params": matrices, "lr": 1e-2, "weight_decay": 0.1}], coefficient_type="simple")
-    adam = MegatronAdamW([{"params": vectors, "lr": 1e-2, "weight_decay": 0.0}])
+    adam = MegatronAdamW([{"params": vectors, "lr": 1e-2, "weight_decay": 0.0},
+                          {"params": [idle], "lr": 1e-2, "weight_decay": 0.0}])
 
     def grads(nan=False):
         for p in matrices + vectors:
@@ -269,7 +272,7 @@ def test_megatron_halves_add_no_torch_sync_and_a_nan_is_reported_one_step_late()
             adam.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert muon.param_groups[0]["step"] == adam.param_groups[0]["step"] == 4
+    assert muon.param_groups[0]["step"] == adam.param_groups[0]["step"] == adam.param_groups[1]["step"] == 4
     before = [p.detach().clone() for p in matrices]
     grads(nan=True)
     muon.step()  # enqueued; the device skips it
