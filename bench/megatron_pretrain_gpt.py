@@ -37,7 +37,8 @@ REPO = os.path.dirname(HERE)
 if HERE not in sys.path:  # bench/ is sys.path[0] when this runs as bench/megatron_pretrain_gpt.py
     sys.path.insert(0, HERE)
 
-from megatron_gpt import CpuDryRun, optimizer_tree  # noqa: E402 - stdlib only at import; torch when used
+from megatron_bench.cpu_dry_run import CpuDryRun  # noqa: E402 - stdlib only at import; torch when used
+from megatron_bench.helpers import optimizer_tree  # noqa: E402
 
 
 def skip_compile_if_built():
