@@ -1,4 +1,4 @@
-"""Writing a report file: shared by bench/gpu_peers.py and bench/megatron_gpt.py (stdlib only, so that
+"""Writing a report file: shared by bench/gpu_peers.py and bench/megatron_bench/ (stdlib only, so that
 importing it costs nothing)."""
 import contextlib
 import os
