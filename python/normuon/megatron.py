@@ -14,6 +14,8 @@ Adam groups. Both build their flat layout lazily and rebuild it whenever Megatro
 parameter-shaped checkpoint state, as Megatron's distributed checkpointing requires. Megatron is imported
 only inside `register()`.
 """
+import copy
+import functools
 import importlib
 import math
 import re
@@ -127,18 +129,21 @@ class _Slot:
     """One parameter of the outer optimizer and what stands for it in the inner NorMuonAdamW: the parameter
     itself (blocks is None), or its blocks of rows (a split QKV weight: RowBlocks, stepped in place)."""
 
-    __slots__ = ("param", "entries", "blocks", "views", "lazy")
+    __slots__ = ("param", "shape", "entries", "blocks", "views", "lazy")
 
     def __init__(self, param, entries, blocks, views):
         self.param, self.entries, self.blocks, self.views = param, entries, blocks, views
+        self.shape = tuple(param.shape)  # when the layout was built (the blocks' geometry)
         self.lazy = None  # the _SplitState installed in self.state for a split parameter
 
 
 class _SplitState(MutableMapping):
     """self.state[p] of a parameter split into row blocks: parameter-shaped fp32 copies of its blocks' state,
     assembled on first access. A step reads and writes the blocks where they lie and needs no copy, so
-    while nobody looks, none is made; once looked at, the next step reads the copies back (edits in place
-    and replaced entries are honoured) and installs a fresh one."""
+    while nobody looks, none is made; once looked at, every step reads the copies back first (edits in
+    place and replaced entries are honoured) and installs a fresh one after. It copies, pickles and
+    deep-copies as the plain dict it stands for (not a dict itself: isinstance(state, dict) is False).
+    `assemble` must not refer to the optimizer (no reference cycle keeps it alive)."""
 
     def __init__(self, assemble):
         self._assemble, self._data = assemble, None
@@ -169,6 +174,34 @@ class _SplitState(MutableMapping):
 
     def __repr__(self):
         return f"_SplitState({self._values()!r})"
+
+    def copy(self):
+        return dict(self._values())
+
+    def __copy__(self):
+        return self.copy()
+
+    def __deepcopy__(self, memo):
+        return copy.deepcopy(self._values(), memo)
+
+    def __reduce__(self):  # pickle, torch.save: the plain dict
+        return dict, (self.copy(),)
+
+
+def _assemble(entries, blocks, shape, export, master):
+    """A parameter's state, parameter-shaped fresh fp32 copies (and master_param, for a bf16/f16
+    parameter, with master): from its one entry, or put together from its blocks' (shape: the parameter's
+    when the blocks were made)."""
+    parts = [export(e, master) for e in entries]
+    if blocks is None:
+        return parts[0]
+    out = {}
+    for key in parts[0]:
+        full = torch.empty(shape, dtype=torch.float32, device=parts[0][key].device)
+        for part, block in zip(parts, blocks):
+            block.write(full, part[key])
+        out[key] = full
+    return out
 
 
 class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
@@ -303,11 +336,21 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         parameter-shaped copies for split ones, assembled when first looked at (_SplitState)."""
         state = defaultdict(dict)
         for slot in self._slots.values():
-            if slot.blocks is None:
-                state[slot.param] = dict(slot.views)
-            else:
-                slot.lazy = state[slot.param] = _SplitState(lambda slot=slot: self._assemble(slot, master=False))
+            state[slot.param] = dict(slot.views) if slot.blocks is None else self._split_state(slot)
         self.state = state
+
+    def _split_state(self, slot):
+        # _entry_export is a static method: the partial holds no reference to this optimizer.
+        slot.lazy = _SplitState(functools.partial(_assemble, slot.entries, slot.blocks, slot.shape,
+                                                  self._entry_export, False))
+        return slot.lazy
+
+    def _refresh_split_state(self):
+        """After a step: a split parameter's copies, if anyone looked at them or put others in their place,
+        are stale now; a fresh, not yet assembled mapping takes their place."""
+        for slot in self._slots.values():
+            if slot.blocks is not None and (self.state.get(slot.param) is not slot.lazy or slot.lazy.touched):
+                self.state[slot.param] = self._split_state(slot)
 
     def _adopt_state(self):
         """Someone replaced, removed, added or (for split parameters) looked at entries of self.state (a load
@@ -329,7 +372,18 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
                                         f"state of {where.get(id(slot.param), 'a parameter')}")
         for dst, src in writes:
             dst.copy_(src)
-        self._install_state()
+        # Views again where they were replaced; a split parameter's copies stay where they are (a handle
+        # someone holds keeps counting until the next step refreshes them).
+        if any(slot.blocks is None for slot in stale) or len(self.state) != len(self._slots):
+            state = defaultdict(dict)
+            for slot in self._slots.values():
+                kept = self.state.get(slot.param)
+                if slot.blocks is None:
+                    state[slot.param] = dict(slot.views)
+                else:
+                    ours = kept is slot.lazy  # (len() would assemble it)
+                    state[slot.param] = kept if ours or (kept is not None and len(kept)) else self._split_state(slot)
+            self.state = state
 
     def _positions(self):
         """id(param) -> where it sits in param_groups, for messages."""
@@ -366,18 +420,8 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         return writes
 
     def _assemble(self, slot, master):
-        """Parameter-shaped fresh fp32 copies of a parameter's state (and master_param, for a bf16/f16
-        parameter, with master)."""
-        parts = [self._entry_export(e, master) for e in slot.entries]
-        if slot.blocks is None:
-            return parts[0]
-        out = {}
-        for key in parts[0]:
-            full = torch.empty(tuple(slot.param.shape), dtype=torch.float32, device=parts[0][key].device)
-            for part, block in zip(parts, slot.blocks):
-                block.write(full, part[key])
-            out[key] = full
-        return out
+        """_assemble for one slot (no reference to this optimizer: see _SplitState)."""
+        return _assemble(slot.entries, slot.blocks, slot.shape, self._entry_export, master)
 
     # ------------------------------------------------------------------------------- Megatron hooks
 
@@ -411,6 +455,7 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
             self._inner._set_group_steps(steps)
             self._inner.step()
             skipped = self._inner.last_skip_reason
+            self._refresh_split_state()
         # Deferred: this step's own verdict comes at the next one; what is reported now is the previous
         # step's, as NorMuonAdamW reports it.
         self.last_skip_reason = skipped if skipped is not None else self._settled_reason

@@ -345,6 +345,9 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                     override = algorithm
                 e.override = override if override in ("normuon", "adamw") else None
                 e.algorithm, e.why = route(name, e.shape, e.role, override)
+                if e.block is not None and e.algorithm != "normuon":
+                    raise ValueError(f"parameter '{name}' is a block of rows of a larger tensor, which only a "
+                                     f"NorMuon group may hold (it went to {e.algorithm}: {e.why})")
                 if algorithm != "auto" and explicit not in ("normuon", "adamw"):
                     e.why = f"group '{base}'"
                 elif e.why.startswith("rule: ") and e.role in ("embedding", "head"):
@@ -638,18 +641,21 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 raise RuntimeError(f"parameter '{e.name}' is now {t.dtype} {list(t.shape)} on {t.device}; it was "
                                    f"{e.dtype} {list(shape)} on {self._device} when the optimizer was built")
             version = e.source._version
-            if version != e.version:
+            if e.block is not None and e.master is not None and not e.low_precision:
+                e.master.copy_(e.values())  # the reference's working copy of a block: writes through .data too
+            elif version != e.version:
                 if e.master is not None:
                     values = e.values()
                     if not (e.low_precision and torch.equal(values, e.master.to(e.dtype))):
                         e.master.copy_(values)
-                e.version = version
+            e.version = version
 
     def _bind(self):
         """The model's current parameters and gradients, by address, into the backend's table: no torch op
         (data_ptr and attribute reads only; a non-contiguous gradient is the one exception, copied). The
         table is handed over again only when an address changed."""
         params, grads, dtypes, runs, keep = [], [], [], [], []
+        contiguous = {}  # a non-contiguous gradient copied once, whatever number of blocks it holds
         for e in self._entries:
             t = e.source
             if not t.is_contiguous():
@@ -668,8 +674,10 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                                        f"{g.device}; expected float32, bfloat16 or float16 {list(t.shape)} on "
                                        f"{self._device}")
                 if not g.is_contiguous():
-                    g = g.contiguous()
-                    keep.append(g)
+                    if id(g) not in contiguous:
+                        contiguous[id(g)] = g.contiguous()
+                        keep.append(contiguous[id(g)])
+                    g = contiguous[id(g)]
                 grads.append(g.data_ptr() + offset * g.element_size())
                 dtypes.append(dtype)
             params.append(t.data_ptr() + offset * t.element_size())
@@ -880,7 +888,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     def memory_report(self):
         """Bytes the optimizer holds beyond the model's tensors: state_bytes (momentum, second moments,
         exp_avg, exp_avg_sq), master_bytes (fp32 masters of bf16/fp16 parameters: 4 B per element) and
-        workspace_bytes (the native backend's Newton-Schulz buffers and scratch; 0 for the reference)."""
+        workspace_bytes (the native backend's Newton-Schulz buffers and scratch; for the reference, only its
+        working copies of blocks of rows)."""
         if self._layout is None:  # standalone tensors
             state = 4 * sum(t.numel() for e in self._entries for t in e.state)
             masters = 4 * sum(e.master.numel() for e in self._entries if e.low_precision)
@@ -889,8 +898,11 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             masters = 4 * sizes.pop("masters")
             state = 4 * sum(sizes.values())
         native = self._cuda_backend or self._backend
+        # The Python reference's working copies of fp32 blocks of rows (the old path copies them).
+        working = 4 * sum(e.master.numel() for e in self._entries
+                          if e.block is not None and not e.low_precision and e.master is not None)
         return dict(state_bytes=state, master_bytes=masters,
-                    workspace_bytes=native.workspace_bytes if native is not None else 0)
+                    workspace_bytes=(native.workspace_bytes if native is not None else 0) + working)
 
     @property
     def layout(self):

@@ -338,3 +338,81 @@ def test_split_state_is_assembled_only_when_looked_at(native):
     for p, q in zip(params, twin_params):
         assert torch.equal(p, q)
         assert torch.equal(opt.state[p]["momentum_buffer"], twin.state[q]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("how", ["data.copy_", "data =", "no_grad copy_"])
+def test_outside_writes_to_a_split_fp32_weight_are_followed(backend, how):
+    """Megatron writes its fp32 main parameters through .data (_copy_model_params_to_main_params, loads):
+    the next step starts from the written values, on the fast backends (the blocks are read where they
+    lie) and on the reference (its working copies are read again every step)."""
+    qkv = split_model(1)[0]
+    opt = build([{"params": [qkv]}], backend, split_qkv=True)
+    qkv.grad = torch.randn(16, 8)
+    opt.step()
+    new = torch.randn(16, 8)
+    if how == "data.copy_":
+        qkv.data.copy_(new)
+    elif how == "data =":
+        qkv.data = new.clone()
+    else:
+        with torch.no_grad():
+            qkv.copy_(new)
+    qkv.grad = torch.zeros(16, 8)  # the momentum still moves it: by less than lr per element
+    opt.step()
+    assert (qkv.detach() - new).abs().max() < 2 * HYPERS["lr"]
+
+
+def test_split_state_copies_pickles_and_frees_like_a_dict(native):
+    import copy
+    import gc
+    import pickle
+    import weakref
+    params = split_model(1)
+    opt = build([{"params": params}], "fast", split_qkv=True)
+    set_grads(params, grads_for(params, 1))
+    opt.step()
+    state = opt.state[params[0]]
+    snapshot = copy.deepcopy(state)  # before anyone looked: still a snapshot of this step's values
+    assert isinstance(snapshot, dict) and isinstance(state.copy(), dict) and isinstance(copy.copy(state), dict)
+    loaded = pickle.loads(pickle.dumps(state))
+    assert type(loaded) is dict and torch.equal(loaded["momentum_buffer"], snapshot["momentum_buffer"])
+    set_grads(params, grads_for(params, 2))
+    opt.step()
+    assert not torch.equal(opt.state[params[0]]["momentum_buffer"], snapshot["momentum_buffer"])
+    # No reference cycle through the lazily assembled state: the optimizer goes with its last reference.
+    gc.disable()
+    try:
+        alive = weakref.ref(opt)
+        del opt, state
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
+def test_a_held_split_state_keeps_counting_until_the_next_step(native):
+    """A handle to a split weight's (looked-at) state stays the optimizer's through state_dict() and the
+    like; its edits are read back at the next step."""
+    params, twin_params = split_model(1), split_model(1)
+    opt, twin = (build([{"params": ps}], "fast", split_qkv=True) for ps in (params, twin_params))
+    for ps, o in ((params, opt), (twin_params, twin)):
+        set_grads(ps, grads_for(ps, 1))
+        o.step()
+    held = opt.state[params[0]]
+    held["momentum_buffer"]
+    opt.state_dict()  # a checkpoint in between
+    held["momentum_buffer"].zero_()
+    for e in twin._slots[id(twin_params[0])].entries:
+        e.state[0].zero_()
+    for ps, o in ((params, opt), (twin_params, twin)):
+        set_grads(ps, grads_for(ps, 2))
+        o.step()
+    assert torch.equal(params[0], twin_params[0])
+
+
+def test_blocks_routed_to_adamw_are_refused(native):
+    import normuon
+    from normuon.row_blocks import split_rows
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    blocks = split_rows(p, [1, 1])
+    with pytest.raises(ValueError, match="block of rows .* only a NorMuon group"):
+        normuon.NorMuonAdamW([{"params": [b.key for b in blocks], "algorithm": "adamw"}], _row_blocks=blocks)
