@@ -236,12 +236,16 @@ CudaBenchResult run_cuda_bench(const Layout& layout, const Options& options, con
       if (!group_steps.empty())
         NORMUON_CUDA_CHECK(cudaMemcpy(group_steps.data(), ds.group_steps.data(), group_steps.size() * sizeof(int64_t),
                                       cudaMemcpyDeviceToHost));
+      std::vector<int64_t> entry_steps(layout.entries.size(), 0);
+      if (!entry_steps.empty())
+        NORMUON_CUDA_CHECK(cudaMemcpy(entry_steps.data(), ds.entry_steps.data(), entry_steps.size() * sizeof(int64_t),
+                                      cudaMemcpyDeviceToHost));
       ReferenceBackend reference(ReferenceDevice::cuda);
       reference.set_timing(false);
       for (int64_t i = 0; i < warmup + repeats; ++i) {
         NORMUON_CUDA_CHECK(cudaDeviceSynchronize());
         const auto t0 = Clock::now();
-        check(reference.step_flat(layout, t, has_grad, group_steps, options), "reference-cuda");
+        check(reference.step_flat(layout, t, has_grad, group_steps, entry_steps, options), "reference-cuda");
         NORMUON_CUDA_CHECK(cudaDeviceSynchronize());
         const double ms = ms_between(t0, Clock::now());
         if (i < warmup) continue;
@@ -251,7 +255,7 @@ CudaBenchResult run_cuda_bench(const Layout& layout, const Options& options, con
       reference.set_timing(true);  // its clock synchronises the device at every phase of every parameter
       for (int64_t i = 0; i < repeats; ++i) {
         NORMUON_CUDA_CHECK(cudaDeviceSynchronize());
-        check(reference.step_flat(layout, t, has_grad, group_steps, options), "reference-cuda");
+        check(reference.step_flat(layout, t, has_grad, group_steps, entry_steps, options), "reference-cuda");
         r.reference_phases.push_back(reference.phase_times());
         if (!quiet)
           log.say("reference-cuda, timers, step %lld: %.3f ms\n", static_cast<long long>(i + 1),

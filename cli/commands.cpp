@@ -228,8 +228,9 @@ int inspect_command(const Argv& argv) {
     std::puts(R"(usage: normuon inspect FILE [--no-verify]
 
 Prints a state file's header (format, version, backend, layout fingerprint, groups and steps,
-hyper-parameters) and its tensors with their CRC-32 checksums, verifying every checksum unless
---no-verify. Exit status 1 (with the reason) for a corrupt, truncated or foreign file.)");
+hyper-parameters) and its tensors with their CRC-32 checksums, each parameter with its own step count
+(format version 2: the steps in which it had a gradient), verifying every checksum unless --no-verify.
+Exit status 1 (with the reason) for a corrupt, truncated or foreign file.)");
     return a.help() ? 0 : 2;
   }
   const StateFileHeader h = read_state_header(a.positionals()[0], !a.flag("no-verify"));
@@ -240,8 +241,12 @@ hyper-parameters) and its tensors with their CRC-32 checksums, verifying every c
     std::printf("group:    %s at step %lld\n", h.group_names[g].c_str(), static_cast<long long>(h.group_steps[g]));
   for (const auto& line : describe(h.options)) std::printf("option:   %s\n", line.c_str());
   std::printf("%zu tensors%s:\n", h.tensors.size(), a.flag("no-verify") ? "" : " (checksums verified)");
-  for (const auto& t : h.tensors)
-    std::printf("  %08x  %-4s [%s]  %s\n", t.crc32, t.dtype.c_str(), shape_to_string(t.shape).c_str(), t.name.c_str());
+  for (const auto& t : h.tensors) {
+    const auto steps = h.entry_steps.find(t.name);  // a parameter (version 2): its own step count
+    const std::string own = steps == h.entry_steps.end() ? "" : "  (step " + std::to_string(steps->second) + ")";
+    std::printf("  %08x  %-4s [%s]  %s%s\n", t.crc32, t.dtype.c_str(), shape_to_string(t.shape).c_str(), t.name.c_str(),
+                own.c_str());
+  }
   return 0;
 }
 

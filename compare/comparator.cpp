@@ -308,6 +308,8 @@ void Comparator::sync(const FlatState& from, FlatState& to) {
   copy(from.exp_avg_sq, to.exp_avg_sq);
   if (from.group_steps.size() != to.group_steps.size()) throw std::invalid_argument("comparator: group counts differ");
   std::copy(from.group_steps.begin(), from.group_steps.end(), to.group_steps.begin());
+  if (from.entry_steps.size() != to.entry_steps.size()) throw std::invalid_argument("comparator: entry counts differ");
+  std::copy(from.entry_steps.begin(), from.entry_steps.end(), to.entry_steps.begin());
 }
 
 StepReport Comparator::check(FlatState& ref, FlatState& cand, int64_t step, const float* params_base) {
@@ -374,6 +376,17 @@ StepReport Comparator::check(FlatState& ref, FlatState& cand, int64_t step, cons
       d.step = step;
       d.what = "group '" + layout_.group_names[g] + "' step counter: reference " + std::to_string(ref.group_steps[g]) +
                ", candidate " + std::to_string(cand.group_steps[g]);
+      report.first_divergence = d;
+    }
+  }
+  for (size_t i = 0; i < ref.entry_steps.size(); ++i) {  // each parameter's own count (AdamW's bias corrections)
+    if (ref.entry_steps[i] == cand.entry_steps[i]) continue;
+    ++report.failures;
+    if (!report.first_divergence) {
+      Divergence d;
+      d.step = step;
+      d.what = "parameter '" + layout_.entries[i].name + "' step count: reference " +
+               std::to_string(ref.entry_steps[i]) + ", candidate " + std::to_string(cand.entry_steps[i]);
       report.first_divergence = d;
     }
   }

@@ -2,7 +2,7 @@
 // with the same generated gradients, and after every step every parameter and every state tensor is
 // compared (max abs error, max relative error, ULP distance, norm-wise error) against a per-kind,
 // per-precision tolerance. Two modes (docs/compare.md):
-//   resync        after each check the reference's parameters, state and group steps are copied into the
+//   resync        after each check the reference's parameters, state and step counters are copied into the
 //                 candidate, so every step is judged from identical inputs and errors do not compound
 //                 (as bitsandbytes' optimizer tests do against torch.optim);
 //   free_running  both run on their own, and the report is the drift after N steps.
@@ -140,7 +140,7 @@ struct Divergence {
   double normwise = 0;
   double update_rel = 0;  // NorMuon parameters: TensorRecord::update_rel
   Tolerance tolerance;
-  std::string what;  // non-element divergences: a skipped step or group step counter that differs
+  std::string what;  // non-element divergences: a skipped step, a group or entry step counter that differs
   std::string describe() const;
 };
 
@@ -196,9 +196,9 @@ class Comparator {
   Comparator(const Layout& layout, Options options, GradientGenerator generator, CompareMode mode);
 
   // One step: fills the same gradients into both states (generated into ref_state, copied into cand_state),
-  // steps both backends, compares every parameter and state tensor of every entry and the group steps,
-  // records the worst errors, and in resync mode then copies the reference's parameters, state and
-  // group steps into cand_state (into its existing buffers).
+  // steps both backends, compares every parameter and state tensor of every entry, the group steps and
+  // the entry steps, records the worst errors, and in resync mode then copies the reference's parameters,
+  // state and steps into cand_state (into its existing buffers).
   StepReport step(Backend& reference, FlatState& ref_state, Backend& candidate, FlatState& cand_state, int64_t step);
 
   // Compares without stepping (e.g. both states just loaded from files); `step` labels the report. Adds
@@ -207,7 +207,8 @@ class Comparator {
   // parameters must be equal (update_rel is +inf for any difference).
   StepReport check(FlatState& ref_state, FlatState& cand_state, int64_t step, const float* params_base = nullptr);
 
-  // Copies params, momentum, row_var, exp_avg, exp_avg_sq and group_steps of `from` into `to` in place.
+  // Copies params, momentum, row_var, exp_avg, exp_avg_sq, group_steps and entry_steps of `from` into `to`
+  // in place.
   static void sync(const FlatState& from, FlatState& to);
 
   const RunSummary& summary() const { return summary_; }

@@ -222,7 +222,7 @@ StepResult FastCpuBackend::run(const Options& options) {
     if (!op.grad) continue;
     const LayoutEntry& e = layout_.entries[chunk.entry];
     const AdamWHyper& h = options.groups[e.group].adamw;
-    const double t = static_cast<double>(ops.group_steps[e.group]);
+    const double t = static_cast<double>(ops.entry_steps[chunk.entry]);  // the parameter's own count
     fast::AdamWScalars s;
     s.decay = h.weight_decay != 0;
     s.decay_factor = static_cast<float>(1 - h.lr * h.weight_decay);

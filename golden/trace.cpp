@@ -18,8 +18,8 @@ namespace normuon {
 
 const std::vector<std::string>& trace_value_columns() {
   static const std::vector<std::string> columns{
-      "has_grad",   "group_step", "p_norm",      "p_first",       "p_mid",          "p_last",
-      "state1_norm", "state2_norm", "update_norm", "update_row_rms_min", "update_row_rms_max"};
+      "has_grad",    "group_step",  "entry_step",  "p_norm",             "p_first",           "p_mid",
+      "p_last",      "state1_norm", "state2_norm", "update_norm",        "update_row_rms_min", "update_row_rms_max"};
   return columns;
 }
 
@@ -75,6 +75,7 @@ void append_trace_rows(std::vector<TraceRow>& rows, int64_t step, const float* p
     row.algorithm = to_string(e.algorithm);
     row.values = {static_cast<double>(after.has_grad[i]),
                   static_cast<double>(after.group_steps[e.group]),
+                  static_cast<double>(after.entry_steps[i]),
                   norm_of(p, n),
                   n > 0 ? p[0] : 0.0,
                   n > 0 ? p[n / 2] : 0.0,

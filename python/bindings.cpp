@@ -49,7 +49,10 @@ auto buffer_view(AlignedBuffer State::*member) {
   };
 }
 
-// group_steps of a FlatState or TableState, checked before anything is written.
+// group_steps of a FlatState or TableState, checked before anything is written. Every parameter's own
+// count (entry_steps) becomes its group's counter: a caller that sets group counters only keeps them
+// only, as format-version-1 state did (entry_steps_from_groups); set entry_steps after this to give
+// parameters counts of their own.
 template <typename State>
 void set_group_steps(State& s, const std::vector<int64_t>& steps) {
   if (steps.size() != s.layout->group_names.size())
@@ -57,7 +60,18 @@ void set_group_steps(State& s, const std::vector<int64_t>& steps) {
                                 std::to_string(s.layout->group_names.size()) + " groups");
   for (int64_t t : steps)
     if (t < 0) throw std::invalid_argument("a group step is negative: " + std::to_string(t));
+  std::vector<int64_t> entries = entry_steps_from_groups(*s.layout, steps);
   s.group_steps = steps;
+  s.entry_steps = std::move(entries);
+}
+
+// entry_steps of a FlatState or TableState (one per layout entry, each in [0, its group's counter]),
+// checked before anything is written.
+template <typename State>
+void set_entry_steps(State& s, const std::vector<int64_t>& steps) {
+  const std::string reason = entry_steps_invalid_reason(*s.layout, s.group_steps, steps);
+  if (!reason.empty()) throw std::invalid_argument("entry_steps: " + reason);
+  s.entry_steps = steps;
 }
 
 std::optional<Algorithm> parse_override(const std::optional<std::string>& text) {
@@ -95,6 +109,12 @@ py::dict header_dict(const StateFileHeader& h) {
   d["options"] = h.options;
   d["group_names"] = h.group_names;
   d["group_steps"] = h.group_steps;
+  // Version 2: {parameter name: its own step count}; None for a version-1 file (each parameter at its
+  // group's counter).
+  if (h.version >= 2)
+    d["entry_steps"] = h.entry_steps;
+  else
+    d["entry_steps"] = py::none();
   d["file_size"] = h.file_size;
   py::list tensors;
   for (const auto& t : h.tensors) {
@@ -119,6 +139,7 @@ PYBIND11_MODULE(_C, m) {
 
   m.attr("STATE_FORMAT") = kStateFormat;
   m.attr("STATE_FORMAT_VERSION") = kStateFormatVersion;
+  m.attr("STATE_FORMAT_OLDEST_VERSION") = kStateFormatOldestVersion;
   m.attr("ALIGN_FLOATS") = kAlignFloats;
 
   py::class_<Options>(m, "Options", "Hyper-parameters and variant knobs (options.h); groups in order")
@@ -267,7 +288,11 @@ PYBIND11_MODULE(_C, m) {
         auto& s = self.cast<FlatState&>();
         return view(s.has_grad.data(), static_cast<int64_t>(s.has_grad.size()), self);
       })
-      .def_property("group_steps", [](const FlatState& s) { return s.group_steps; }, &set_group_steps<FlatState>)
+      .def_property("group_steps", [](const FlatState& s) { return s.group_steps; }, &set_group_steps<FlatState>,
+                    "per group; setting it also sets every entry's count to its group's (set entry_steps after)")
+      .def_property("entry_steps", [](const FlatState& s) { return s.entry_steps; }, &set_entry_steps<FlatState>,
+                    "per layout entry: the steps in which that parameter had a gradient (AdamW's bias "
+                    "corrections use it); each in [0, its group's step]")
       .def("same_optimizer_state", &FlatState::same_optimizer_state, py::arg("other"));
 
   // Table mode (param_table.h): the caller's tensors by address, the optimizer's own memory beside them.
@@ -308,7 +333,11 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("row_var", buffer_view(&TableState::row_var))
       .def_property_readonly("exp_avg", buffer_view(&TableState::exp_avg))
       .def_property_readonly("exp_avg_sq", buffer_view(&TableState::exp_avg_sq))
-      .def_property("group_steps", [](const TableState& s) { return s.group_steps; }, &set_group_steps<TableState>);
+      .def_property("group_steps", [](const TableState& s) { return s.group_steps; }, &set_group_steps<TableState>,
+                    "per group; setting it also sets every entry's count to its group's (set entry_steps after)")
+      .def_property("entry_steps", [](const TableState& s) { return s.entry_steps; }, &set_entry_steps<TableState>,
+                    "per layout entry: the steps in which that parameter had a gradient; each in [0, its group's "
+                    "step]");
   m.def("table_to_flat", &table_to_flat, py::arg("state"), py::arg("table"), py::arg("flat"),
         "Table mode -> FlatState: parameters (fp32 or masters), gradients, state, steps");
   m.def("flat_to_table", &flat_to_table, py::arg("flat"), py::arg("state"), py::arg("table"),
@@ -410,11 +439,13 @@ PYBIND11_MODULE(_C, m) {
            py::arg("state"), "Device state -> host (synchronises; gradients stay on the device)")
       .def(
           "set_options",
-          [](FastCudaBackend& b, const Options& o, const std::optional<std::vector<int64_t>>& group_steps) {
-            b.set_options(o, group_steps ? &*group_steps : nullptr);
+          [](FastCudaBackend& b, const Options& o, const std::optional<std::vector<int64_t>>& group_steps,
+             const std::optional<std::vector<int64_t>>& entry_steps) {
+            b.set_options(o, group_steps ? &*group_steps : nullptr, entry_steps ? &*entry_steps : nullptr);
           },
-          py::arg("options"), py::arg("group_steps") = py::none(),
-          "group_steps: the counters before the next step, for host-exact AdamW bias corrections")
+          py::arg("options"), py::arg("group_steps") = py::none(), py::arg("entry_steps") = py::none(),
+          "The counts before the next step, for host-exact AdamW bias corrections: entry_steps, each "
+          "parameter's own (layout order); without it, group_steps gives every parameter its group's counter")
       .def("enqueue_step", &FastCudaBackend::enqueue_step)
       .def("finish_step", &FastCudaBackend::finish_step, py::arg("options"), py::call_guard<py::gil_scoped_release>())
       .def("capture_graph", &FastCudaBackend::capture_graph)
@@ -440,6 +471,7 @@ PYBIND11_MODULE(_C, m) {
              out["exp_avg_sq"] = entry(d.exp_avg_sq.data(), d.exp_avg_sq.size(), "<f4");
              out["has_grad"] = entry(d.has_grad.data(), d.has_grad.size(), "|u1");
              out["group_steps"] = entry(d.group_steps.data(), d.group_steps.size(), "<i8");
+             out["entry_steps"] = entry(d.entry_steps.data(), d.entry_steps.size(), "<i8");
              return out;
            })
       .def_static(
@@ -458,7 +490,8 @@ PYBIND11_MODULE(_C, m) {
       .def("fill_params", &GradientGenerator::fill_params, py::arg("state"));
 
   m.def("save_state", &save_state, py::arg("path"), py::arg("state"), py::arg("options"), py::arg("backend"),
-        py::call_guard<py::gil_scoped_release>(), "Atomic write of parameters, state, group steps and options");
+        py::call_guard<py::gil_scoped_release>(),
+        "Atomic write of parameters, state, group and entry steps and options (format version STATE_FORMAT_VERSION)");
   m.def("load_state",
         [](const std::string& path, FlatState& state) {
           Options options;

@@ -213,9 +213,10 @@ at::Tensor slot(const at::Tensor& flat, int64_t offset, const std::vector<int64_
   return flat.narrow(0, offset, numel).view(shape);
 }
 
-// The per-parameter loop every entry point shares, after the prologue (group steps already advanced).
+// The per-parameter loop every entry point shares, after the prologue (steps already advanced). AdamW's
+// bias corrections use the parameter's own step count (spec section 5).
 void run_parameters(const Layout& layout, const FlatTensors& t, const std::vector<uint8_t>& has_grad,
-                    const std::vector<int64_t>& group_steps, const Options& options, PhaseTimes* times) {
+                    const std::vector<int64_t>& entry_steps, const Options& options, PhaseTimes* times) {
   for (size_t i = 0; i < layout.entries.size(); ++i) {
     const LayoutEntry& e = layout.entries[i];
     if (!has_grad[i] || e.numel == 0) continue;  // untouched, state not advanced
@@ -228,18 +229,18 @@ void run_parameters(const Layout& layout, const FlatTensors& t, const std::vecto
                      times);
     } else {
       adamw_update(p, g, slot(t.exp_avg, e.adam_offset, e.shape, e.numel),
-                   slot(t.exp_avg_sq, e.adam_offset, e.shape, e.numel), group.adamw, group_steps[e.group], times);
+                   slot(t.exp_avg_sq, e.adam_offset, e.shape, e.numel), group.adamw, entry_steps[i], times);
     }
   }
 }
 
 // begin_step (core/src/step_prologue.cpp) for flat tensors on any device: the same checks, messages and
-// group-step advance. The whole gradient buffer is checked first (one device sync); only when something
+// advance of the group and entry steps. The whole gradient buffer is checked first (one device sync); only when something
 // in it is not finite (possibly padding between slots, which doesn't count) is each parameter checked,
 // in layout order, to find the first bad element the way find_nonfinite_gradient does.
 std::optional<StepResult> begin_flat_step(const Layout& layout, const at::Tensor& grads,
                                           const std::vector<uint8_t>& has_grad, std::vector<int64_t>& group_steps,
-                                          const Options& options) {
+                                          std::vector<int64_t>& entry_steps, const Options& options) {
   if (options.groups.size() != layout.group_names.size())
     throw std::invalid_argument("the options define " + std::to_string(options.groups.size()) +
                                 " groups but the layout was built with " + std::to_string(layout.group_names.size()));
@@ -261,6 +262,8 @@ std::optional<StepResult> begin_flat_step(const Layout& layout, const at::Tensor
         ++group_steps[g];
         break;
       }
+  for (size_t i = 0; i < layout.entries.size(); ++i)
+    if (has_grad[i] && layout.entries[i].numel > 0) ++entry_steps[i];
   return std::nullopt;
 }
 
@@ -332,7 +335,8 @@ ReferenceBackend::ReferenceBackend(ReferenceDevice device) : device_(device) {
 std::string ReferenceBackend::name() const { return std::string("reference-") + to_string(device_); }
 
 StepResult ReferenceBackend::step_flat(const Layout& layout, FlatTensors& t, const std::vector<uint8_t>& has_grad,
-                                       std::vector<int64_t>& group_steps, const Options& options) {
+                                       std::vector<int64_t>& group_steps, std::vector<int64_t>& entry_steps,
+                                       const Options& options) {
   const auto start = std::chrono::steady_clock::now();
   const at::DeviceType type = device_type(device_);
   check_flat("params", t.params, layout.param_floats, type);
@@ -352,10 +356,13 @@ StepResult ReferenceBackend::step_flat(const Layout& layout, FlatTensors& t, con
   if (group_steps.size() != layout.group_names.size())
     throw std::invalid_argument("step_flat: " + std::to_string(group_steps.size()) + " group steps for " +
                                 std::to_string(layout.group_names.size()) + " groups");
+  if (entry_steps.size() != layout.entries.size())
+    throw std::invalid_argument("step_flat: " + std::to_string(entry_steps.size()) + " entry steps for " +
+                                std::to_string(layout.entries.size()) + " parameters");
 
   times_ = PhaseTimes{};
-  if (auto skipped = begin_flat_step(layout, t.grads, has_grad, group_steps, options)) return *skipped;
-  run_parameters(layout, t, has_grad, group_steps, options, timing_ ? &times_ : nullptr);
+  if (auto skipped = begin_flat_step(layout, t.grads, has_grad, group_steps, entry_steps, options)) return *skipped;
+  run_parameters(layout, t, has_grad, entry_steps, options, timing_ ? &times_ : nullptr);
   if (timing_) {
     synchronize(t.params.device());
     times_.total = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
@@ -373,7 +380,7 @@ StepResult ReferenceBackend::step(FlatState& state, const Options& options) {
     // In place on views of the state's buffers: what it writes is exactly what a state file saves.
     times_ = PhaseTimes{};
     if (auto skipped = begin_step(state, options)) return *skipped;
-    run_parameters(layout, host, state.has_grad, state.group_steps, options, timing_ ? &times_ : nullptr);
+    run_parameters(layout, host, state.has_grad, state.entry_steps, options, timing_ ? &times_ : nullptr);
     if (timing_)
       times_.total = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     return {};
@@ -392,7 +399,7 @@ StepResult ReferenceBackend::step(FlatState& state, const Options& options) {
     have_staged_ = true;
   }
   for (int k = 0; k < 6; ++k) dev[k]->copy_(*src[k]);
-  const StepResult result = step_flat(layout, staged_, state.has_grad, state.group_steps, options);
+  const StepResult result = step_flat(layout, staged_, state.has_grad, state.group_steps, state.entry_steps, options);
   if (!result.skipped) {  // grads are read only: everything else comes back (copy_ to host memory waits)
     for (int k = 0; k < 6; ++k)
       if (k != 1) src[k]->copy_(*dev[k]);

@@ -47,12 +47,13 @@ class ReferenceBackend : public Backend {
 
   // The same step on device-resident flat tensors (e.g. memory owned by another backend, via wrap_flat):
   // the same per-parameter loop on views of `t`, the same NaN/Inf check and messages as begin_step
-  // (core/step_prologue.h), the same group-step advance. The tensors must be on this backend's device
-  // type. has_grad has one flag per layout entry, group_steps one counter per group (advanced here).
-  // Work is queued on the device's current stream; a caller writing the memory on another stream
-  // synchronises first.
+  // (core/step_prologue.h), the same advance of the steps. The tensors must be on this backend's device
+  // type. has_grad has one flag per layout entry, group_steps one counter per group, entry_steps one
+  // count per layout entry (FlatState::entry_steps; both advanced here, AdamW's bias corrections use
+  // entry_steps). Work is queued on the device's current stream; a caller writing the memory on another
+  // stream synchronises first.
   StepResult step_flat(const Layout& layout, FlatTensors& t, const std::vector<uint8_t>& has_grad,
-                       std::vector<int64_t>& group_steps, const Options& options);
+                       std::vector<int64_t>& group_steps, std::vector<int64_t>& entry_steps, const Options& options);
 
  private:
   ReferenceDevice device_;
@@ -70,7 +71,7 @@ at::Tensor newton_schulz(const at::Tensor& update, const NorMuonHyper& h);
 // `times` (optional) receives the time of each phase (on CUDA the clock synchronises the device).
 void normuon_update(at::Tensor p, const at::Tensor& g, at::Tensor M, at::Tensor v, const NorMuonHyper& h,
                     bool stats_per_row, PhaseTimes* times = nullptr);
-// One AdamW step (torch.optim.AdamW, single-tensor path) of one tensor at group step t >= 1.
+// One AdamW step (torch.optim.AdamW, single-tensor path) of one tensor at its own step count t >= 1.
 void adamw_update(at::Tensor p, const at::Tensor& g, at::Tensor m, at::Tensor v, const AdamWHyper& h, int64_t t,
                   PhaseTimes* times = nullptr);
 

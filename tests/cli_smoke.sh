@@ -75,6 +75,22 @@ tensors() { "$tool" inspect "$1" | grep '^  [0-9a-f]\{8\} '; }
 [ "$(tensors "$dir/straight.safetensors")" = "$(tensors "$dir/resumed.safetensors")" ] ||
   fail "7 steps straight and 4 + 3 resumed differ"
 
+# ... and when parameters of one group miss gradients in turn: each keeps its own step count (AdamW's bias
+# corrections), saved in the file (format version 2) and carried on by the resumed run. With period 2,
+# `a` misses the even steps and `b` the odd ones: after 7 steps the group is at 7, `a` at 4 and `b` at 3.
+printf 'name,shape,role\na,4,bias\nb,4,bias\n' >"$dir/pair.csv"
+common=(--manifest "$dir/pair.csv" --missing-grad-period 2 --quiet)
+"$tool" run "${common[@]}" --steps 7 --save "$dir/pair-straight.safetensors" >/dev/null
+"$tool" run "${common[@]}" --steps 4 --save "$dir/pair-first.safetensors" >/dev/null
+"$tool" run "${common[@]}" --steps 3 --load "$dir/pair-first.safetensors" --save "$dir/pair-resumed.safetensors" \
+  >/dev/null
+expect_output "format:   normuon-state version 2" "$tool" inspect "$dir/pair-resumed.safetensors"
+expect_output "group:    adamw at step 7" "$tool" inspect "$dir/pair-resumed.safetensors"
+expect_output " a  (step 4)$" "$tool" inspect "$dir/pair-resumed.safetensors"
+expect_output " b  (step 3)$" "$tool" inspect "$dir/pair-resumed.safetensors"
+[ "$(tensors "$dir/pair-straight.safetensors")" = "$(tensors "$dir/pair-resumed.safetensors")" ] ||
+  fail "7 steps straight and 4 + 3 resumed differ when the parameters of a group miss gradients in turn"
+
 # A manifest that starts with a UTF-8 byte order mark.
 printf '\xef\xbb\xbfname,shape\nw,4x4\n' >"$dir/bom.csv"
 expect_output "1 parameters" "$tool" layout --manifest "$dir/bom.csv"

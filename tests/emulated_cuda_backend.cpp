@@ -50,6 +50,7 @@ struct EmulatedCudaBackend::Impl {
   DeviceBytes gram, bmat, tmat, umat;
   std::vector<double> partials;
   std::vector<cuda::GroupScalars> groups;
+  std::vector<cuda::EntryScalars> entry_scalars;  // kept between steps, as the device's (flags cleared there)
   std::vector<cuda::MatrixScalars> matrix_scalars;
   std::vector<double> stat_sums;
   std::vector<float> inv_scale;
@@ -117,7 +118,7 @@ EmulatedCudaBackend::~EmulatedCudaBackend() = default;
 void EmulatedCudaBackend::enqueue_step(FlatState& state, const Options& options, bool host_bias) {
   Impl& im = *impl_;
   if (state.layout != &im.layout) throw std::invalid_argument("fast-cuda-emulated: the state has another layout");
-  set_scalars(options, state.group_steps.data(), host_bias);
+  set_scalars(options, host_bias ? &state.entry_steps : nullptr);
 
   // The flat buffers as FastCudaBackend points the operand table at them.
   const void* grads = state.grads.data();
@@ -134,7 +135,7 @@ void EmulatedCudaBackend::enqueue_step(FlatState& state, const Options& options,
                                          im.config.grad_type, cuda::ElemType::bf16};
   }
   run(state.momentum.data(), state.row_var.data(), state.exp_avg.data(), state.exp_avg_sq.data(),
-      state.has_grad.data(), state.group_steps.data());
+      state.has_grad.data(), state.group_steps.data(), state.entry_steps.data());
 }
 
 void EmulatedCudaBackend::enqueue_step(TableState& state, const ParamTable& table, const Options& options,
@@ -144,7 +145,7 @@ void EmulatedCudaBackend::enqueue_step(TableState& state, const ParamTable& tabl
     throw std::invalid_argument("fast-cuda-emulated: the state has another layout");
   const std::string reason = table.invalid_reason();
   if (!reason.empty()) throw std::invalid_argument(reason);
-  set_scalars(options, state.group_steps.data(), true);
+  set_scalars(options, &state.entry_steps);
   // As FastCudaBackend::set_tensors: the caller's tensors, masters for bf16 / fp16 parameters.
   im.operands.resize(im.layout.entries.size());
   im.table_has_grad.resize(im.layout.entries.size());
@@ -153,7 +154,7 @@ void EmulatedCudaBackend::enqueue_step(TableState& state, const ParamTable& tabl
     im.table_has_grad[e] = table.grads[e].data != nullptr;
   }
   run(state.momentum.data(), state.row_var.data(), state.exp_avg.data(), state.exp_avg_sq.data(),
-      im.table_has_grad.data(), state.group_steps.data(), grad_scale, found_inf);
+      im.table_has_grad.data(), state.group_steps.data(), state.entry_steps.data(), grad_scale, found_inf);
 }
 
 StepResult EmulatedCudaBackend::step(TableState& state, const ParamTable& table, const Options& options,
@@ -162,19 +163,20 @@ StepResult EmulatedCudaBackend::step(TableState& state, const ParamTable& table,
   return finish_step(options);
 }
 
-void EmulatedCudaBackend::set_scalars(const Options& options, const int64_t* group_steps, bool host_bias) {
+void EmulatedCudaBackend::set_scalars(const Options& options, const std::vector<int64_t>* entry_steps) {
   Impl& im = *impl_;
   if (options.groups.size() != im.layout.group_names.size())
     throw std::invalid_argument("fast-cuda-emulated: the options have another number of groups");
   im.groups.clear();
-  for (size_t g = 0; g < options.groups.size(); ++g)
-    im.groups.push_back(cuda::group_scalars(options.groups[g], host_bias ? &group_steps[g] : nullptr));
+  for (size_t g = 0; g < options.groups.size(); ++g) im.groups.push_back(cuda::group_scalars(options.groups[g]));
+  // As FastCudaBackend::set_options: host-exact per entry with the counts, else derived on the device.
+  cuda::fill_entry_scalars(im.layout, options, nullptr, entry_steps, im.entry_scalars);
   cuda::fill_matrix_scalars(im.plan.matrices, options, im.matrix_scalars);
 }
 
 void EmulatedCudaBackend::run(float* momentum, float* row_var, float* exp_avg, float* exp_avg_sq,
-                              const uint8_t* has_grad, int64_t* group_steps, const float* grad_scale,
-                              const float* found_inf) {
+                              const uint8_t* has_grad, int64_t* group_steps, int64_t* entry_steps,
+                              const float* grad_scale, const float* found_inf) {
   Impl& im = *impl_;
   cuda::StepBuffers b{};
   b.grad_scale = grad_scale;
@@ -186,6 +188,8 @@ void EmulatedCudaBackend::run(float* momentum, float* row_var, float* exp_avg, f
   b.exp_avg_sq = exp_avg_sq;
   b.has_grad = has_grad;
   b.group_steps = group_steps;
+  b.entry_steps = entry_steps;
+  b.entry_scalars = im.entry_scalars.data();
   b.n_entries = static_cast<int32_t>(im.plan.entries.size());
   b.n_groups = static_cast<int32_t>(im.groups.size());
   b.entries = im.plan.entries.data();

@@ -39,8 +39,9 @@ class EmulatedCudaBackend : public Backend {
   StepResult step(FlatState& state, const Options& options) override;
 
   // The two halves, as the CUDA backend has them. enqueue_step runs the launches on `state`; with
-  // host_bias = false the step-counter kernel derives the bias corrections itself, as in a replayed CUDA
-  // graph. finish_step reads (and clears) the sticky step status.
+  // host_bias = true the AdamW bias corrections come from the host (from state.entry_steps, as
+  // FastCudaBackend::set_options with the counts), with false the step-counter kernel derives them itself
+  // from its per-entry counts, as in a replayed CUDA graph. finish_step reads (and clears) the sticky step status.
   void enqueue_step(FlatState& state, const Options& options, bool host_bias);
   StepResult finish_step(const Options& options);
   // Table mode, as FastCudaBackend::set_tensors + enqueue_step: the caller's (host) tensors in place.
@@ -55,9 +56,11 @@ class EmulatedCudaBackend : public Backend {
   const std::vector<uint16_t>& params_bf16() const { return params_bf16_; }
 
  private:
-  void set_scalars(const Options& options, const int64_t* group_steps, bool host_bias);
+  void set_scalars(const Options& options, const std::vector<int64_t>* entry_steps);  // nullptr: device-derived
+  // The launches of one step over im.operands.
   void run(float* momentum, float* row_var, float* exp_avg, float* exp_avg_sq, const uint8_t* has_grad,
-           int64_t* group_steps, const float* grad_scale = nullptr, const float* found_inf = nullptr);  // the launches of one step over im.operands
+           int64_t* group_steps, int64_t* entry_steps, const float* grad_scale = nullptr,
+           const float* found_inf = nullptr);
   struct Impl;
   std::unique_ptr<Impl> impl_;
   std::vector<uint16_t> params_bf16_;

@@ -18,7 +18,7 @@
 
 namespace normuon::test {
 
-// The first difference in what a step writes (parameters, optimizer state, group steps), or "".
+// The first difference in what a step writes (parameters, optimizer state, group and entry steps), or "".
 inline std::string first_difference(const FlatState& expected, const FlatState& actual) {
   const struct {
     const char* name;
@@ -40,6 +40,7 @@ inline std::string first_difference(const FlatState& expected, const FlatState& 
       }
   }
   if (expected.group_steps != actual.group_steps) return "group steps differ";
+  if (expected.entry_steps != actual.entry_steps) return "entry steps differ";
   return "";
 }
 

@@ -12,11 +12,13 @@
 #include <string>
 
 #include "comparator.h"
+#include "drift_case.h"
 #include "knob_variants.h"
 #include "state_crossing.h"
 #include "step_checks.h"
 #include "fast_cpu_backend.h"
 #include "normuon/grad_gen.h"
+#include "normuon/param_table.h"
 #include "normuon/presets.h"
 #include "reference_backend.h"
 
@@ -450,7 +452,66 @@ BOOST_AUTO_TEST_CASE(check_without_stepping_holds_parameters_and_counters_to_equ
   BOOST_TEST(counters.failures == 1);
   BOOST_REQUIRE(counters.first_divergence.has_value());
   BOOST_TEST(counters.first_divergence->what == "group 'adamw' step counter: reference 0, candidate 5");
+  // A parameter's own step count (AdamW's bias corrections) is a counter of its own.
+  b.group_steps[1] = a.group_steps[1];
+  const int bias = layout.find("transformer.h.0.ln_1.bias");
+  BOOST_REQUIRE(bias >= 0);
+  b.entry_steps[static_cast<size_t>(bias)] = 2;
+  const StepReport own = comparator.check(a, b, 0);
+  BOOST_TEST(own.failures == 1);
+  BOOST_REQUIRE(own.first_divergence.has_value());
+  BOOST_TEST(own.first_divergence->what == "parameter 'transformer.h.0.ln_1.bias' step count: reference 0, candidate 2");
+  Comparator::sync(a, b);  // resync copies the counts too
+  BOOST_TEST(comparator.check(a, b, 0).ok());
   BOOST_TEST(comparator.summary().steps == 0);  // checks are not steps
+}
+
+// Issue 12's drift case (drift_case.h): the fast backend, on its flat state and in table mode over the
+// caller's tensors, gives every AdamW parameter the bias corrections of its own step count, bit for bit the
+// reference and torch's AdamW transcribed per element.
+BOOST_AUTO_TEST_CASE(fast_backend_counts_each_parameters_own_steps_in_both_modes) {
+  const Options options = drift_options();
+  const Layout layout = Layout::build(drift_manifest(), options);
+  ReferenceBackend reference;
+  FastCpuBackend flat_backend(layout, options), table_backend(layout, options);
+  FlatState ref(layout), flat(layout), values(layout);
+  drift_generator().fill_params(ref);
+  Comparator::sync(ref, flat);
+  Comparator::sync(ref, values);
+  TableState table_state(layout);
+  ParamTable table(layout);
+  std::vector<std::vector<float>> params(layout.entries.size());
+  for (size_t e = 0; e < layout.entries.size(); ++e) {
+    params[e].assign(ref.param(static_cast<int>(e)), ref.param(static_cast<int>(e)) + layout.entries[e].numel);
+    table.params[e].data = params[e].data();
+  }
+  for (int64_t step = 1; step <= kDriftSteps; ++step) {
+    for (FlatState* s : {&ref, &flat, &values}) fill_drift_gradients(*s, step);
+    for (size_t e = 0; e < layout.entries.size(); ++e)
+      table.grads[e] = TensorRef{values.has_grad[e] ? values.grad(static_cast<int>(e)) : nullptr, DType::f32, {}};
+    BOOST_REQUIRE(!reference.step(ref, options).skipped);
+    BOOST_REQUIRE(!flat_backend.step(flat, options).skipped);
+    BOOST_REQUIRE(!table_backend.step(table_state, table, options).skipped);
+    BOOST_TEST((table_state.entry_steps == drift_entry_steps(layout, step)), "step " << step);
+  }
+  FlatState from_table(layout);
+  table_to_flat(table_state, table, from_table);
+  BOOST_TEST(drift_difference(ref, options, kDriftSteps) == "");
+  BOOST_TEST(drift_difference(flat, options, kDriftSteps) == "");
+  BOOST_TEST(drift_difference(from_table, options, kDriftSteps) == "");
+  BOOST_TEST(from_table.group_steps == ref.group_steps);
+
+  // Skipped steps advance no count, in either mode.
+  Options skip = options;
+  skip.nonfinite = NonFinitePolicy::skip_step;
+  fill_drift_gradients(flat, kDriftSteps + 1);
+  flat.grad(layout.find("a"))[0] = NAN;
+  const std::vector<int64_t> counts = flat.entry_steps;
+  BOOST_TEST(flat_backend.step(flat, skip).skipped);
+  BOOST_TEST(flat.entry_steps == counts);
+  table.grads[static_cast<size_t>(layout.find("a"))] = TensorRef{flat.grad(layout.find("a")), DType::f32, {}};
+  BOOST_TEST(table_backend.step(table_state, table, skip).skipped);
+  BOOST_TEST(table_state.entry_steps == counts);
 }
 
 // ---- (f) state files across backends -----------------------------------------------------------------

@@ -6,7 +6,9 @@
 //
 // Cases: the comparator's tolerances on every knob (momentum and AdamW exact, Newton-Schulz within the
 // bf16/fp32 bounds), odd shapes and groups in both compare modes, independence from the order threads
-// and blocks run in, the device-derived AdamW bias corrections of a graph replay, NaN/Inf gradients
+// and blocks run in, the device-derived AdamW bias corrections of a graph replay, each parameter's own
+// step count for its bias corrections (issue 12's drift case, host-exact and device-derived, flat and
+// table mode), NaN/Inf gradients
 // (reported as every backend reports them, nothing written, the status sticking until finish_step),
 // bf16 gradients and the bf16 parameter copy, and the launch count of the plan.
 #define BOOST_TEST_MODULE cuda_emulated
@@ -21,6 +23,7 @@
 
 #include "comparator.h"
 #include "cuda_test_models.h"
+#include "drift_case.h"
 #include "emulated_cuda_backend.h"
 #include "knob_variants.h"
 #include "step_checks.h"
@@ -400,13 +403,67 @@ BOOST_AUTO_TEST_CASE(a_gradient_scalers_scale_is_divided_out_as_read_and_found_i
   BOOST_TEST(first_difference(a, b) == "");
 
   kGenerator.fill_gradients(values, 4);
-  const std::vector<int64_t> steps_before = scaled.group_steps;
+  const std::vector<int64_t> steps_before = scaled.group_steps, entry_steps_before = scaled.entry_steps;
   const std::vector<std::vector<float>> params_before = scaled_params;
   BOOST_TEST(!scaled_backend.step(scaled, scaled_table, options, &scale, &inf_found).skipped);
   BOOST_TEST(scaled.group_steps == steps_before);
+  BOOST_TEST(scaled.entry_steps == entry_steps_before);
   BOOST_TEST(scaled_params == params_before);
   FlatState after(layout);
   table_to_flat(scaled, scaled_table, after);
   after.grads = b.grads;
   BOOST_TEST(first_difference(b, after) == "");
+}
+
+// Issue 12's drift case (drift_case.h) through the kernels: the step-counter kernel advances each
+// parameter's own count, and the AdamW kernel takes the bias corrections of that count, whether the host
+// computed them (set_options with the counts) or the kernel derived them (a graph replay): bit for bit the
+// reference and torch's AdamW transcribed per element, on the flat state and in table mode.
+BOOST_AUTO_TEST_CASE(adamw_bias_corrections_use_each_parameters_own_step_count) {
+  const Options options = drift_options();
+  const Layout layout = Layout::build(drift_manifest(), options);
+  ReferenceBackend reference;
+  EmulatedCudaBackend host_backend(layout, options), device_backend(layout, options), table_backend(layout, options);
+  FlatState ref(layout), host(layout), device(layout), values(layout);
+  for (FlatState* s : {&ref, &host, &device, &values}) drift_generator().fill_params(*s);
+  TableState table_state(layout);
+  ParamTable table(layout);
+  std::vector<std::vector<float>> params(layout.entries.size());
+  for (size_t e = 0; e < layout.entries.size(); ++e) {
+    params[e].assign(ref.param(static_cast<int>(e)), ref.param(static_cast<int>(e)) + layout.entries[e].numel);
+    table.params[e].data = params[e].data();
+  }
+  for (int64_t step = 1; step <= kDriftSteps; ++step) {
+    for (FlatState* s : {&ref, &host, &device, &values}) fill_drift_gradients(*s, step);
+    for (size_t e = 0; e < layout.entries.size(); ++e)
+      table.grads[e] = TensorRef{values.has_grad[e] ? values.grad(static_cast<int>(e)) : nullptr, DType::f32, {}};
+    BOOST_REQUIRE(!reference.step(ref, options).skipped);
+    host_backend.enqueue_step(host, options, /*host_bias=*/true);
+    device_backend.enqueue_step(device, options, /*host_bias=*/false);
+    BOOST_REQUIRE(!host_backend.finish_step(options).skipped);
+    BOOST_REQUIRE(!device_backend.finish_step(options).skipped);
+    BOOST_REQUIRE(!table_backend.step(table_state, table, options).skipped);
+    BOOST_TEST((device.entry_steps == drift_entry_steps(layout, step)), "step " << step);
+  }
+  FlatState from_table(layout);
+  table_to_flat(table_state, table, from_table);
+  BOOST_TEST(drift_difference(ref, options, kDriftSteps) == "");
+  BOOST_TEST(drift_difference(host, options, kDriftSteps) == "");
+  BOOST_TEST(drift_difference(device, options, kDriftSteps) == "");
+  BOOST_TEST(drift_difference(from_table, options, kDriftSteps) == "");
+  BOOST_TEST((from_table.group_steps == ref.group_steps));
+  BOOST_TEST(first_difference(host, device) == "");  // the NorMuon matrix too: the same kernels
+
+  // A skipped step (NaN, or the gradient scaler's found_inf) advances no count.
+  Options skip = options;
+  skip.nonfinite = NonFinitePolicy::skip_step;
+  fill_drift_gradients(host, kDriftSteps + 1);
+  host.grad(layout.find("b"))[5] = NAN;
+  const FlatState before = host;
+  BOOST_TEST(host_backend.step(host, skip).skipped);
+  BOOST_TEST(first_difference(before, host) == "");
+  const float scale = 1.0f, inf_found = 1.0f;
+  const std::vector<int64_t> counts = table_state.entry_steps;
+  BOOST_TEST(!table_backend.step(table_state, table, skip, &scale, &inf_found).skipped);
+  BOOST_TEST(table_state.entry_steps == counts);
 }

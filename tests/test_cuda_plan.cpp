@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -318,6 +319,44 @@ BOOST_AUTO_TEST_CASE(plan_of_odd_shapes_and_groups) {
   BOOST_TEST(tasks_of("wide") == 3);
   BOOST_TEST(tasks_of("col") == 5);  // 37 rows
   BOOST_TEST(tasks_of("row") == 1);  // 37 columns
+}
+
+// set_options' AdamW bias corrections per entry (cuda::fill_entry_scalars): from each parameter's own
+// count when given, else from its group's counter (a caller that keeps group counters only, as
+// format-version-1 state did), else left to the step-counter kernel.
+BOOST_AUTO_TEST_CASE(entry_scalars_come_from_each_parameters_own_count) {
+  const Options options = odd_options();
+  const Layout layout = Layout::build(odd_manifest(), options);
+  std::vector<int64_t> groups(layout.group_names.size()), entries(layout.entries.size());
+  for (size_t g = 0; g < groups.size(); ++g) groups[g] = 10 + static_cast<int64_t>(g);
+  for (size_t e = 0; e < entries.size(); ++e) entries[e] = static_cast<int64_t>(e % 4);  // 0 .. 3
+  auto expected = [&](size_t e, int64_t taken) {
+    const AdamWHyper& h = options.groups[static_cast<size_t>(layout.entries[e].group)].adamw;
+    const double t = static_cast<double>(taken + 1);
+    return std::pair<float, float>{static_cast<float>(std::sqrt(1 - std::pow(h.beta2, t))),
+                                   static_cast<float>(-(h.lr / (1 - std::pow(h.beta1, t))))};
+  };
+  std::vector<cuda::EntryScalars> out;
+  cuda::fill_entry_scalars(layout, options, &groups, &entries, out);
+  BOOST_REQUIRE(out.size() == layout.entries.size());
+  for (size_t e = 0; e < out.size(); ++e) {
+    const auto [bc2_sqrt, neg_step] = expected(e, entries[e]);
+    BOOST_TEST(out[e].bias_from_host == 1);
+    BOOST_TEST(out[e].adam_bc2_sqrt == bc2_sqrt, layout.entries[e].name);
+    BOOST_TEST(out[e].adam_neg_step_size == neg_step, layout.entries[e].name);
+  }
+  cuda::fill_entry_scalars(layout, options, &groups, nullptr, out);
+  for (size_t e = 0; e < out.size(); ++e) {
+    const auto [bc2_sqrt, neg_step] = expected(e, groups[static_cast<size_t>(layout.entries[e].group)]);
+    BOOST_TEST(out[e].bias_from_host == 1);
+    BOOST_TEST(out[e].adam_bc2_sqrt == bc2_sqrt, layout.entries[e].name);
+    BOOST_TEST(out[e].adam_neg_step_size == neg_step, layout.entries[e].name);
+  }
+  cuda::fill_entry_scalars(layout, options, nullptr, nullptr, out);
+  for (const cuda::EntryScalars& s : out) BOOST_TEST(s.bias_from_host == 0);
+  const std::vector<int64_t> short_entries(entries.size() - 1, 0), short_groups(groups.size() - 1, 0);
+  BOOST_CHECK_THROW(cuda::fill_entry_scalars(layout, options, nullptr, &short_entries, out), std::invalid_argument);
+  BOOST_CHECK_THROW(cuda::fill_entry_scalars(layout, options, &short_groups, nullptr, out), std::invalid_argument);
 }
 
 BOOST_AUTO_TEST_CASE(plan_of_a_model_without_normuon_or_adamw) {

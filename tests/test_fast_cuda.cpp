@@ -3,7 +3,7 @@
 // files crossing to and from the fast CPU backend, CUDA graph replay against eager steps (options
 // changing between replays), no device allocation in a step, phase timing, a caller's stream, NaN/Inf
 // gradients (fp32 and bf16; the status sticks until finish_step), bf16 gradients and the bf16 parameter
-// copy, and parameters without a gradient.
+// copy, parameters without a gradient, and each parameter's own step count for its AdamW bias corrections.
 //
 // Without a usable GPU the executable prints "SKIPPED: <reason>" and exits with 77, which CTest reports
 // as skipped (SKIP_RETURN_CODE). Cases needing the reference or the fast CPU backend are compiled only
@@ -14,6 +14,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -30,10 +31,12 @@
 #include "cuda_device.h"
 #include "fast_cuda_backend.h"
 #include "normuon/grad_gen.h"
+#include "normuon/param_table.h"
 #include "normuon/presets.h"
 #include "normuon/step_prologue.h"
 #include "step_plan.h"
 #include "cuda_test_models.h"
+#include "drift_case.h"
 #include "knob_variants.h"
 #include "state_crossing.h"
 #include "step_checks.h"
@@ -962,4 +965,98 @@ BOOST_AUTO_TEST_CASE(parameters_without_gradients_stay_unchanged) {
         BOOST_TEST((state.group_steps == std::vector<int64_t>{7, 7}));
     }
   }
+}
+
+// Issue 12's drift case (drift_case.h) on the GPU: each parameter's own step count drives its AdamW bias
+// corrections. Host-exact through Backend::step (it passes the counts) and in table mode
+// (set_options(options, group_steps, entry_steps)), derived on the device when set_options gets no counts
+// (eager steps, then graph replays; pow on the device may differ from the host's in the last bit of the
+// double, which for these counts does not reach the fp32 values); and, for a caller that keeps group
+// counters only (set_options(options, group_steps), the Python package before it adopts entry_steps),
+// every parameter at its group's counter, as state format version 1 did.
+BOOST_AUTO_TEST_CASE(adamw_bias_corrections_use_each_parameters_own_step_count) {
+  const Options options = drift_options();
+  const Layout layout = Layout::build(drift_manifest(), options);
+  FlatState initial(layout);
+  drift_generator().fill_params(initial);
+
+  FastCudaBackend flat_backend(layout, options);
+  FlatState flat = initial;
+  for (int64_t s = 1; s <= kDriftSteps; ++s) {
+    fill_drift_gradients(flat, s);
+    BOOST_REQUIRE(!flat_backend.step(flat, options).skipped);
+  }
+  BOOST_TEST(drift_difference(flat, options, kDriftSteps) == "");
+
+  // Device-resident: derived on the device (eager, then replays of a captured graph), and group counters only.
+  FastCudaBackend derived(layout, options), groups_only(layout, options);
+  derived.device_state().upload(initial, derived.stream());
+  groups_only.device_state().upload(initial, groups_only.stream());
+  FlatState grads(layout), counters(layout);
+  for (int64_t s = 1; s <= kDriftSteps; ++s) {
+    fill_drift_gradients(grads, s);
+    upload_gradients(derived, grads);
+    derived.set_options(options);
+    if (s <= 2) {
+      derived.enqueue_step();
+    } else {
+      if (s == 3) BOOST_REQUIRE_NO_THROW(derived.capture_graph());
+      derived.replay_graph();
+    }
+    BOOST_TEST(!derived.finish_step(options).skipped);
+    upload_gradients(groups_only, grads);
+    groups_only.set_options(options, &counters.group_steps);
+    groups_only.enqueue_step();
+    BOOST_TEST(!groups_only.finish_step(options).skipped);
+    counters.has_grad = grads.has_grad;
+    BOOST_REQUIRE(!begin_step(counters, options));  // the host's copy of the counters
+  }
+  BOOST_TEST(drift_difference(download(derived, layout), options, kDriftSteps) == "");
+  const FlatState v1 = download(groups_only, layout);
+  for (const char* name : {"a", "b", "e", "s"}) {
+    const int e = layout.find(name);
+    BOOST_TEST(adamw_difference(v1, e, expected_adamw(layout, options, e, kDriftSteps, /*group_count=*/true)) == "",
+               name);
+  }
+
+  // Table mode: the caller's device tensors, the counts from the host's copy.
+  FastCudaConfig config;
+  config.caller_tensors = true;
+  FastCudaBackend table_backend(layout, options, config);
+  table_backend.device_state().upload(initial, table_backend.stream());
+  ParamTable table(layout);
+  std::vector<float*> params(layout.entries.size()), device_grads(layout.entries.size());
+  for (size_t e = 0; e < layout.entries.size(); ++e) {
+    const size_t bytes = sizeof(float) * static_cast<size_t>(std::max<int64_t>(1, layout.entries[e].numel));
+    CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&params[e]), bytes));
+    CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&device_grads[e]), bytes));
+    CHECK_CUDA(cudaMemcpy(params[e], initial.param(static_cast<int>(e)), sizeof(float) * layout.entries[e].numel,
+                          cudaMemcpyHostToDevice));
+    table.params[e].data = params[e];
+  }
+  FlatState host_counts(layout);
+  for (int64_t s = 1; s <= kDriftSteps; ++s) {
+    fill_drift_gradients(grads, s);
+    for (size_t e = 0; e < layout.entries.size(); ++e) {
+      CHECK_CUDA(cudaMemcpy(device_grads[e], grads.grad(static_cast<int>(e)), sizeof(float) * layout.entries[e].numel,
+                            cudaMemcpyHostToDevice));
+      table.grads[e] = TensorRef{grads.has_grad[e] ? device_grads[e] : nullptr, DType::f32, {}};
+    }
+    table_backend.set_tensors(table);
+    table_backend.set_options(options, &host_counts.group_steps, &host_counts.entry_steps);
+    table_backend.enqueue_step();
+    BOOST_TEST(!table_backend.finish_step(options).skipped);
+    host_counts.has_grad = grads.has_grad;
+    BOOST_REQUIRE(!begin_step(host_counts, options));
+  }
+  FlatState from_table(layout);
+  table_backend.device_state().download(from_table, table_backend.stream());
+  for (size_t e = 0; e < layout.entries.size(); ++e) {
+    CHECK_CUDA(cudaMemcpy(from_table.param(static_cast<int>(e)), params[e], sizeof(float) * layout.entries[e].numel,
+                          cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaFree(params[e]));
+    CHECK_CUDA(cudaFree(device_grads[e]));
+  }
+  BOOST_TEST(drift_difference(from_table, options, kDriftSteps) == "");
+  BOOST_TEST(from_table.entry_steps == host_counts.entry_steps);
 }

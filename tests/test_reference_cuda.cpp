@@ -170,7 +170,7 @@ BOOST_AUTO_TEST_CASE(step_flat_on_host_views_equals_step) {
       kGenerator.fill_gradients(sa, step);
       kGenerator.fill_gradients(sb, step);
       BOOST_TEST(!a.step(sa, options).skipped);
-      BOOST_TEST(!b.step_flat(layout, views, sb.has_grad, sb.group_steps, options).skipped);
+      BOOST_TEST(!b.step_flat(layout, views, sb.has_grad, sb.group_steps, sb.entry_steps, options).skipped);
       BOOST_TEST(same_state(sa, sb), precision << " step " << step);
     }
   }
@@ -188,7 +188,7 @@ BOOST_AUTO_TEST_CASE(step_flat_on_odd_shapes_equals_step) {
     kGenerator.fill_gradients(sa, step);
     kGenerator.fill_gradients(sb, step);
     a.step(sa, options);
-    b.step_flat(layout, views, sb.has_grad, sb.group_steps, options);
+    b.step_flat(layout, views, sb.has_grad, sb.group_steps, sb.entry_steps, options);
     BOOST_TEST(same_state(sa, sb), "step " << step);
   }
 }
@@ -216,7 +216,7 @@ BOOST_AUTO_TEST_CASE(step_flat_reports_nonfinite_gradients_like_begin_step) {
   };
   const std::string from_step = message_of([&] { backend.step(s, Options()); });
   const std::string from_flat =
-      message_of([&] { backend.step_flat(layout, views, s.has_grad, s.group_steps, Options()); });
+      message_of([&] { backend.step_flat(layout, views, s.has_grad, s.group_steps, s.entry_steps, Options()); });
   BOOST_TEST(from_step.find("element 17") != std::string::npos, from_step);
   BOOST_TEST(from_flat == from_step);
   BOOST_TEST(same_state(s, before));
@@ -224,7 +224,7 @@ BOOST_AUTO_TEST_CASE(step_flat_reports_nonfinite_gradients_like_begin_step) {
   Options skip;
   skip.set("nonfinite=skip_step");
   const StepResult r1 = backend.step(s, skip);
-  const StepResult r2 = backend.step_flat(layout, views, s.has_grad, s.group_steps, skip);
+  const StepResult r2 = backend.step_flat(layout, views, s.has_grad, s.group_steps, s.entry_steps, skip);
   BOOST_TEST(r1.skipped);
   BOOST_TEST(r2.skipped);
   BOOST_TEST(r2.reason == r1.reason);
@@ -235,7 +235,7 @@ BOOST_AUTO_TEST_CASE(step_flat_reports_nonfinite_gradients_like_begin_step) {
   const LayoutEntry& first = layout.entries[0];
   const bool padded = align_up(first.numel) > first.numel;
   if (padded) s.grads[first.offset + first.numel] = std::numeric_limits<float>::quiet_NaN();
-  BOOST_TEST(!backend.step_flat(layout, views, s.has_grad, s.group_steps, Options()).skipped);
+  BOOST_TEST(!backend.step_flat(layout, views, s.has_grad, s.group_steps, s.entry_steps, Options()).skipped);
   BOOST_TEST(!same_floats(s.params, before.params));
 }
 
@@ -243,23 +243,29 @@ BOOST_AUTO_TEST_CASE(step_flat_rejects_tensors_that_do_not_fit) {
   const Layout layout = Layout::build(preset_manifest("tiny"), Options());
   FlatState s(layout);
   ReferenceBackend backend;
-  std::vector<int64_t> steps = s.group_steps;
+  std::vector<int64_t> steps = s.group_steps, entry_steps = s.entry_steps;
   {
     FlatTensors t = host_views(s);
     t.row_var = t.row_var.narrow(0, 0, t.row_var.numel() - 1);
-    BOOST_CHECK_THROW(backend.step_flat(layout, t, s.has_grad, steps, Options()), std::invalid_argument);
+    BOOST_CHECK_THROW(backend.step_flat(layout, t, s.has_grad, steps, entry_steps, Options()), std::invalid_argument);
   }
   {
     FlatTensors t = host_views(s);
     t.exp_avg = t.exp_avg.to(at::kDouble);
-    BOOST_CHECK_THROW(backend.step_flat(layout, t, s.has_grad, steps, Options()), std::invalid_argument);
+    BOOST_CHECK_THROW(backend.step_flat(layout, t, s.has_grad, steps, entry_steps, Options()), std::invalid_argument);
   }
   {
     FlatTensors t = host_views(s);
     std::vector<uint8_t> flags(s.has_grad.size() + 1, 1);
-    BOOST_CHECK_THROW(backend.step_flat(layout, t, flags, steps, Options()), std::invalid_argument);
+    BOOST_CHECK_THROW(backend.step_flat(layout, t, flags, steps, entry_steps, Options()), std::invalid_argument);
+  }
+  {
+    FlatTensors t = host_views(s);
+    std::vector<int64_t> short_entries(entry_steps.size() - 1, 0);
+    BOOST_CHECK_THROW(backend.step_flat(layout, t, s.has_grad, steps, short_entries, Options()), std::invalid_argument);
   }
   BOOST_TEST((steps == s.group_steps));  // nothing advanced
+  BOOST_TEST((entry_steps == s.entry_steps));
 }
 
 // ---- CUDA -----------------------------------------------------------------------------------------------
@@ -371,7 +377,7 @@ BOOST_AUTO_TEST_CASE(step_flat_on_device_views_equals_step, *utf::precondition(c
     kGenerator.fill_gradients(via_flat, step);
     a.step(via_step, options);
     device.grads.copy_(host.grads);
-    b.step_flat(layout, device, via_flat.has_grad, via_flat.group_steps, options);
+    b.step_flat(layout, device, via_flat.has_grad, via_flat.group_steps, via_flat.entry_steps, options);
   }
   host.params.copy_(device.params);
   host.momentum.copy_(device.momentum);
@@ -382,9 +388,10 @@ BOOST_AUTO_TEST_CASE(step_flat_on_device_views_equals_step, *utf::precondition(c
 
   // A CPU backend refuses device tensors (and the CUDA one host tensors).
   ReferenceBackend cpu;
-  BOOST_CHECK_THROW(cpu.step_flat(layout, device, via_flat.has_grad, via_flat.group_steps, options),
-                    std::invalid_argument);
-  BOOST_CHECK_THROW(b.step_flat(layout, host, via_flat.has_grad, via_flat.group_steps, options),
+  BOOST_CHECK_THROW(
+      cpu.step_flat(layout, device, via_flat.has_grad, via_flat.group_steps, via_flat.entry_steps, options),
+      std::invalid_argument);
+  BOOST_CHECK_THROW(b.step_flat(layout, host, via_flat.has_grad, via_flat.group_steps, via_flat.entry_steps, options),
                     std::invalid_argument);
 }
 

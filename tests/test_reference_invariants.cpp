@@ -1,12 +1,16 @@
-// The spec's invariants (docs/spec.md section 3.3), checked on the reference backend.
+// The spec's invariants (docs/spec.md section 3.3), the AdamW step (section 4) and the step counts (section 5),
+// checked on the reference backend.
 #define BOOST_TEST_MODULE reference_invariants
 #include <boost/test/unit_test.hpp>
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
+#include "drift_case.h"
 #include "normuon/grad_gen.h"
 #include "normuon/presets.h"
 #include "reference_backend.h"
@@ -231,6 +235,8 @@ BOOST_AUTO_TEST_CASE(missing_gradients_and_empty_parameters_are_left_alone) {
   BOOST_TEST(std::memcmp(s.momentum.data() + l.entries[idle].offset, before.momentum.data(), sizeof(float) * 24) == 0);
   BOOST_TEST(std::memcmp(s.param(w), before.param(w), sizeof(float) * 24) != 0);
   BOOST_TEST((s.group_steps == std::vector<int64_t>{1, 1}));
+  // Own counts: not without a gradient, nor for 0-element parameters (spec section 5).
+  BOOST_TEST((s.entry_steps == std::vector<int64_t>{1, 0, 0, 1, 0}));  // w idle empty b none
 }
 
 BOOST_AUTO_TEST_CASE(small_bf16_products_accumulate_in_fp32) {
@@ -285,4 +291,73 @@ BOOST_AUTO_TEST_CASE(adamw_step_is_the_spec_bit_for_bit) {
   BOOST_TEST(off[0] == 0, off[0] << " of " << n << " parameter elements differ from the spec");
   BOOST_TEST(off[1] == 0, off[1] << " of " << n << " exp_avg elements differ from the spec");
   BOOST_TEST(off[2] == 0, off[2] << " of " << n << " exp_avg_sq elements differ from the spec");
+}
+
+// Issue 12: a parameter that misses gradients takes the AdamW bias corrections of its own step count,
+// as torch.optim.AdamW counts per parameter (spec section 5): the reference equals torch's single-tensor
+// AdamW transcribed per element (drift_case.h) bit for bit, for each parameter with its own count, and
+// the group's counter (what state format version 1 did) would give other values.
+BOOST_AUTO_TEST_CASE(adamw_bias_corrections_use_each_parameters_own_step_count) {
+  using namespace normuon::test;
+  const Options options = drift_options();
+  const Layout layout = Layout::build(drift_manifest(), options);
+  FlatState s(layout);
+  drift_generator().fill_params(s);
+  ReferenceBackend backend;
+  for (int64_t step = 1; step <= kDriftSteps; ++step) {
+    fill_drift_gradients(s, step);
+    BOOST_REQUIRE(!backend.step(s, options).skipped);
+    BOOST_TEST(drift_difference(s, options, step) == "", "after step " << step);
+  }
+  BOOST_TEST((s.entry_steps == std::vector<int64_t>{5, 6, 3, 4, 5}));  // w a b e s
+  BOOST_TEST((s.group_steps == std::vector<int64_t>{5, 6}));
+
+  // The group's counter would give the same bias corrections only to parameters that missed no step
+  // before their last one.
+  for (const char* name : {"a", "b", "e", "s"}) {
+    const int e = layout.find(name);
+    const AdamWExpectation own = expected_adamw(layout, options, e, kDriftSteps);
+    const AdamWExpectation group = expected_adamw(layout, options, e, kDriftSteps, /*group_count=*/true);
+    double worst = 0;
+    for (size_t i = 0; i < own.param.size(); ++i)
+      worst = std::max(worst, std::fabs(static_cast<double>(own.param[i]) - group.param[i]) /
+                                  std::max(1e-30, std::fabs(static_cast<double>(own.param[i]))));
+    BOOST_TEST_MESSAGE(name << ": group counter vs own count, max rel. difference of the parameter " << worst);
+    if (std::string(name) == "a" || std::string(name) == "s")
+      BOOST_TEST(worst == 0.0);  // no step missed before its last one: the two counts agree
+    else
+      BOOST_TEST(worst > 1e-6, name << " would not tell the group counter from its own count");
+  }
+}
+
+// A skipped step (nonfinite=skip_step) advances no count, group or parameter; nor does a refused one.
+BOOST_AUTO_TEST_CASE(skipped_steps_advance_no_step_count) {
+  using namespace normuon::test;
+  Options options = drift_options();
+  options.nonfinite = NonFinitePolicy::skip_step;
+  const Layout layout = Layout::build(drift_manifest(), options);
+  FlatState s(layout);
+  drift_generator().fill_params(s);
+  ReferenceBackend backend;
+  for (int64_t step = 1; step <= 3; ++step) {
+    fill_drift_gradients(s, step);
+    BOOST_REQUIRE(!backend.step(s, options).skipped);
+  }
+  const std::vector<int64_t> groups = s.group_steps, entries = s.entry_steps;
+  fill_drift_gradients(s, 4);
+  s.grad(layout.find("a"))[3] = NAN;
+  BOOST_TEST(backend.step(s, options).skipped);
+  BOOST_TEST(s.group_steps == groups);
+  BOOST_TEST(s.entry_steps == entries);
+  options.nonfinite = NonFinitePolicy::error;
+  BOOST_CHECK_THROW(backend.step(s, options), std::runtime_error);
+  BOOST_TEST(s.entry_steps == entries);
+  // The good steps go on from the counts as they were: the parameters hold what 5 clean steps give
+  // when the bad one never happened (step 4's gradients, then step 5's).
+  options.nonfinite = NonFinitePolicy::skip_step;
+  for (int64_t step = 4; step <= 5; ++step) {
+    fill_drift_gradients(s, step);
+    BOOST_REQUIRE(!backend.step(s, options).skipped);
+  }
+  BOOST_TEST(drift_difference(s, options, 5) == "");
 }

@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "normuon/manifest.h"
 #include "normuon/state_file.h"
 
 using namespace normuon;
@@ -89,6 +90,10 @@ void fill(FlatState& s, float seed) {
   first[3] = std::numeric_limits<float>::infinity();
   for (size_t g = 0; g < s.group_steps.size(); ++g)
     s.group_steps[g] = static_cast<int64_t>(seed) + 7 * static_cast<int64_t>(g);
+  // Each parameter's own count: its group's counter, or up to 2 below (not below 0).
+  for (size_t e = 0; e < s.entry_steps.size(); ++e)
+    s.entry_steps[e] = std::max<int64_t>(0, s.group_steps[static_cast<size_t>(s.layout->entries[e].group)] -
+                                                static_cast<int64_t>(e % 3));
 }
 
 bool same_bits(const AlignedBuffer& a, const AlignedBuffer& b) {
@@ -104,6 +109,7 @@ void require_identical(const FlatState& a, const FlatState& b) {
   BOOST_TEST(same_bits(a.exp_avg_sq, b.exp_avg_sq));
   BOOST_TEST(a.has_grad == b.has_grad);
   BOOST_TEST(a.group_steps == b.group_steps);
+  BOOST_TEST(a.entry_steps == b.entry_steps);
 }
 
 std::string read_bytes(const std::string& path) {
@@ -237,6 +243,8 @@ BOOST_AUTO_TEST_CASE(round_trip_is_bitwise_exact) {
   load_state(s.path, loaded, nullptr);
   require_identical(loaded, s.source);
   BOOST_TEST(loaded.group_steps == (std::vector<int64_t>{1, 8}));
+  // blocks.0.attn.w, blocks.0.mlp.w, blocks.1.attn.w (normuon at 1), blocks.0.attn.b, embed, empty, scale
+  BOOST_TEST(loaded.entry_steps == (std::vector<int64_t>{1, 0, 0, 8, 7, 6, 8}));
   BOOST_TEST(s.dir.listing() == std::vector<std::string>{"state.safetensors"});  // no temporary file left
 }
 
@@ -279,6 +287,9 @@ BOOST_AUTO_TEST_CASE(header_describes_the_file) {
   BOOST_TEST(h.created_utc.back() == 'Z');
   BOOST_TEST(h.group_names == s.layout.group_names);
   BOOST_TEST(h.group_steps == s.source.group_steps);
+  BOOST_REQUIRE(h.entry_steps.size() == s.layout.entries.size());
+  for (size_t e = 0; e < s.layout.entries.size(); ++e)
+    BOOST_TEST(h.entry_steps.at(s.layout.entries[e].name) == s.source.entry_steps[e], s.layout.entries[e].name);
   BOOST_TEST(h.options.to_json() == s.options.to_json());
   BOOST_TEST(h.file_size == fs::file_size(s.path));
 
@@ -308,12 +319,15 @@ BOOST_AUTO_TEST_CASE(file_is_plain_safetensors) {
   const json& meta = st.header.at("__metadata__");
   for (const auto& kv : meta.items()) BOOST_TEST(kv.value().is_string(), kv.key());  // string -> string
   for (const char* key : {"format", "format_version", "backend", "layout_fingerprint", "created_utc", "options",
-                          "group_names", "group_steps", "checksums"})
+                          "group_names", "group_steps", "entry_steps", "checksums"})
     BOOST_TEST(meta.contains(key), key);
   BOOST_TEST(meta["format"] == "normuon-state");
-  BOOST_TEST(meta["format_version"] == "1");
+  BOOST_TEST(meta["format_version"] == "2");
   BOOST_TEST(metadata_json(st.header, "group_names") == json(s.layout.group_names));
   BOOST_TEST(metadata_json(st.header, "group_steps") == json(s.source.group_steps));
+  json entry_steps = json::object();  // parameter name -> its own step count
+  for (size_t e = 0; e < s.layout.entries.size(); ++e) entry_steps[s.layout.entries[e].name] = s.source.entry_steps[e];
+  BOOST_TEST(metadata_json(st.header, "entry_steps") == entry_steps);
   const json checksums = metadata_json(st.header, "checksums");
 
   // Every tensor F32, data_offsets tiling the data section in file order, bytes equal to the state.
@@ -355,7 +369,7 @@ stored = header['__metadata__'].pop('header_crc32')
 canonical = json.dumps(header, sort_keys=True, separators=(',', ':'), ensure_ascii=False).encode()
 assert '%08x' % zlib.crc32(canonical) == stored, 'header_crc32'
 meta = header.pop('__metadata__')
-assert meta['format'] == 'normuon-state' and meta['format_version'] == '1'
+assert meta['format'] == 'normuon-state' and meta['format_version'] == '2'
 data, end = raw[8 + n:], 0
 for name, t in sorted(header.items(), key=lambda kv: kv[1]['data_offsets']):
     begin, stop = t['data_offsets']
@@ -367,7 +381,8 @@ for name, t in sorted(header.items(), key=lambda kv: kv[1]['data_offsets']):
     end = stop
 assert end == len(data)
 begin = header['embed']['data_offsets'][0]
-print(len(header), json.loads(meta['group_steps']), struct.unpack('<I', data[begin:begin + 4])[0])
+print(len(header), json.loads(meta['group_steps']), json.loads(meta['entry_steps'])['embed'],
+      struct.unpack('<I', data[begin:begin + 4])[0])
 )";
   const std::string command = "/usr/bin/python3 '" + script + "' '" + s.path + "' > '" + output + "' 2>&1";
   const int rc = std::system(command.c_str());
@@ -376,7 +391,7 @@ print(len(header), json.loads(meta['group_steps']), struct.unpack('<I', data[beg
   std::ostringstream expected;
   uint32_t embed_bits;
   std::memcpy(&embed_bits, s.source.param(s.layout.find("embed")), sizeof embed_bits);
-  expected << expected_names(s.source).size() << " [1, 8] " << embed_bits << "\n";
+  expected << expected_names(s.source).size() << " [1, 8] 7 " << embed_bits << "\n";
   BOOST_TEST(printed == expected.str());
 }
 
@@ -496,8 +511,146 @@ BOOST_AUTO_TEST_CASE(wrong_magic_is_rejected) {
 
 BOOST_AUTO_TEST_CASE(unsupported_version_is_rejected) {
   Saved s;
-  edit_header(s.path, [](json& h) { h["__metadata__"]["format_version"] = "2"; });
-  expect_rejected(s.path, s.target, {"unsupported format_version 2", "reads format_version 1"});
+  const std::string clean = read_bytes(s.path);
+  edit_header(s.path, [](json& h) { h["__metadata__"]["format_version"] = "3"; });
+  expect_rejected(s.path, s.target, {"unsupported format_version 3", "reads format_version 1 to 2"});
+  write_bytes(s.path, clean);
+  edit_header(s.path, [](json& h) { h["__metadata__"]["format_version"] = "0"; });
+  expect_rejected(s.path, s.target, {"unsupported format_version 0"});
+}
+
+// A version-1 file as that version's writer made it: version 2 without "entry_steps", format_version 1.
+void make_version_1(const std::string& path) {
+  edit_header(path, [](json& h) {
+    h["__metadata__"]["format_version"] = "1";
+    h["__metadata__"].erase("entry_steps");
+  });
+}
+
+// Version 1 kept one counter per group, which drove every parameter's bias corrections: its files load
+// with every parameter at its group's counter, so an old run resumes as it would have.
+BOOST_AUTO_TEST_CASE(version_1_files_load_with_every_parameter_at_its_groups_counter) {
+  Saved s;
+  make_version_1(s.path);
+  const StateFileHeader h = read_state_header(s.path);
+  BOOST_TEST(h.version == 1);
+  BOOST_TEST(h.entry_steps.empty());
+  FlatState loaded(s.layout);
+  load_state(s.path, loaded);
+  BOOST_TEST(same_bits(loaded.params, s.source.params));
+  BOOST_TEST(same_bits(loaded.exp_avg_sq, s.source.exp_avg_sq));
+  BOOST_TEST(loaded.group_steps == s.source.group_steps);
+  BOOST_TEST(loaded.entry_steps == entry_steps_from_groups(s.layout, s.source.group_steps));
+  BOOST_TEST(loaded.entry_steps == (std::vector<int64_t>{1, 1, 1, 8, 8, 8, 8}));
+  // Saved again, it is a version-2 file with those counts.
+  save_state(s.path, loaded, s.options, "test-backend");
+  BOOST_TEST(read_state_header(s.path).version == 2);
+  FlatState again(s.layout);
+  load_state(s.path, again);
+  require_identical(again, loaded);
+
+  // In version 1 "entry_steps" was no key of the format: a caller's own, kept and not read.
+  save_state(s.path, s.source, s.options, "test-backend");
+  make_version_1(s.path);
+  edit_header(s.path, [](json& header) { header["__metadata__"]["entry_steps"] = "not the format's"; });
+  BOOST_TEST(read_state_header(s.path).extra_metadata.at("entry_steps") == "not the format's");
+  load_state(s.path, loaded);
+  BOOST_TEST(loaded.entry_steps == entry_steps_from_groups(s.layout, s.source.group_steps));
+}
+
+// Files the version-1 code wrote (tests/data/state-v1/README.md): they load, each parameter at its group's
+// counter, and read back through the new writer unchanged but for the counts.
+BOOST_AUTO_TEST_CASE(files_written_by_the_version_1_code_load) {
+  const std::string dir = std::string(NORMUON_SOURCE_DIR) + "/tests/data/state-v1/";
+  const Layout layout = Layout::build(Manifest::read_csv_file(dir + "small.csv"), Options());
+  const struct {
+    int step;
+    std::vector<int64_t> groups;
+  } files[] = {{4, {3, 4}}, {6, {4, 6}}, {7, {5, 7}}};
+  for (const auto& f : files) {
+    const std::string path = dir + "small-v1-step" + std::to_string(f.step) + ".safetensors";
+    BOOST_TEST_CONTEXT(path) {
+      const StateFileHeader h = read_state_header(path);
+      BOOST_TEST(h.version == 1);
+      BOOST_TEST(h.extra_metadata.at("run_step") == std::to_string(f.step));
+      FlatState state(layout);
+      load_state(path, state);
+      BOOST_TEST(state.group_steps == f.groups);
+      // wte.weight, h.0.ln.weight and lm_head.weight are AdamW, h.0.attn.weight NorMuon.
+      BOOST_TEST(state.entry_steps == (std::vector<int64_t>{f.groups[1], f.groups[0], f.groups[1], f.groups[1]}));
+      TempDir out;
+      save_state(out.file("v2"), state, Options(), "test-backend");
+      FlatState again(layout);
+      load_state(out.file("v2"), again);
+      require_identical(again, state);
+      const StateFileHeader h2 = read_state_header(out.file("v2"));
+      for (size_t t = 0; t < h.tensors.size(); ++t) BOOST_TEST(h2.tensors[t].crc32 == h.tensors[t].crc32);
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(bad_entry_steps_are_rejected) {
+  Saved s;
+  const std::string clean = read_bytes(s.path);
+  const auto edit_steps = [&](const std::function<void(json&)>& edit) {
+    write_bytes(s.path, clean);
+    edit_header(s.path, [&](json& h) {
+      json steps = json::parse(h["__metadata__"]["entry_steps"].get<std::string>());
+      edit(steps);
+      h["__metadata__"]["entry_steps"] = steps.dump();
+    });
+  };
+  write_bytes(s.path, clean);
+  edit_header(s.path, [](json& h) { h["__metadata__"].erase("entry_steps"); });
+  expect_rejected(s.path, s.target, {"metadata has no \"entry_steps\""});
+  edit_steps([](json& j) { j = json::array({1, 2}); });
+  expect_rejected(s.path, s.target, {"\"entry_steps\" is not a JSON object"});
+  edit_steps([](json& j) { j["embed"] = -1; });
+  expect_rejected(s.path, s.target, {"holds -1 for 'embed', not a step count"});
+  edit_steps([](json& j) { j["embed"] = "7"; });
+  expect_rejected(s.path, s.target, {"for 'embed', not a step count"});
+  edit_steps([](json& j) { j["embed"] = 2.5; });
+  expect_rejected(s.path, s.target, {"for 'embed', not a step count"});
+  edit_steps([](json& j) { j.erase("embed"); });
+  expect_rejected(s.path, s.target, {"no step count for embed"});
+  edit_steps([](json& j) {
+    j["embedding"] = j["embed"];
+    j.erase("embed");
+  });
+  expect_rejected(s.path, s.target, {"no step count for embed"});
+  edit_steps([](json& j) { j["embed.exp_avg"] = 1; });
+  expect_rejected(s.path, s.target, {"step counts for embed.exp_avg, not parameters of the layout"});
+  // Above its group's counter (8 for the AdamW group): no parameter has had more steps than its group.
+  edit_steps([](json& j) { j["embed"] = 9; });
+  expect_rejected(s.path, s.target, {"'embed' has step count 9, outside [0, 8]", "'adamw' is at step 8"});
+  // A name twice, which a JSON parser would silently merge.
+  write_bytes(s.path, clean);
+  edit_header(s.path, [](json& h) {
+    std::string text = h["__metadata__"]["entry_steps"].get<std::string>();
+    text.insert(1, "\"scale\":0,");
+    h["__metadata__"]["entry_steps"] = text;
+  });
+  expect_rejected(s.path, s.target, {"names 'scale' twice"});
+}
+
+BOOST_AUTO_TEST_CASE(save_refuses_entry_steps_that_do_not_fit_the_groups) {
+  TempDir dir;
+  const Options options;
+  const Layout layout = Layout::build(test_manifest(), options);
+  FlatState state(layout);
+  fill(state, 1.0f);
+  state.entry_steps[static_cast<size_t>(layout.find("embed"))] = 9;  // its group is at 8
+  BOOST_CHECK_THROW(save_state(dir.file("s"), state, options, "test-backend"), StateFileError);
+  state.entry_steps[static_cast<size_t>(layout.find("embed"))] = -1;
+  BOOST_CHECK_THROW(save_state(dir.file("s"), state, options, "test-backend"), StateFileError);
+  state.entry_steps.pop_back();
+  try {
+    save_state(dir.file("s"), state, options, "test-backend");
+    BOOST_ERROR("saved entry steps of the wrong length");
+  } catch (const StateFileError& e) {
+    BOOST_TEST(contains(e.what(), "6 entry steps for 7 parameters"), e.what());
+  }
+  BOOST_TEST(dir.listing().empty());  // nothing written
 }
 
 BOOST_AUTO_TEST_CASE(other_layout_is_rejected_with_a_hint) {
@@ -833,6 +986,8 @@ BOOST_AUTO_TEST_CASE(extra_metadata_round_trips) {
   } catch (const StateFileError& e) {
     BOOST_TEST(contains(e.what(), "\"group_steps\""));
   }
+  BOOST_CHECK_THROW(save_state_with_metadata(s.path, s.source, s.options, "test-backend", {{"entry_steps", "{}"}}),
+                    StateFileError);  // a key of version 2
   BOOST_TEST(read_state_header(s.path).extra_metadata.at("run_step") == "17");  // the failed save changed nothing
 }
 

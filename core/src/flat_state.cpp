@@ -7,6 +7,7 @@
 #include <string>
 #include <cstring>
 #include <new>
+#include <stdexcept>
 
 namespace normuon {
 
@@ -103,7 +104,8 @@ FlatState::FlatState(const Layout& l)
       exp_avg(state_buffer("exp_avg", l.adam_floats)),
       exp_avg_sq(state_buffer("exp_avg_sq", l.adam_floats)),
       has_grad(l.entries.size(), 1),
-      group_steps(l.group_names.size(), 0) {}
+      group_steps(l.group_names.size(), 0),
+      entry_steps(l.entries.size(), 0) {}
 
 namespace {
 bool same_bits(const AlignedBuffer& a, const AlignedBuffer& b) {
@@ -113,7 +115,35 @@ bool same_bits(const AlignedBuffer& a, const AlignedBuffer& b) {
 
 bool FlatState::same_optimizer_state(const FlatState& o) const {
   return same_bits(momentum, o.momentum) && same_bits(row_var, o.row_var) && same_bits(exp_avg, o.exp_avg) &&
-         same_bits(exp_avg_sq, o.exp_avg_sq) && group_steps == o.group_steps;
+         same_bits(exp_avg_sq, o.exp_avg_sq) && group_steps == o.group_steps && entry_steps == o.entry_steps;
+}
+
+std::vector<int64_t> entry_steps_from_groups(const Layout& layout, const std::vector<int64_t>& group_steps) {
+  if (group_steps.size() != layout.group_names.size())
+    throw std::invalid_argument(std::to_string(group_steps.size()) + " group steps for " +
+                                std::to_string(layout.group_names.size()) + " groups");
+  std::vector<int64_t> out(layout.entries.size());
+  for (size_t e = 0; e < out.size(); ++e) out[e] = group_steps[static_cast<size_t>(layout.entries[e].group)];
+  return out;
+}
+
+std::string entry_steps_invalid_reason(const Layout& layout, const std::vector<int64_t>& group_steps,
+                                       const std::vector<int64_t>& entry_steps) {
+  if (group_steps.size() != layout.group_names.size())
+    return std::to_string(group_steps.size()) + " group steps for " + std::to_string(layout.group_names.size()) +
+           " groups";
+  if (entry_steps.size() != layout.entries.size())
+    return std::to_string(entry_steps.size()) + " entry steps for " + std::to_string(layout.entries.size()) +
+           " parameters";
+  for (size_t e = 0; e < entry_steps.size(); ++e) {
+    const LayoutEntry& le = layout.entries[e];
+    const int64_t group_step = group_steps[static_cast<size_t>(le.group)];
+    if (entry_steps[e] < 0 || entry_steps[e] > group_step)
+      return "parameter '" + le.name + "' has step count " + std::to_string(entry_steps[e]) + ", outside [0, " +
+             std::to_string(group_step) + "] (its group '" + layout.group_names[static_cast<size_t>(le.group)] +
+             "' is at step " + std::to_string(group_step) + ")";
+  }
+  return "";
 }
 
 std::vector<StateTensorRef> state_tensors(FlatState& s, int entry) {

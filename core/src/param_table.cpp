@@ -83,7 +83,8 @@ TableState::TableState(const Layout& l)
       row_var(l.stat_floats),
       exp_avg(l.adam_floats),
       exp_avg_sq(l.adam_floats),
-      group_steps(l.group_names.size(), 0) {}
+      group_steps(l.group_names.size(), 0),
+      entry_steps(l.entries.size(), 0) {}
 
 void TableState::refresh_master(int e, const ParamTable& table) {
   const LayoutEntry& le = layout->entries[e];
@@ -123,6 +124,7 @@ void StepOperands::bind(FlatState& state) {
   exp_avg = state.exp_avg.data();
   exp_avg_sq = state.exp_avg_sq.data();
   group_steps = state.group_steps.data();
+  entry_steps = state.entry_steps.data();
 }
 
 void StepOperands::bind(TableState& state, const ParamTable& table) {
@@ -138,6 +140,7 @@ void StepOperands::bind(TableState& state, const ParamTable& table) {
   exp_avg = state.exp_avg.data();
   exp_avg_sq = state.exp_avg_sq.data();
   group_steps = state.group_steps.data();
+  entry_steps = state.entry_steps.data();
 }
 
 namespace {
@@ -172,6 +175,7 @@ void table_to_flat(const TableState& state, const ParamTable& table, FlatState& 
   AlignedBuffer* const to[4] = {&flat.momentum, &flat.row_var, &flat.exp_avg, &flat.exp_avg_sq};
   copy_state(from, to);
   flat.group_steps = state.group_steps;
+  flat.entry_steps = state.entry_steps;
 }
 
 void flat_to_table(const FlatState& flat, TableState& state, const ParamTable& table) {
@@ -188,6 +192,7 @@ void flat_to_table(const FlatState& flat, TableState& state, const ParamTable& t
   AlignedBuffer* const to[4] = {&state.momentum, &state.row_var, &state.exp_avg, &state.exp_avg_sq};
   copy_state(from, to);
   state.group_steps = flat.group_steps;
+  state.entry_steps = flat.entry_steps;
 }
 
 }  // namespace normuon

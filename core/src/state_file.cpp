@@ -37,12 +37,18 @@ constexpr uint64_t kDataAlign = 8;                // safetensors pads its header
 constexpr uint64_t kMaxIoChunk = uint64_t{1} << 30;  // read()/write() cap a single call below 2 GiB
 constexpr size_t kMaxListed = 8;                  // names listed in one error message
 
-// The metadata keys this format defines; any other key is a caller's (StateFileHeader::extra_metadata).
-const std::set<std::string>& format_metadata_keys() {
-  static const std::set<std::string> keys{"format",  "format_version", "backend",     "layout_fingerprint",
-                                          "created_utc", "options",    "group_names", "group_steps",
-                                          "checksums",   "header_crc32"};
-  return keys;
+// The metadata keys the format's `version` defines; any other key is a caller's
+// (StateFileHeader::extra_metadata). Version 2 added "entry_steps".
+const std::set<std::string>& format_metadata_keys(int version = kStateFormatVersion) {
+  static const std::set<std::string> v1{"format",      "format_version", "backend",     "layout_fingerprint",
+                                        "created_utc", "options",        "group_names", "group_steps",
+                                        "checksums",   "header_crc32"};
+  static const std::set<std::string> v2 = [] {
+    std::set<std::string> keys = v1;
+    keys.insert("entry_steps");
+    return keys;
+  }();
+  return version >= 2 ? v2 : v1;
 }
 
 [[noreturn]] void fail(const std::string& path, const std::string& what) {
@@ -127,6 +133,8 @@ std::string header_text(const std::string& path, const std::vector<StateTensorRe
     offset = end;
   }
   const Layout& layout = *state.layout;
+  json entry_steps = json::object();  // by parameter name (manifest names are unique)
+  for (size_t e = 0; e < layout.entries.size(); ++e) entry_steps[layout.entries[e].name] = state.entry_steps[e];
   root["__metadata__"] = {{"format", kStateFormat},
                           {"format_version", std::to_string(kStateFormatVersion)},
                           {"backend", backend},
@@ -135,6 +143,7 @@ std::string header_text(const std::string& path, const std::vector<StateTensorRe
                           {"options", options.to_json()},
                           {"group_names", json(layout.group_names).dump()},
                           {"group_steps", json(state.group_steps).dump()},
+                          {"entry_steps", entry_steps.dump()},
                           {"checksums", checksums.dump()}};
   for (const auto& [key, value] : extra) {
     if (format_metadata_keys().count(key))
@@ -451,9 +460,9 @@ StateFileHeader parse_header(const std::string& path, const RawFile& raw) {
   if (version.empty() || version.size() > 9 || version.find_first_not_of("0123456789") != std::string::npos)
     fail(path, "format_version \"" + version + "\" is not a version number");
   h.version = std::stoi(version);
-  if (h.version != kStateFormatVersion)
+  if (h.version < kStateFormatOldestVersion || h.version > kStateFormatVersion)
     fail(path, "unsupported format_version " + version + ": this build reads format_version " +
-                   std::to_string(kStateFormatVersion));
+                   std::to_string(kStateFormatOldestVersion) + " to " + std::to_string(kStateFormatVersion));
 
   json unsigned_root = root;
   unsigned_root["__metadata__"].erase("header_crc32");
@@ -464,7 +473,7 @@ StateFileHeader parse_header(const std::string& path, const RawFile& raw) {
                    "): the header was changed or damaged");
 
   for (const auto& kv : meta.items())
-    if (!format_metadata_keys().count(kv.key())) h.extra_metadata[kv.key()] = kv.value().get<std::string>();
+    if (!format_metadata_keys(h.version).count(kv.key())) h.extra_metadata[kv.key()] = kv.value().get<std::string>();
   h.backend = metadata_string(path, meta, "backend");
   h.layout_fingerprint = metadata_string(path, meta, "layout_fingerprint");
   h.created_utc = metadata_string(path, meta, "created_utc");
@@ -490,6 +499,24 @@ StateFileHeader parse_header(const std::string& path, const RawFile& raw) {
   if (h.group_names.size() != h.group_steps.size())
     fail(path, std::to_string(h.group_names.size()) + " group names but " + std::to_string(h.group_steps.size()) +
                    " group steps");
+  if (h.version >= 2) {  // each parameter's own step count, by name
+    const std::string steps_text = metadata_string(path, meta, "entry_steps");
+    std::string twice;
+    std::set<std::string> seen;
+    const std::function<void(const std::string&)> on_key = [&](const std::string& key) {
+      if (!seen.insert(key).second && twice.empty()) twice = key;
+    };
+    const char* begin = steps_text.data();
+    const json entries = parse_file_json(path, "metadata \"entry_steps\"", begin, begin + steps_text.size(), on_key);
+    if (!entries.is_object()) fail(path, "metadata \"entry_steps\" is not a JSON object");
+    if (!twice.empty()) fail(path, "metadata \"entry_steps\" names '" + twice + "' twice");
+    for (const auto& kv : entries.items()) {
+      const json& n = kv.value();
+      if (!n.is_number_unsigned() || n.get<uint64_t>() > uint64_t{INT64_MAX})
+        fail(path, "metadata \"entry_steps\" holds " + n.dump() + " for '" + kv.key() + "', not a step count");
+      h.entry_steps[kv.key()] = n.get<int64_t>();
+    }
+  }
 
   const json checksums = parse_embedded(path, "checksums", metadata_string(path, meta, "checksums"));
   if (!checksums.is_object()) fail(path, "metadata \"checksums\" is not a JSON object");
@@ -555,6 +582,34 @@ std::string layout_differences(const std::vector<StateTensorRef>& expected,
   return out;
 }
 
+// Every layout entry's own step count from a file whose names and groups match the layout: version 2's
+// "entry_steps" (one per parameter, none for another name, none above its group's counter), version 1's
+// group counters (what that version's bias corrections used).
+std::vector<int64_t> load_entry_steps(const std::string& path, const StateFileHeader& h, const Layout& layout) {
+  if (h.version < 2) return entry_steps_from_groups(layout, h.group_steps);
+  std::vector<int64_t> out(layout.entries.size());
+  std::vector<std::string> missing, unexpected;
+  std::set<std::string> names;
+  for (size_t e = 0; e < layout.entries.size(); ++e) {
+    const std::string& name = layout.entries[e].name;
+    names.insert(name);
+    const auto it = h.entry_steps.find(name);
+    if (it == h.entry_steps.end())
+      missing.push_back(name);
+    else
+      out[e] = it->second;
+  }
+  for (const auto& kv : h.entry_steps)
+    if (!names.count(kv.first)) unexpected.push_back(kv.first);
+  if (!missing.empty()) fail(path, "metadata \"entry_steps\" has no step count for " + list_text(missing));
+  if (!unexpected.empty())
+    fail(path, "metadata \"entry_steps\" has step counts for " + list_text(unexpected) +
+                   ", not parameters of the layout");
+  const std::string reason = entry_steps_invalid_reason(layout, h.group_steps, out);
+  if (!reason.empty()) fail(path, "metadata \"entry_steps\": " + reason);
+  return out;
+}
+
 }  // namespace
 
 void save_state(const std::string& path, const FlatState& state, const Options& options,
@@ -567,6 +622,8 @@ void save_state_with_metadata(const std::string& path, const FlatState& state, c
   if (state.group_steps.size() != state.layout->group_names.size())
     fail(path, "save failed: " + std::to_string(state.group_steps.size()) + " group steps for " +
                    std::to_string(state.layout->group_names.size()) + " groups");
+  const std::string steps_reason = entry_steps_invalid_reason(*state.layout, state.group_steps, state.entry_steps);
+  if (!steps_reason.empty()) fail(path, "save failed: the entry steps don't fit the group steps: " + steps_reason);
   // state_tensors() hands out writable pointers; saving only reads through them.
   const std::vector<StateTensorRef> tensors = file_tensors(const_cast<FlatState&>(state));
   write_atomically(path, header_text(path, tensors, state, options, backend, extra), tensors);
@@ -609,6 +666,7 @@ void load_state_file(const StateFileContents& file, FlatState& state, Options* o
                                           "assignments or placement differ"
                                         : differences));
   if (!differences.empty()) fail(path, "the file does not match the layout: " + differences);
+  std::vector<int64_t> entry_steps = load_entry_steps(path, h, layout);
   verify_checksums(path, h, data);
 
   // Everything is verified; the copies below allocate first, then nothing can fail, so `state` is never
@@ -620,6 +678,7 @@ void load_state_file(const StateFileContents& file, FlatState& state, Options* o
     if (info.end > info.begin) std::memcpy(t.data, data + info.begin, info.end - info.begin);
   }
   state.group_steps = std::move(steps);
+  state.entry_steps = std::move(entry_steps);
   if (options) *options = std::move(loaded_options);
 }
 

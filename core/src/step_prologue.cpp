@@ -35,6 +35,10 @@ std::optional<StepResult> begin_step(StepOperands& ops, const Options& options) 
         ++ops.group_steps[g];
         break;
       }
+  // Each parameter's own count: only those with a gradient advance, and never a 0-element one, whose
+  // step does nothing (in table mode an empty tensor has no address to tell a gradient by; spec section 5).
+  for (size_t e = 0; e < layout.entries.size(); ++e)
+    if (ops.params[e].grad && layout.entries[e].numel > 0) ++ops.entry_steps[e];
   return std::nullopt;
 }
 

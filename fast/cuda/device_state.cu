@@ -45,6 +45,7 @@ DeviceFlatState::DeviceFlatState(const Layout& layout, ElemType grad_type, bool 
       masters(caller_tensors ? layout.master_floats : 0),
       has_grad(static_cast<int64_t>(layout.entries.size())),
       group_steps(static_cast<int64_t>(layout.group_names.size())),
+      entry_steps(static_cast<int64_t>(layout.entries.size())),
       layout_(&layout),
       grad_type_(grad_type),
       caller_tensors_(caller_tensors) {
@@ -57,6 +58,7 @@ DeviceFlatState::DeviceFlatState(const Layout& layout, ElemType grad_type, bool 
   // FlatState's defaults: every parameter has a gradient, no step taken yet.
   if (has_grad.size() > 0) NORMUON_CUDA_CHECK(cudaMemset(has_grad.data(), 1, has_grad.bytes()));
   if (group_steps.size() > 0) NORMUON_CUDA_CHECK(cudaMemset(group_steps.data(), 0, group_steps.bytes()));
+  if (entry_steps.size() > 0) NORMUON_CUDA_CHECK(cudaMemset(entry_steps.data(), 0, entry_steps.bytes()));
   // cudaMemset is asynchronous on the legacy stream; the backend's own stream is not ordered after it.
   NORMUON_CUDA_CHECK(cudaDeviceSynchronize());
 }
@@ -66,6 +68,7 @@ void DeviceFlatState::upload(const FlatState& host, cudaStream_t stream) {
   const Layout& l = *layout_;
   to_device(momentum, host.momentum.data(), l.normuon_floats, stream);
   to_device(group_steps, host.group_steps.data(), static_cast<int64_t>(host.group_steps.size()), stream);
+  to_device(entry_steps, host.entry_steps.data(), static_cast<int64_t>(host.entry_steps.size()), stream);
   to_device(row_var, host.row_var.data(), l.stat_floats, stream);
   to_device(exp_avg, host.exp_avg.data(), l.adam_floats, stream);
   to_device(exp_avg_sq, host.exp_avg_sq.data(), l.adam_floats, stream);
@@ -110,6 +113,7 @@ void DeviceFlatState::download(FlatState& host, cudaStream_t stream) const {
   to_host(host.exp_avg.data(), exp_avg, l.adam_floats, stream);
   to_host(host.exp_avg_sq.data(), exp_avg_sq, l.adam_floats, stream);
   to_host(host.group_steps.data(), group_steps, static_cast<int64_t>(host.group_steps.size()), stream);
+  to_host(host.entry_steps.data(), entry_steps, static_cast<int64_t>(host.entry_steps.size()), stream);
   NORMUON_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 

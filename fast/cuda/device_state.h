@@ -34,12 +34,13 @@ class DeviceFlatState {
   DeviceBuffer<float> masters;        // master_floats in table mode
   DeviceBuffer<uint8_t> has_grad;     // per layout entry
   DeviceBuffer<int64_t> group_steps;  // per group
+  DeviceBuffer<int64_t> entry_steps;  // per layout entry: its own step count (FlatState::entry_steps)
 
   void* grads() { return grad_type_ == ElemType::f32 ? static_cast<void*>(grads_f32.data()) : grads_bf16.data(); }
 
   // Host <-> device, whole state (parameters, gradients, optimizer state, flags, steps). Gradients go
   // up as fp32 (converted on the host to bf16 when grad_type is bf16); they are not copied back.
-  // In table mode only the state, the steps and the masters (from / to the host's parameters of bf16 /
+  // In table mode only the state, the steps (group and entry) and the masters (from / to the host's parameters of bf16 /
   // fp16 entries) move. Both synchronise the stream before returning.
   void upload(const FlatState& host, cudaStream_t stream);
   void download(FlatState& host, cudaStream_t stream) const;

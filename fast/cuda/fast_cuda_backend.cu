@@ -88,6 +88,7 @@ FastCudaBackend::FastCudaBackend(const Layout& layout, const Options& options, c
   stat_tasks_ = to_device(plan.stat_tasks);
   tables_ = plan.tables(scan_chunks_.data(), normuon_chunks_.data(), adamw_chunks_.data(), stat_tasks_.data());
   groups_ = DeviceBuffer<cuda::GroupScalars>(static_cast<int64_t>(layout.group_names.size()));
+  entry_scalars_ = DeviceBuffer<cuda::EntryScalars>(static_cast<int64_t>(layout.entries.size()));
   matrix_scalars_ = DeviceBuffer<cuda::MatrixScalars>(tables_.n_matrices);
   stat_sums_ = DeviceBuffer<double>(layout.stat_floats);
   inv_scale_ = DeviceBuffer<float>(layout.stat_floats);
@@ -127,6 +128,8 @@ FastCudaBackend::FastCudaBackend(const Layout& layout, const Options& options, c
   b.exp_avg_sq = device_->exp_avg_sq.data();
   b.has_grad = device_->has_grad.data();
   b.group_steps = device_->group_steps.data();
+  b.entry_steps = device_->entry_steps.data();
+  b.entry_scalars = entry_scalars_.data();
   b.n_entries = static_cast<int32_t>(plan.entries.size());
   b.n_groups = static_cast<int32_t>(layout.group_names.size());
   b.entries = entries_.data();
@@ -186,10 +189,14 @@ void FastCudaBackend::release_graph() {
   graph_kernel_nodes_ = 0;
 }
 
-void FastCudaBackend::set_options(const Options& options, const std::vector<int64_t>* group_steps) {
+void FastCudaBackend::set_options(const Options& options, const std::vector<int64_t>* group_steps,
+                                  const std::vector<int64_t>* entry_steps) {
   if (group_steps && group_steps->size() != layout_.group_names.size())
     throw std::invalid_argument("set_options: " + std::to_string(group_steps->size()) + " group steps for " +
                                 std::to_string(layout_.group_names.size()) + " groups");
+  if (entry_steps && entry_steps->size() != layout_.entries.size())
+    throw std::invalid_argument("set_options: " + std::to_string(entry_steps->size()) + " entry steps for " +
+                                std::to_string(layout_.entries.size()) + " parameters");
   if (options.groups.size() != layout_.group_names.size())
     throw std::invalid_argument("the options define " + std::to_string(options.groups.size()) +
                                 " groups but the layout was built with " + std::to_string(layout_.group_names.size()));
@@ -202,11 +209,14 @@ void FastCudaBackend::set_options(const Options& options, const std::vector<int6
   }
   const DeviceScope scope(device_index_);
   host_groups_.clear();
-  for (size_t g = 0; g < options.groups.size(); ++g)
-    host_groups_.push_back(cuda::group_scalars(options.groups[g], group_steps ? &(*group_steps)[g] : nullptr));
+  for (size_t g = 0; g < options.groups.size(); ++g) host_groups_.push_back(cuda::group_scalars(options.groups[g]));
+  cuda::fill_entry_scalars(layout_, options, group_steps, entry_steps, host_entry_scalars_);
   cuda::fill_matrix_scalars(host_matrices_, options, host_matrix_scalars_);
   // From pageable memory: the copy is staged before the call returns, so the host vectors may change.
   NORMUON_CUDA_CHECK(cudaMemcpyAsync(groups_.data(), host_groups_.data(), groups_.bytes(), cudaMemcpyHostToDevice, stream_));
+  if (!host_entry_scalars_.empty())
+    NORMUON_CUDA_CHECK(cudaMemcpyAsync(entry_scalars_.data(), host_entry_scalars_.data(), entry_scalars_.bytes(),
+                                       cudaMemcpyHostToDevice, stream_));
   if (tables_.n_matrices > 0)
     NORMUON_CUDA_CHECK(cudaMemcpyAsync(matrix_scalars_.data(), host_matrix_scalars_.data(), matrix_scalars_.bytes(),
                                        cudaMemcpyHostToDevice, stream_));
@@ -245,8 +255,8 @@ int64_t FastCudaBackend::workspace_bytes() const {
   return ns_->workspace_bytes() +
          static_cast<int64_t>(scan_chunks_.bytes() + normuon_chunks_.bytes() + adamw_chunks_.bytes() +
                               stat_tasks_.bytes() + entries_.bytes() + operands_.bytes() + matrices_.bytes() +
-                              groups_.bytes() + matrix_scalars_.bytes() + stat_sums_.bytes() + inv_scale_.bytes() +
-                              status_.bytes());
+                              groups_.bytes() + entry_scalars_.bytes() + matrix_scalars_.bytes() + stat_sums_.bytes() +
+                              inv_scale_.bytes() + status_.bytes());
 }
 
 StepResult FastCudaBackend::poll_step(const Options& options) {
@@ -315,7 +325,7 @@ StepResult FastCudaBackend::step(FlatState& state, const Options& options) {
                            "set_tensors() and enqueue_step()");
   const DeviceScope scope(device_index_);
   set_grad_scaling(nullptr, nullptr);  // the FlatState form never scales: no scaler left from table mode
-  set_options(options, &state.group_steps);  // checks the groups first, before anything moves
+  set_options(options, &state.group_steps, &state.entry_steps);  // checks the groups first, before anything moves
   device_->upload(state, stream_);
   enqueue_step();
   const StepResult result = finish_step(options);  // throws under nonfinite=error: the host state is untouched

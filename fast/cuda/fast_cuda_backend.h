@@ -67,12 +67,15 @@ class FastCudaBackend : public Backend {
   // stream to capture graphs). Any captured graph stays valid; replays go to the new stream.
   void set_stream(cudaStream_t stream);
   // Uploads the per-group values (learning rates, weight decay, betas, eps) for the next steps; async.
-  // Throws std::invalid_argument if a fixed knob differs from construction. `group_steps`: the step
-  // counters before the next step, when the caller knows them; the AdamW bias corrections of that step
-  // are then computed on the host exactly as the reference does (the C library's pow), for the next
-  // step only. Without them (and for later steps, graph replays) the device computes them from its own
-  // counters.
-  void set_options(const Options& options, const std::vector<int64_t>* group_steps = nullptr);
+  // Throws std::invalid_argument if a fixed knob differs from construction. The counts before the next
+  // step, when the caller knows them, make that step's AdamW bias corrections host-exact (computed on the
+  // host as the reference does, with the C library's pow), per entry, for the entry's next step only:
+  // `entry_steps` gives each parameter's own count (FlatState::entry_steps); without it, `group_steps`
+  // gives each parameter its group's counter (what a caller that keeps group counters only means, as
+  // format-version-1 state did). With neither (and for later steps, graph replays) the device derives
+  // them from its own per-entry counts.
+  void set_options(const Options& options, const std::vector<int64_t>* group_steps = nullptr,
+                   const std::vector<int64_t>* entry_steps = nullptr);
   // Table mode: the caller's tensors for the next steps (device addresses, dense). Uploads the table
   // only when it differs from the last one (asynchronously, from pinned memory; it waits only for the
   // previous such upload). Throws std::invalid_argument on a bad table, before anything changes.
@@ -147,11 +150,13 @@ class FastCudaBackend : public Backend {
   bool status_pending_ = false;
   cuda::DeviceBuffer<cuda::MatrixInfo> matrices_;
   cuda::DeviceBuffer<cuda::GroupScalars> groups_;
+  cuda::DeviceBuffer<cuda::EntryScalars> entry_scalars_;
   cuda::DeviceBuffer<cuda::MatrixScalars> matrix_scalars_;
   cuda::DeviceBuffer<double> stat_sums_;
   cuda::DeviceBuffer<float> inv_scale_;
   cuda::DeviceBuffer<cuda::StepStatus> status_;
   std::vector<cuda::GroupScalars> host_groups_;
+  std::vector<cuda::EntryScalars> host_entry_scalars_;
   std::vector<cuda::MatrixScalars> host_matrix_scalars_;
   cuda::StepBuffers buffers_{};
   int64_t launches_per_step_ = 0;

@@ -119,15 +119,21 @@ __global__ void advance_steps_kernel(StepBuffers b) {
   for (int g = threadIdx.x; g < b.n_groups; g += blockDim.x) {
     bool any = false;
     for (int e = 0; e < b.n_entries && !any; ++e) any = b.entries[e].group == g && b.has_grad[e];
-    if (!any) continue;
-    const double t = static_cast<double>(++b.group_steps[g]);
-    GroupScalars& s = b.groups[g];
-    if (s.bias_from_host) {  // valid for this one step: later steps (replays) derive their own
+    if (any) ++b.group_steps[g];
+  }
+  // Each parameter's own count, and the AdamW bias corrections of it (spec section 5); a 0-element one
+  // does not count (begin_step's rule).
+  for (int e = threadIdx.x; e < b.n_entries; e += blockDim.x) {
+    if (!b.has_grad[e] || b.entries[e].empty) continue;
+    const double t = static_cast<double>(++b.entry_steps[e]);
+    EntryScalars& s = b.entry_scalars[e];
+    if (s.bias_from_host) {  // valid for this one step of the entry: later steps (replays) derive their own
       s.bias_from_host = 0;
       continue;
     }
-    s.adam_bc2_sqrt = static_cast<float>(sqrt(1.0 - pow(s.adam_beta2_d, t)));
-    s.adam_neg_step_size = static_cast<float>(-(s.adam_lr / (1.0 - pow(s.adam_beta1_d, t))));
+    const GroupScalars& g = b.groups[b.entries[e].group];
+    s.adam_bc2_sqrt = static_cast<float>(sqrt(1.0 - pow(g.adam_beta2_d, t)));
+    s.adam_neg_step_size = static_cast<float>(-(g.adam_lr / (1.0 - pow(g.adam_beta1_d, t))));
   }
 }
 
@@ -265,6 +271,7 @@ __global__ void adamw_kernel(StepBuffers b, const Chunk* chunks) {
   const EntryInfo e = b.entries[c.entry];
   const EntryOperands op = b.operands[c.entry];
   const GroupScalars s = b.groups[e.group];
+  const EntryScalars bias = b.entry_scalars[c.entry];  // the entry's own count's bias corrections
   const int64_t adam_base = e.adam_offset + c.begin;
   for (int i0 = threadIdx.x; i0 < c.size; i0 += kBlock * kIlp) {
     float g[kIlp], p[kIlp], m[kIlp], v[kIlp];
@@ -285,8 +292,8 @@ __global__ void adamw_kernel(StepBuffers b, const Chunk* chunks) {
         const float pk = s.adam_decay ? p[k] * s.adam_decay_factor : p[k];         // param.mul_(1 - lr*wd)
         const float mk = lerp(m[k], g[k], s.adam_w1);                               // exp_avg.lerp_(g, 1 - beta1)
         const float vk = fmaf(s.adam_one_minus_beta2 * g[k], g[k], v[k] * s.adam_beta2);  // mul_(b2).addcmul_(g, g, 1-b2)
-        const float denom = sqrtf(vk) / s.adam_bc2_sqrt + s.adam_eps;              // (sqrt(v) / bc2_sqrt).add_(eps)
-        store_param(op, c.begin + i, pk + (s.adam_neg_step_size * mk) / denom);     // addcdiv_(m, denom, -step_size)
+        const float denom = sqrtf(vk) / bias.adam_bc2_sqrt + s.adam_eps;           // (sqrt(v) / bc2_sqrt).add_(eps)
+        store_param(op, c.begin + i, pk + (bias.adam_neg_step_size * mk) / denom);  // addcdiv_(m, denom, -step_size)
         b.exp_avg[adam_base + i] = mk;
         b.exp_avg_sq[adam_base + i] = vk;
       }
@@ -310,7 +317,7 @@ void run_step(const Launch& launch, const StepBuffers& b, const StepTables& t, c
   {
     [[maybe_unused]] const auto momentum_phase = phase(0);
     each(scan_gradients_kernel, t.n_scan_chunks, t.scan_chunks);
-    launch(advance_steps_kernel, 1, 32, b);
+    launch(advance_steps_kernel, 1, kBlock, b);  // one block; its threads stride the groups and the entries
     each(momentum_kernel, t.n_normuon_chunks, t.normuon_chunks);
   }
   {

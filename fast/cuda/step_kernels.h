@@ -20,6 +20,8 @@ struct StepBuffers {
   float* exp_avg_sq;
   const uint8_t* has_grad;
   int64_t* group_steps;
+  int64_t* entry_steps;           // per layout entry: its own step count
+  EntryScalars* entry_scalars;    // per layout entry: AdamW bias corrections of its count
   int32_t n_entries, n_groups;
   const EntryInfo* entries;
   const MatrixInfo* matrices;

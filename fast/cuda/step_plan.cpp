@@ -50,7 +50,7 @@ StepPlan StepPlan::build(const Layout& layout, const Options& options) {
   }
   for (int i = 0; i < static_cast<int>(layout.entries.size()); ++i) {
     const LayoutEntry& e = layout.entries[i];
-    EntryInfo info{e.offset, e.adam_offset, e.group, -1};
+    EntryInfo info{e.offset, e.adam_offset, e.group, -1, e.numel == 0};
     add_chunks(plan.scan_chunks, i, e.numel);
     if (e.algorithm == Algorithm::normuon && e.numel > 0) {
       MatrixInfo m{};
@@ -80,7 +80,7 @@ StepPlan StepPlan::build(const Layout& layout, const Options& options) {
   return plan;
 }
 
-GroupScalars group_scalars(const GroupOptions& g, const int64_t* steps_taken) {
+GroupScalars group_scalars(const GroupOptions& g) {
   GroupScalars s{};
   const NorMuonHyper& h = g.normuon;
   s.w1 = static_cast<float>(1 - h.beta1);
@@ -107,6 +107,11 @@ GroupScalars group_scalars(const GroupOptions& g, const int64_t* steps_taken) {
   s.adam_lr = a.lr;
   s.adam_beta1_d = a.beta1;
   s.adam_beta2_d = a.beta2;
+  return s;
+}
+
+EntryScalars entry_scalars(const AdamWHyper& a, const int64_t* steps_taken) {
+  EntryScalars s{};
   if (steps_taken) {  // the reference's arithmetic (fast/fast_cpu_backend.cpp does the same)
     const double t = static_cast<double>(*steps_taken + 1);
     s.bias_from_host = 1;
@@ -114,6 +119,27 @@ GroupScalars group_scalars(const GroupOptions& g, const int64_t* steps_taken) {
     s.adam_neg_step_size = static_cast<float>(-(a.lr / (1 - std::pow(a.beta1, t))));
   }
   return s;
+}
+
+void fill_entry_scalars(const Layout& layout, const Options& options, const std::vector<int64_t>* group_steps,
+                        const std::vector<int64_t>* entry_steps, std::vector<EntryScalars>& out) {
+  if (options.groups.size() != layout.group_names.size())
+    throw std::invalid_argument("the options define " + std::to_string(options.groups.size()) +
+                                " groups but the layout was built with " + std::to_string(layout.group_names.size()));
+  if (group_steps && group_steps->size() != layout.group_names.size())
+    throw std::invalid_argument(std::to_string(group_steps->size()) + " group steps for " +
+                                std::to_string(layout.group_names.size()) + " groups");
+  if (entry_steps && entry_steps->size() != layout.entries.size())
+    throw std::invalid_argument(std::to_string(entry_steps->size()) + " entry steps for " +
+                                std::to_string(layout.entries.size()) + " parameters");
+  out.resize(layout.entries.size());
+  for (size_t e = 0; e < out.size(); ++e) {
+    const int group = layout.entries[e].group;
+    const int64_t* taken = entry_steps ? &(*entry_steps)[e]
+                           : group_steps ? &(*group_steps)[static_cast<size_t>(group)]
+                                         : nullptr;
+    out[e] = entry_scalars(options.groups[static_cast<size_t>(group)].adamw, taken);
+  }
 }
 
 void fill_matrix_scalars(const std::vector<MatrixInfo>& matrices, const Options& options,

@@ -43,10 +43,21 @@ struct StepPlan {
   int64_t newton_schulz_launches() const;
 };
 
-// The per-group scalars the kernels read, from a group's options. With `steps_taken` (the group's step
-// counter before the step), also the next step's AdamW bias corrections, computed on the host exactly as
-// the reference computes them (bias_from_host = 1); without, the step-counter kernel derives them.
-GroupScalars group_scalars(const GroupOptions& group, const int64_t* steps_taken = nullptr);
+// The per-group scalars the kernels read, from a group's options.
+GroupScalars group_scalars(const GroupOptions& group);
+
+// An entry's AdamW bias corrections. With `steps_taken` (the entry's own step count before the step):
+// those of its next step, computed on the host exactly as the reference computes them (bias_from_host =
+// 1); without, none (the step-counter kernel derives them on the device).
+EntryScalars entry_scalars(const AdamWHyper& group, const int64_t* steps_taken = nullptr);
+
+// Per layout entry into `out` (reusing its storage: set_options() runs every step), from the counts
+// before the next step: each entry's own count from `entry_steps` when given; else, when only
+// `group_steps` is given, its group's counter (entry_steps_from_groups: what a caller that keeps group
+// counters only, as format-version-1 state did, means); else none (derived on the device). Throws
+// std::invalid_argument when a vector has the wrong size.
+void fill_entry_scalars(const Layout& layout, const Options& options, const std::vector<int64_t>* group_steps,
+                        const std::vector<int64_t>* entry_steps, std::vector<EntryScalars>& out);
 
 // Per matrix (the plan's order) into `out`: the lr_scale factor of its group's rule; the ratio is the
 // device's. Reuses out's storage: set_options() runs every step.

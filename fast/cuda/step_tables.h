@@ -46,6 +46,7 @@ struct EntryInfo {
   int64_t adam_offset;  // in exp_avg / exp_avg_sq (AdamW only)
   int32_t group;
   int32_t matrix;       // index into the matrix table (NorMuon with elements), else -1
+  int32_t empty;        // 0 elements: its own step count never advances (spec section 5)
 };
 
 // One per NorMuon matrix with elements, in layout order.
@@ -82,8 +83,7 @@ struct StepTables {
   int n_matrices;
 };
 
-// Per group. Set by the host from Options at set_options(); the "derived" fields are written by the
-// step-advance kernel from the group's step counter, so a replayed CUDA graph needs no host input.
+// Per group. Set by the host from Options at set_options().
 struct GroupScalars {
   // NorMuon
   float w1, beta1;  // momentum lerp weight 1 - beta1, and beta1 (Nesterov blend)
@@ -100,10 +100,17 @@ struct GroupScalars {
   int32_t adam_decay;
   float adam_decay_factor, adam_w1, adam_beta2, adam_one_minus_beta2, adam_eps;
   double adam_lr, adam_beta1_d, adam_beta2_d;  // for the bias corrections, in double as the reference
-  // Derived each step from the step counter t: on the host with the C library's pow when the caller
-  // passed the counters to set_options() (bias_from_host = 1: exactly the reference's values), else on
-  // the device (graph replays), where pow may differ in the last bit of the double. The host values
-  // apply to the next step only: the step-counter kernel clears the flag as it uses them.
+};
+
+// Per layout entry: the AdamW bias corrections of its own step count t (docs/spec.md section 5: a
+// parameter's count advances only in the steps in which it has a gradient). Derived from t after the
+// step's increment: on the host with the C library's pow when the caller passed the counts to
+// set_options() (bias_from_host = 1: exactly the reference's values), else on the device by the
+// step-counter kernel (graph replays), where pow may differ in the last bit of the double. Host values
+// hold until the entry's next step that runs: the step-counter kernel clears the flag as it uses them
+// (an entry without a gradient keeps them, its count unchanged). Written for every entry (NorMuon's are
+// never read: NorMuon has no bias correction).
+struct EntryScalars {
   int32_t bias_from_host;
   float adam_bc2_sqrt;        // sqrt(1 - beta2^t)
   float adam_neg_step_size;   // -lr / (1 - beta1^t)

@@ -1,5 +1,6 @@
 // Everything a backend reads and writes in a step, in the shared flat layout: parameters (fp32 master
-// copy), gradients, optimizer state, per-parameter "has a gradient this step" flags and per-group steps.
+// copy), gradients, optimizer state, per-parameter "has a gradient this step" flags, per-group steps and
+// per-parameter step counts.
 #pragma once
 
 #include <cstdint>
@@ -65,15 +66,29 @@ struct FlatState {
   AlignedBuffer exp_avg, exp_avg_sq;  // adam_floats
   std::vector<uint8_t> has_grad;   // per layout entry; 1 by default
   std::vector<int64_t> group_steps;  // per group: optimizer steps taken
+  // Per layout entry: the steps (not skipped) in which that parameter had a gradient, its own count
+  // (docs/spec.md section 5). AdamW's bias corrections use it; never above its group's counter.
+  std::vector<int64_t> entry_steps;
 
   float* param(int e) { return params.data() + layout->entries[e].offset; }
   const float* param(int e) const { return params.data() + layout->entries[e].offset; }
   float* grad(int e) { return grads.data() + layout->entries[e].offset; }
   const float* grad(int e) const { return grads.data() + layout->entries[e].offset; }
 
-  // Optimizer state only (everything except params, grads and has_grad) is equal bit for bit.
+  // Optimizer state only (everything except params, grads and has_grad) is equal bit for bit, step
+  // counters (group and entry) included.
   bool same_optimizer_state(const FlatState& other) const;
 };
+
+// Every entry's count taken to be its group's counter: what a state that kept group counters only (a
+// version-1 state file, a caller that knows only group steps) meant, since its bias corrections used the
+// group's counter for every parameter. One count per layout entry.
+std::vector<int64_t> entry_steps_from_groups(const Layout& layout, const std::vector<int64_t>& group_steps);
+
+// Why `entry_steps` cannot go with `group_steps` on `layout` (a count per entry, none negative, none above
+// its group's counter), or empty.
+std::string entry_steps_invalid_reason(const Layout& layout, const std::vector<int64_t>& group_steps,
+                                       const std::vector<int64_t>& entry_steps);
 
 // Name of a state tensor, shape and pointer, for every state tensor of a layout entry.
 struct StateTensorRef {

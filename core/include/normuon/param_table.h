@@ -67,6 +67,7 @@ struct TableState {
   AlignedBuffer momentum, row_var;    // normuon_floats, stat_floats
   AlignedBuffer exp_avg, exp_avg_sq;  // adam_floats
   std::vector<int64_t> group_steps;   // per group
+  std::vector<int64_t> entry_steps;   // per layout entry: its own step count (FlatState::entry_steps)
 
   float* master(int e) { return masters.data() + layout->entries[e].master_offset; }  // low precision only
   // Every master from its parameter (widened): at construction, and after an outside write.
@@ -96,6 +97,7 @@ struct StepOperands {
   std::vector<ParamOperand> params;  // per layout entry
   float *momentum = nullptr, *row_var = nullptr, *exp_avg = nullptr, *exp_avg_sq = nullptr;
   int64_t* group_steps = nullptr;
+  int64_t* entry_steps = nullptr;  // per layout entry (FlatState::entry_steps)
   // A gradient scaler's scale (torch's GradScaler), or nullptr: every gradient is divided by it as it is
   // read, as torch's fused AdamW does, instead of in a pass of its own. The scaler has already looked for
   // inf/NaN gradients (its found_inf), so the step's own scan is left out.
@@ -111,8 +113,8 @@ void widen_rows(const void* data, DType dtype, const RowRuns& runs, int64_t begi
 void narrow_rows(const float* src, void* data, DType dtype, const RowRuns& runs, int64_t begin, int64_t n);
 
 // Between the modes. table_to_flat: the flat parameters (fp32 tensors or masters), gradients (widened,
-// has_grad from presence), state and steps. flat_to_table: state, steps and masters, and the caller's
-// parameters rounded to their dtype.
+// has_grad from presence), state and steps (group and entry). flat_to_table: state, steps and masters, and
+// the caller's parameters rounded to their dtype.
 void table_to_flat(const TableState& state, const ParamTable& table, FlatState& flat);
 void flat_to_table(const FlatState& flat, TableState& state, const ParamTable& table);
 

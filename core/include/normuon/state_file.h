@@ -16,7 +16,10 @@
 namespace normuon {
 
 constexpr const char* kStateFormat = "normuon-state";
-constexpr int kStateFormatVersion = 1;
+// Version 2 adds each parameter's own step count (metadata "entry_steps"); version-1 files still load,
+// each parameter's count taken to be its group's counter. Saving always writes kStateFormatVersion.
+constexpr int kStateFormatVersion = 2;
+constexpr int kStateFormatOldestVersion = 1;
 
 // Any reason a state file can't be loaded: the message says what is wrong and where.
 class StateFileError : public std::runtime_error {
@@ -41,6 +44,9 @@ struct StateFileHeader {
   Options options;                 // hyper-parameters at save time
   std::vector<std::string> group_names;
   std::vector<int64_t> group_steps;
+  // Version 2: each parameter's own step count, by parameter name. Empty in a version-1 file, whose
+  // parameters load with their group's counter (entry_steps_from_groups).
+  std::map<std::string, int64_t> entry_steps;
   std::vector<StateTensorInfo> tensors;  // in file order
   uint64_t file_size = 0;
   // Metadata keys this format does not define (a later version's, or a caller's own, such as the
@@ -59,9 +65,11 @@ struct StateFileContents {
   uint64_t data_offset = 0;             // where the data section starts in `bytes`
 };
 
-// Writes parameters, state tensors, group steps, options and backend name. Atomic: a temporary file in
-// the same directory is written, flushed, fsync'ed and renamed over `path`; on any error the old file
-// (if any) is left as it was and the temporary file is removed.
+// Writes parameters, state tensors, group and entry steps, options and backend name (format version
+// kStateFormatVersion; entry steps that don't fit the group steps, entry_steps_invalid_reason, are refused
+// before anything is written). Atomic: a temporary file in the same directory is written, flushed,
+// fsync'ed and renamed over `path`; on any error the old file (if any) is left as it was and the
+// temporary file is removed.
 // If `path` is a symbolic link, the file it points to is replaced (the link stays); a file that exists
 // keeps its permission bits. After the rename, temporary files of the same target left by a save that
 // was killed (`PATH.tmp-<pid>-<hex>` whose process no longer exists) are removed.
@@ -78,8 +86,9 @@ void save_state_with_metadata(const std::string& path, const FlatState& state, c
 void check_state_save_path(const std::string& path);
 
 // Reads and fully verifies a file (magic, version, header JSON, sizes, offsets, checksums, layout
-// fingerprint, tensor names, dtypes and shapes) before anything in `state` changes: on any error it throws
-// StateFileError and `state` is untouched. `options` (if given) receives the saved hyper-parameters.
+// fingerprint, tensor names, dtypes and shapes, entry steps) before anything in `state` changes: on any
+// error it throws StateFileError and `state` is untouched. `options` (if given) receives the saved
+// hyper-parameters. A version-1 file gives every parameter its group's counter as its own count.
 void load_state(const std::string& path, FlatState& state, Options* options = nullptr);
 
 // Header only, with each tensor's stored checksum verified against its bytes when verify_checksums.

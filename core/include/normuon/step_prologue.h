@@ -1,7 +1,8 @@
 // What every backend does first in a step, so that all of them say and do the same: refuse or skip a
 // step with a NaN/Inf gradient before anything changes, then advance the step counter of every group
-// that has at least one gradient (docs/spec.md section 5). The operand form allocates nothing; the
-// FlatState form binds the state's operands first (the reference's prologue).
+// that has at least one gradient and the count of every parameter that has one (docs/spec.md section 5).
+// The operand form allocates nothing; the FlatState form binds the state's operands first (the
+// reference's prologue).
 #pragma once
 
 #include <cstdint>
@@ -14,7 +15,8 @@
 namespace normuon {
 
 // Throws std::runtime_error (nonfinite=error) or returns a skipped StepResult (nonfinite=skip_step)
-// naming the parameter, element and step; otherwise advances the group steps and returns nullopt.
+// naming the parameter, element and step; otherwise advances the group steps and the entry steps of the
+// parameters with a gradient, and returns nullopt.
 std::optional<StepResult> begin_step(FlatState& state, const Options& options);
 // The same over operands (either mode): each gradient is scanned in its own dtype.
 std::optional<StepResult> begin_step(StepOperands& operands, const Options& options);
