@@ -239,7 +239,7 @@ class DistributedNorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         local._sync_hyper()  # a bad value raises here, on every rank alike, before any collective
         for g, lg in zip(self.param_groups, local.param_groups):  # NorMuon's betas and beta1/beta2 as resolved
             g.update({k: lg[k] for k in ("beta1", "beta2", "betas") if k in lg})
-        local._set_group_steps(self._steps)
+        local._set_steps(self._steps, local._entry_steps)  # its parameters keep their own counts
         start = time.perf_counter()
         self.last_step_comm = dict(collectives=0, bytes_sent=0, bytes_received=0)
 
@@ -269,7 +269,7 @@ class DistributedNorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         for gi, members in enumerate(self._group_members):
             if any(p.tensor.grad is not None for p in members):
                 self._steps[gi] += 1
-        local._set_group_steps(self._steps)
+        local._set_steps(self._steps, local._entry_steps)  # its parameters keep their own counts
         for g, t in zip(self.param_groups, self._steps):
             g["step"] = t
         self.last_skip_reason = None

@@ -452,7 +452,7 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
                 self._inner.param_groups[j].update(h)
             # TE FusedAdam's rule: the step about to run is group['step'] + 1 (AdamW's bias correction reads
             # it); the core would count only steps with a gradient in the group.
-            self._inner._set_group_steps(steps)
+            self._inner._set_steps(steps)  # every parameter at its group's counter (TE)
             self._inner.step()
             skipped = self._inner.last_skip_reason
             self._refresh_split_state()

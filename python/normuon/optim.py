@@ -398,6 +398,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self._table = self._table_state = None
         self._bound = None         # the addresses last handed to the backend
         self._steps = [0] * len(names)  # the host's copy of the group step counters
+        # ... and of every parameter's own count (the steps it had a gradient in: its AdamW bias corrections)
+        self._entry_steps = [0] * len(self._entries)
         if self._device.type == "cuda":
             index = self._device.index if self._device.index is not None else torch.cuda.current_device()
             self._device = torch.device("cuda", index)
@@ -483,6 +485,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         views = {k: _device_view(backend, ptr, n, typestr, self._device)
                  for k, (ptr, n, typestr) in backend.buffers().items()}
         self._device_steps = views["group_steps"]  # zero, like the rest of its state
+        self._device_entry_steps = views["entry_steps"]
         return views
 
     def _carve(self, buffers):
@@ -551,6 +554,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         saved = {i: ([t.clone() for t in e.state], e.master.clone() if e.low_precision else None)
                  for i, e in old.items()}
         steps = {g["name"]: t for g, t in zip(self.param_groups, self._steps)}
+        own_steps = {id(e.tensor): t for e, t in zip(self._entries, self._entry_steps)}
         self.param_groups = []
         for g in groups:
             g.update(extra.get(g["name"], new_extra))
@@ -565,7 +569,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                     dst.copy_(src)
                 if master is not None:
                     e.master.copy_(master)
-        self._set_group_steps([steps.get(g["name"], 0) for g in self.param_groups])
+        self._set_steps([steps.get(g["name"], 0) for g in self.param_groups],
+                        [own_steps.get(id(e.tensor), 0) for e in entries])  # a new parameter starts at 0
 
     # ------------------------------------------------------------------------------ hyper-parameters
 
@@ -688,19 +693,28 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             self._bound = bound
         return keep
 
-    def _set_group_steps(self, steps):
-        """Every copy of the step counters: the host's, the backend's and group['step']."""
+    def _set_steps(self, steps, entry_steps=None):
+        """Every copy of the step counters (the host's, the backend's and group['step']) and of the
+        parameters' own counts (entry_steps, per entry; None: each at its group's counter, what state of
+        format version 1 means)."""
         steps = [int(t) for t in steps]
-        if steps == self._steps and self._pending_steps_before is None:  # every copy already holds them: no
-            for g, t in zip(self.param_groups, steps):                    # device write (a host sync on CUDA)
+        entry_steps = ([steps[e.group] for e in self._entries] if entry_steps is None
+                       else [int(t) for t in entry_steps])
+        if (steps == self._steps and entry_steps == self._entry_steps
+                and self._pending_steps_before is None):  # every copy already holds them: no device write
+            for g, t in zip(self.param_groups, steps):
                 g["step"] = t
             return
-        self._steps = list(steps)
+        self._steps, self._entry_steps = list(steps), list(entry_steps)
         if self._table_state is not None:
-            self._table_state.group_steps = steps
+            self._table_state.group_steps = steps  # (resets the entries' counts: set them after)
+            self._table_state.entry_steps = entry_steps
         if self._cuda_backend is not None:  # from pinned memory, behind the work queued so far: no host sync
             # (torch's pinned allocator keeps the block until the copy has run)
             self._device_steps.copy_(torch.tensor(steps, dtype=torch.int64).pin_memory(), non_blocking=True)
+            if entry_steps:
+                self._device_entry_steps.copy_(torch.tensor(entry_steps, dtype=torch.int64).pin_memory(),
+                                               non_blocking=True)
         for g, t in zip(self.param_groups, steps):
             g["step"] = t
 
@@ -739,6 +753,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 skipped = result.reason if result.skipped else None
                 if skipped is None:
                     self._steps = self._table_state.group_steps
+                    self._entry_steps = self._table_state.entry_steps
             del keep
         for g, t in zip(self.param_groups, self._steps):
             g["step"] = t
@@ -780,10 +795,10 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 e.grad = g.to(torch.float32)
                 if grad_scale is not None:
                     e.grad = e.grad / grad_scale.to(e.grad.device)
-        steps = list(self._steps)
-        skipped = self._reference.step(self._entries, hypers, steps, self.nonfinite)
+        steps, entry_steps = list(self._steps), list(self._entry_steps)
+        skipped = self._reference.step(self._entries, hypers, steps, entry_steps, self.nonfinite)
         if skipped is None:
-            self._steps = steps
+            self._steps, self._entry_steps = steps, entry_steps
             for e in self._entries:
                 if e.has_grad and e.master is not None:
                     e.write(e.master)  # rounds to the parameter's dtype
@@ -802,7 +817,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             earlier = self._settle()  # verdict='deferred': the step before this one
             backend.set_tensors(self._table)
             # The host's copy of the counters (no device read): host-exact bias corrections.
-            backend.set_options(self._options, self._steps)
+            backend.set_options(self._options, self._steps, self._entry_steps)
             scale_ptr = 0 if scaler is None or scaler[0] is None else scaler[0].data_ptr()
             backend.set_grad_scaling(scale_ptr, 0 if scaler is None else scaler[1].data_ptr())
             backend.enqueue_step()
@@ -813,9 +828,11 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 self._found_inf_host.copy_(scaler[1], non_blocking=True)
                 self._found_inf_copied.record(stream)
                 self._found_inf_event = self._found_inf_copied  # pending: _settle waits on it
-            before = list(self._steps)
+            before = (list(self._steps), list(self._entry_steps))
             active = {e.group for e in self._entries if e.has_grad}
-            self._steps = [t + (g in active) for g, t in enumerate(before)]
+            self._steps = [t + (g in active) for g, t in enumerate(before[0])]
+            self._entry_steps = [t + (e.has_grad and math.prod(e.shape) > 0)
+                                 for e, t in zip(self._entries, before[1])]
             self._pending_steps_before = before
             if self.verdict == "deferred":
                 return earlier
@@ -833,7 +850,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             try:
                 result = self._cuda_backend.poll_step(self._options)
             except RuntimeError:
-                self._steps = before
+                self._steps, self._entry_steps = before
                 raise
             reason = result.reason if result.skipped else None
             if event is not None:  # the scaler's found_inf, copied behind the step
@@ -841,7 +858,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 if float(self._found_inf_host) != 0:
                     reason = FOUND_INF_REASON
         if reason is not None:
-            self._steps = before
+            self._steps, self._entry_steps = before
             self.last_skip_reason = reason
         for g, t in zip(self.param_groups, self._steps):
             g["step"] = t
@@ -859,6 +876,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             if k != "masters":
                 torch.from_numpy(getattr(flat, k)).copy_(t)
         flat.group_steps = self._steps
+        flat.entry_steps = self._entry_steps
         return flat
 
     def _from_flat(self, flat):
@@ -873,7 +891,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 e.master.copy_(values)
             e.write(values)  # rounds to the parameter's dtype
             e.version = e.source._version
-        self._set_group_steps(list(flat.group_steps))
+        self._set_steps(list(flat.group_steps), list(flat.entry_steps))
 
     # ----------------------------------------------------------------------------------- inspection
 
@@ -938,24 +956,27 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     def state_dict(self):
         """torch's structure: "state" by parameter index (param_groups order) with fp32 copies of
         momentum_buffer + moment2_buffer (NorMuon; moment2 is the reduced second moment, length rows or
-        cols) or exp_avg + exp_avg_sq (AdamW), plus master_param for non-fp32 parameters; "param_groups"
-        with the hyper-parameters, names and the group's step. torch's state-dict hooks (torch >= 2.1:
+        cols) or exp_avg + exp_avg_sq (AdamW), plus master_param for non-fp32 parameters and, as torch's
+        AdamW, 'step': the parameter's own count (a 0-d fp32 tensor: the steps it had a gradient in, which
+        its AdamW bias corrections use); "param_groups" with the hyper-parameters, names and the group's
+        step. torch's state-dict hooks (torch >= 2.1:
         register_state_dict_pre_hook / _post_hook) run around it as around torch's own."""
         for hook in list(getattr(self, "_optimizer_state_dict_pre_hooks", {}).values()):
             hook(self)
         self._refresh_masters()
         self._settle()
         self._reconcile_betas()  # a scheduler may have moved betas since the last step
-        by_tensor = {id(e.tensor): e for e in self._entries}
+        by_tensor = {id(e.tensor): (e, t) for e, t in zip(self._entries, self._entry_steps)}
         groups, state, index = [], {}, 0
         for g in self.param_groups:
             packed = {k: (list(v) if isinstance(v, list) else v) for k, v in g.items() if k != "params"}
             packed["params"] = list(range(index, index + len(g["params"])))
             for t in g["params"]:
-                e = by_tensor[id(t)]
+                e, own = by_tensor[id(t)]
                 s = {k: v.clone() for k, v in self._state_views(e).items()}
                 if e.low_precision:
                     s["master_param"] = e.master.clone()
+                s["step"] = torch.tensor(float(own))
                 state[index] = s
                 index += 1
             groups.append(packed)
@@ -989,7 +1010,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             raise ValueError(f"the state dict has {len(saved_groups)} param groups, this optimizer "
                              f"{len(self.param_groups)} ({', '.join(g['name'] for g in self.param_groups)})")
         by_tensor = {id(e.tensor): e for e in self._entries}
-        writes, new_groups, steps = [], [], []
+        writes, new_groups, steps, own_steps = [], [], [], {}
         for i, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
             where = f"param_groups[{i}] ('{g['name']}')"
             if sg.get("algorithm", g["algorithm"]) != g["algorithm"]:
@@ -1018,6 +1039,11 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 s = saved_state.get(idx)
                 if s is None:
                     s = {k: torch.zeros_like(v) for k, v in self._state_views(e).items()}  # never stepped
+                    s["step"] = 0
+                # The parameter's own count; a state dict without one (saved before counts were kept) means
+                # the group's, which is what its bias corrections used then.
+                s = dict(s)
+                own_steps[id(e.tensor)] = _own_step(s.pop("step", step), step, f"parameter '{e.name}'")
                 expected = dict(self._state_views(e))
                 if e.low_precision and "master_param" in s:
                     expected["master_param"] = e.master
@@ -1040,7 +1066,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         for g, new in zip(self.param_groups, new_groups):
             g.clear()
             g.update(new)
-        self._set_group_steps(steps)
+        self._set_steps(steps, [own_steps[id(e.tensor)] for e in self._entries])
         self._sync_hyper()
 
     # ----------------------------------------------------------------------------------- state files
@@ -1244,6 +1270,19 @@ def _named_by(params, names):
             item = name(item)
         out.append(item)
     return out
+
+
+def _own_step(value, group_step, where):
+    """A parameter's saved 'step' (an int, or a 0-d tensor as torch's optimizers save it) as an int in
+    [0, group_step]; ValueError otherwise."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= group_step:
+        raise ValueError(f"state of {where}: step={value!r} is not an integer in [0, its group's step "
+                         f"{group_step}]")
+    return value
 
 
 def _dense_grad(e):

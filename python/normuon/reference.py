@@ -170,9 +170,10 @@ def nonfinite_gradient(name, value, element, step, nonfinite):
     return msg + "; step skipped"
 
 
-def begin_step(entries, group_steps, nonfinite):
+def begin_step(entries, group_steps, entry_steps, nonfinite):
     """The shared step prologue (core/src/step_prologue.cpp): refuse or skip a step with a NaN/Inf gradient
-    before anything changes, then advance the step of every group with at least one gradient.
+    before anything changes, then advance the step of every group with at least one gradient, and the
+    own count of every parameter (with elements) that has one (AdamW's bias corrections use it).
 
     entries: objects with .name, .group, .has_grad, .grad (fp32 tensor). Returns None, or the reason a
     skip_step policy skipped the step. Raises RuntimeError under nonfinite='error'."""
@@ -185,6 +186,9 @@ def begin_step(entries, group_steps, nonfinite):
             return nonfinite_gradient(e.name, float(e.grad.reshape(-1)[k]), k, group_steps[e.group] + 1, nonfinite)
     for g in sorted({e.group for e in entries if e.has_grad}):
         group_steps[g] += 1
+    for i, e in enumerate(entries):
+        if e.has_grad and e.grad.numel() > 0:
+            entry_steps[i] += 1
     return None
 
 
@@ -193,19 +197,19 @@ class ReferenceBackend:
 
     name = "reference-python"
 
-    def step(self, entries, hypers, group_steps, nonfinite):
+    def step(self, entries, hypers, group_steps, entry_steps, nonfinite):
         """entries: objects with .name, .algorithm, .group, .has_grad, .param, .grad, .state (two fp32
-        tensors), .stats_per_row; hypers: per group, a dict of the spec's field names. Returns the skip
-        reason or None."""
-        skipped = begin_step(entries, group_steps, nonfinite)
+        tensors), .stats_per_row; hypers: per group, a dict of the spec's field names; group_steps and
+        entry_steps (per entry) are advanced in place. Returns the skip reason or None."""
+        skipped = begin_step(entries, group_steps, entry_steps, nonfinite)
         if skipped is not None:
             return skipped
-        for e in entries:
+        for i, e in enumerate(entries):
             if not e.has_grad or e.param.numel() == 0:
                 continue  # untouched, state not advanced
             h = hypers[e.group]
             if e.algorithm == "normuon":
                 normuon_update(e.param, e.grad, e.state[0], e.state[1], h, e.stats_per_row)
             else:
-                adamw_update(e.param, e.grad, e.state[0], e.state[1], h, group_steps[e.group])
+                adamw_update(e.param, e.grad, e.state[0], e.state[1], h, entry_steps[i])
         return None

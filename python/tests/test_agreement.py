@@ -131,8 +131,8 @@ def test_bf16_parameters_fast_matches_reference(native):
 
 
 def test_optimizer_equals_reference_functions_called_directly():
-    """The optimizer's bookkeeping (views, groups, step counts, missing gradients) around reference.py equals
-    a plain per-parameter loop over cloned fp32 tensors."""
+    """The optimizer's bookkeeping (views, groups, per-parameter step counts, missing gradients) around
+    reference.py equals a plain per-parameter loop over cloned fp32 tensors."""
     model = make_model()
     names = [n for n, _ in model.named_parameters()]
     plain = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -142,20 +142,20 @@ def test_optimizer_equals_reference_functions_called_directly():
     aw = dict(reference.ADAMW_DEFAULTS)
     state = {n: (torch.zeros_like(p), torch.zeros(p.shape[0]) if algo[n] == "normuon" else torch.zeros_like(p))
              for n, p in plain.items()}
-    t_adamw = 0
+    own = dict.fromkeys(names, 0)  # each parameter's own count, as torch's AdamW keeps it
     for step in range(1, 5):
         skip = {names[step]}  # one parameter without a gradient each step
         fill_grads(model, step, skip=skip)
         opt.step()
-        t_adamw += 1
         for n in names:
             if n in skip:
                 continue
+            own[n] += 1
             g = dict(model.named_parameters())[n].grad.float()
             if algo[n] == "normuon":
                 reference.normuon_update(plain[n], g, *state[n], nm, True)
             else:
-                reference.adamw_update(plain[n], g, *state[n], aw, t_adamw)
+                reference.adamw_update(plain[n], g, *state[n], aw, own[n])
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), plain[n]), n
 
