@@ -129,11 +129,10 @@ class _Slot:
     """One parameter of the outer optimizer and what stands for it in the inner NorMuonAdamW: the parameter
     itself (blocks is None), or its blocks of rows (a split QKV weight: RowBlocks, stepped in place)."""
 
-    __slots__ = ("param", "shape", "entries", "blocks", "views", "lazy")
+    __slots__ = ("param", "entries", "blocks", "views", "lazy")
 
     def __init__(self, param, entries, blocks, views):
         self.param, self.entries, self.blocks, self.views = param, entries, blocks, views
-        self.shape = tuple(param.shape)  # when the layout was built (the blocks' geometry)
         self.lazy = None  # the _SplitState installed in self.state for a split parameter
 
 
@@ -188,16 +187,16 @@ class _SplitState(MutableMapping):
         return dict, (self.copy(),)
 
 
-def _assemble(entries, blocks, shape, export, master):
+def _assemble(entries, blocks, export, master):
     """A parameter's state, parameter-shaped fresh fp32 copies (and master_param, for a bf16/f16
-    parameter, with master): from its one entry, or put together from its blocks' (shape: the parameter's
-    when the blocks were made)."""
+    parameter, with master): from its one entry, or put together from its blocks' (in the parameter's
+    shape when the blocks were made)."""
     parts = [export(e, master) for e in entries]
     if blocks is None:
         return parts[0]
     out = {}
     for key in parts[0]:
-        full = torch.empty(shape, dtype=torch.float32, device=parts[0][key].device)
+        full = torch.empty(blocks[0].param_shape, dtype=torch.float32, device=parts[0][key].device)
         for part, block in zip(parts, blocks):
             block.write(full, part[key])
         out[key] = full
@@ -341,8 +340,7 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
 
     def _split_state(self, slot):
         # _entry_export is a static method: the partial holds no reference to this optimizer.
-        slot.lazy = _SplitState(functools.partial(_assemble, slot.entries, slot.blocks, slot.shape,
-                                                  self._entry_export, False))
+        slot.lazy = _SplitState(functools.partial(_assemble, slot.entries, slot.blocks, self._entry_export, False))
         return slot.lazy
 
     def _refresh_split_state(self):
@@ -421,7 +419,7 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
 
     def _assemble(self, slot, master):
         """_assemble for one slot (no reference to this optimizer: see _SplitState)."""
-        return _assemble(slot.entries, slot.blocks, slot.shape, self._entry_export, master)
+        return _assemble(slot.entries, slot.blocks, self._entry_export, master)
 
     # ------------------------------------------------------------------------------- Megatron hooks
 

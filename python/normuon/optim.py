@@ -641,7 +641,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         the master keeps its low bits). Writes through .data bypass the counter and are not seen."""
         for e in self._entries:
             t = e.source
-            shape = e.shape if e.block is None else (e.block.groups * e.block.pitch, e.block.cols)
+            shape = e.shape if e.block is None else e.block.param_shape
             if tuple(t.shape) != shape or t.dtype != e.dtype or t.device != self._device:
                 raise RuntimeError(f"parameter '{e.name}' is now {t.dtype} {list(t.shape)} on {t.device}; it was "
                                    f"{e.dtype} {list(shape)} on {self._device} when the optimizer was built")

@@ -40,6 +40,11 @@ class RowBlock:
         self.view(t).copy_(values.reshape(self.groups, self.run, self.cols))
 
     @property
+    def param_shape(self):
+        """The parameter's shape when the block was made (its geometry)."""
+        return self.groups * self.pitch, self.cols
+
+    @property
     def offset(self):
         """Elements from the tensor's first element to the block's."""
         return self.first * self.cols
