@@ -19,10 +19,29 @@
 #include "normuon/layout.h"
 #include "normuon/manifest.h"
 #include "normuon/options.h"
+#include "normuon/param_table.h"
 
 namespace normuon::test {
 
 constexpr int64_t kDriftSteps = 6;
+
+// The caller's fp32 tensors of table mode: the parameters copied from a flat state; each step, the
+// gradients of a flat state by address (absent where it has none).
+struct DriftTable {
+  ParamTable table;
+  std::vector<std::vector<float>> params;
+
+  DriftTable(const Layout& layout, const FlatState& from) : table(layout), params(layout.entries.size()) {
+    for (size_t e = 0; e < layout.entries.size(); ++e) {
+      params[e].assign(from.param(static_cast<int>(e)), from.param(static_cast<int>(e)) + layout.entries[e].numel);
+      table.params[e].data = params[e].data();
+    }
+  }
+  void take_grads(FlatState& values) {
+    for (size_t e = 0; e < params.size(); ++e)
+      table.grads[e] = TensorRef{values.has_grad[e] ? values.grad(static_cast<int>(e)) : nullptr, DType::f32, {}};
+  }
+};
 
 // A NorMuon matrix and four AdamW parameters in the default groups.
 inline Manifest drift_manifest() {

@@ -479,16 +479,11 @@ BOOST_AUTO_TEST_CASE(fast_backend_counts_each_parameters_own_steps_in_both_modes
   Comparator::sync(ref, flat);
   Comparator::sync(ref, values);
   TableState table_state(layout);
-  ParamTable table(layout);
-  std::vector<std::vector<float>> params(layout.entries.size());
-  for (size_t e = 0; e < layout.entries.size(); ++e) {
-    params[e].assign(ref.param(static_cast<int>(e)), ref.param(static_cast<int>(e)) + layout.entries[e].numel);
-    table.params[e].data = params[e].data();
-  }
+  DriftTable caller(layout, ref);
+  ParamTable& table = caller.table;
   for (int64_t step = 1; step <= kDriftSteps; ++step) {
     for (FlatState* s : {&ref, &flat, &values}) fill_drift_gradients(*s, step);
-    for (size_t e = 0; e < layout.entries.size(); ++e)
-      table.grads[e] = TensorRef{values.has_grad[e] ? values.grad(static_cast<int>(e)) : nullptr, DType::f32, {}};
+    caller.take_grads(values);
     BOOST_REQUIRE(!reference.step(ref, options).skipped);
     BOOST_REQUIRE(!flat_backend.step(flat, options).skipped);
     BOOST_REQUIRE(!table_backend.step(table_state, table, options).skipped);

@@ -427,16 +427,11 @@ BOOST_AUTO_TEST_CASE(adamw_bias_corrections_use_each_parameters_own_step_count) 
   FlatState ref(layout), host(layout), device(layout), values(layout);
   for (FlatState* s : {&ref, &host, &device, &values}) drift_generator().fill_params(*s);
   TableState table_state(layout);
-  ParamTable table(layout);
-  std::vector<std::vector<float>> params(layout.entries.size());
-  for (size_t e = 0; e < layout.entries.size(); ++e) {
-    params[e].assign(ref.param(static_cast<int>(e)), ref.param(static_cast<int>(e)) + layout.entries[e].numel);
-    table.params[e].data = params[e].data();
-  }
+  DriftTable caller(layout, ref);
+  ParamTable& table = caller.table;
   for (int64_t step = 1; step <= kDriftSteps; ++step) {
     for (FlatState* s : {&ref, &host, &device, &values}) fill_drift_gradients(*s, step);
-    for (size_t e = 0; e < layout.entries.size(); ++e)
-      table.grads[e] = TensorRef{values.has_grad[e] ? values.grad(static_cast<int>(e)) : nullptr, DType::f32, {}};
+    caller.take_grads(values);
     BOOST_REQUIRE(!reference.step(ref, options).skipped);
     host_backend.enqueue_step(host, options, /*host_bias=*/true);
     device_backend.enqueue_step(device, options, /*host_bias=*/false);
