@@ -24,6 +24,7 @@
 #include "fast_cpu_backend.h"
 #include "newton_schulz.h"
 #include "thread_budget.h"
+#include "work_pool.h"
 #endif
 
 namespace normuon::bench {
@@ -77,13 +78,10 @@ CpuBenchResult run_cpu_bench(const Layout& layout, const Options& options, const
       ++probe_shapes[it->second].count;
     }
   }
+  // On a pool of the same threads, so that each batch is split as the step splits it.
+  fast::WorkPool probe_pool(threads);
   std::unique_ptr<fast::BatchedNewtonSchulz> probe;
-  {
-    const int saved = omp_get_max_threads();
-    omp_set_num_threads(threads);
-    if (!probe_shapes.empty()) probe = std::make_unique<fast::BatchedNewtonSchulz>(probe_shapes);
-    omp_set_num_threads(saved);
-  }
+  if (!probe_shapes.empty()) probe = std::make_unique<fast::BatchedNewtonSchulz>(probe_shapes, probe_pool);
 
   at::set_num_threads(threads);
   ReferenceBackend reference;
@@ -183,8 +181,6 @@ CpuBenchResult run_cpu_bench(const Layout& layout, const Options& options, const
   // pass). The inputs are this step's gradients of the NorMuon matrices, orthogonalised in place: the
   // gradients are not used again.
   if (probe) {
-    const int saved = omp_get_max_threads();
-    omp_set_num_threads(threads);
     int64_t gemm0 = 0;
     uint64_t allocs0 = 0;
     std::vector<const float*> in;
@@ -206,7 +202,6 @@ CpuBenchResult run_cpu_bench(const Layout& layout, const Options& options, const
     }
     r.onednn_allocations = static_cast<double>(allocation_count() - allocs0);
     r.onednn_gemm_calls = probe->gemm_calls() - gemm0;
-    omp_set_num_threads(saved);
   }
 
   // Under contention: a busy process beside the run (a shared machine). The run's threads and one

@@ -1,9 +1,5 @@
 #include "fast_cpu_backend.h"
 
-#include "thread_budget.h"
-
-#include <omp.h>
-
 #include <chrono>
 #include <cmath>
 #include <sstream>
@@ -13,6 +9,8 @@
 #include "normuon/low_precision.h"
 #include "normuon/step_prologue.h"
 #include "newton_schulz.h"
+#include "thread_budget.h"
+#include "work_pool.h"
 
 namespace normuon {
 namespace {
@@ -21,18 +19,6 @@ constexpr int64_t kChunk = 1 << 15;  // floats per multi-tensor work item: 128 K
 
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
-
-// Sets this thread's OpenMP team size (which oneDNN follows too) for one scope.
-class ThreadCount {
- public:
-  explicit ThreadCount(int n) : saved_(omp_get_max_threads()) { omp_set_num_threads(n); }
-  ~ThreadCount() { omp_set_num_threads(saved_); }
-  ThreadCount(const ThreadCount&) = delete;
-  ThreadCount& operator=(const ThreadCount&) = delete;
-
- private:
-  int saved_;
-};
 
 }  // namespace
 
@@ -46,15 +32,13 @@ FastCpuBackend::FastCpuBackend(const Layout& layout, const Options& options, int
   if (!reason.empty()) throw std::invalid_argument("fast-cpu backend: " + reason);
   batches_ = newton_schulz_batches(layout);
   std::vector<fast::NsBatchShape> shapes;
-  size_t max_batch = 0;
+  size_t ns_matrices = 0;
   for (const auto& b : batches_) {
     shapes.push_back({b.rows, b.cols, static_cast<int64_t>(b.entries.size())});
-    max_batch = std::max(max_batch, b.entries.size());
+    ns_matrices += b.entries.size();
   }
-  {
-    const ThreadCount thread_count(threads_);  // oneDNN plans its blocking for the threads it will get
-    ns_ = std::make_unique<fast::BatchedNewtonSchulz>(shapes);
-  }
+  pool_ = std::make_unique<fast::WorkPool>(threads_);
+  ns_ = std::make_unique<fast::BatchedNewtonSchulz>(shapes, *pool_);
   // Chunk tables for the multi-tensor passes, built once.
   for (int i = 0; i < static_cast<int>(layout.entries.size()); ++i) {
     const LayoutEntry& e = layout.entries[i];
@@ -68,8 +52,10 @@ FastCpuBackend::FastCpuBackend(const Layout& layout, const Options& options, int
   update_.assign(static_cast<size_t>(layout.normuon_floats), 0.0f);
   col_sums_.assign(static_cast<size_t>(threads_ * std::max<int64_t>(max_cols_, 1)), 0.0);
   inv_scale_.assign(static_cast<size_t>(threads_ * std::max<int64_t>(max_stat_, 1)), 0.0f);
-  ns_in_.resize(max_batch);
-  ns_out_.resize(max_batch);
+  ns_in_.resize(ns_matrices);
+  ns_out_.resize(ns_matrices);
+  ns_work_.resize(batches_.size());
+  phase_ms_.assign(static_cast<size_t>(2 * threads_), 0.0);
   grad_scratch_.assign(static_cast<size_t>(threads_ * kChunk), 0.0f);
   operands_.params.resize(layout.entries.size());
 }
@@ -79,7 +65,8 @@ FastCpuBackend::~FastCpuBackend() = default;
 int64_t FastCpuBackend::workspace_bytes() const {
   return static_cast<int64_t>(update_.size() * sizeof(float) + col_sums_.size() * sizeof(double) +
                               inv_scale_.size() * sizeof(float) + grad_scratch_.size() * sizeof(float) +
-                              (ns_in_.size() + ns_out_.size()) * sizeof(void*)) +
+                              (ns_in_.size() + ns_out_.size()) * sizeof(void*) + ns_work_.size() * sizeof(fast::NsWork) +
+                              phase_ms_.size() * sizeof(double)) +
          ns_->workspace_bytes();
 }
 
@@ -89,7 +76,8 @@ std::string FastCpuBackend::describe() const {
       << adamw_chunks_.size() << " chunks of <= " << kChunk << " floats, " << threads_ << " threads\n";
   for (size_t b = 0; b < batches_.size(); ++b)
     out << "  batch " << b << ": " << batches_[b].entries.size() << " x [" << batches_[b].rows << ", "
-        << batches_[b].cols << "] group " << layout_.group_names[batches_[b].group] << ", GEMM "
+        << batches_[b].cols << "] group " << layout_.group_names[batches_[b].group]
+        << (ns_->per_matrix(static_cast<int>(b)) ? ", a matrix per thread" : ", on oneDNN's threads") << ", GEMM "
         << ns_->gemm_implementation(static_cast<int>(b), NsPrecision::bf16) << " (bf16), "
         << ns_->gemm_implementation(static_cast<int>(b), NsPrecision::fp32) << " (fp32)\n";
   return out.str();
@@ -113,7 +101,7 @@ StepResult FastCpuBackend::step(TableState& state, const ParamTable& table, cons
 
 StepResult FastCpuBackend::run(const Options& options) {
   StepOperands& ops = operands_;
-  const ThreadCount thread_count(threads_);
+  fast::WorkPool& pool = *pool_;
   const auto t_start = Clock::now();
   times_ = PhaseTimes{};
   counters_ = FastStepCounters{};
@@ -125,11 +113,11 @@ StepResult FastCpuBackend::run(const Options& options) {
   // A chunk of a gradient as fp32: in place when it is fp32, else widened into this thread's scratch;
   // divided by a gradient scaler's scale there too (g / scale, as torch's fused AdamW unscales).
   const float* grad_scale = ops.grad_scale;
-  auto grad_chunk = [&](const ParamOperand& op, int64_t begin, int64_t n) -> const float* {
+  auto grad_chunk = [&](const ParamOperand& op, int64_t begin, int64_t n, int slot) -> const float* {
     // In place when the chunk lies in one run of the tensor (always, for a dense one).
     if (op.grad_dtype == DType::f32 && !grad_scale && op.grad_runs.at(begin + n - 1) - op.grad_runs.at(begin) == n - 1)
       return static_cast<const float*>(op.grad) + op.grad_runs.at(begin);
-    float* scratch = grad_scratch_.data() + static_cast<int64_t>(omp_get_thread_num()) * kChunk;
+    float* scratch = grad_scratch_.data() + static_cast<int64_t>(slot) * kChunk;
     widen_rows(op.grad, op.grad_dtype, op.grad_runs, begin, scratch, n);
     if (grad_scale) fast::divide_round(scratch, n, *grad_scale, /*bf16=*/false);
     return scratch;
@@ -139,48 +127,53 @@ StepResult FastCpuBackend::run(const Options& options) {
     if (op.low) narrow_rows(op.master + begin, op.low, op.low_dtype, op.low_runs, begin, n);
   };
 
-  // Phase 1: momentum + Nesterov over every NorMuon matrix, one pass.
+  // Phase 1: momentum + Nesterov over every NorMuon matrix, one pass. Every pass goes through the work
+  // pool (work_pool.h: its threads wait without spinning), a chunk or a matrix per item.
   auto t0 = Clock::now();
-  const int64_t n_normuon_chunks = static_cast<int64_t>(normuon_chunks_.size());
-#pragma omp parallel for schedule(static)
-  for (int64_t c = 0; c < n_normuon_chunks; ++c) {
+  pool.run(static_cast<int64_t>(normuon_chunks_.size()), [&](int64_t c, int slot) {
     const Chunk& chunk = normuon_chunks_[c];
     const ParamOperand& op = ops.params[chunk.entry];
-    if (!op.grad) continue;
+    if (!op.grad) return;
     const LayoutEntry& e = layout_.entries[chunk.entry];
     const NorMuonHyper& h = options.groups[e.group].normuon;
     const int64_t at = e.offset + chunk.begin;
-    fast::momentum_nesterov(ops.momentum + at, grad_chunk(op, chunk.begin, chunk.size), update_.data() + at,
+    fast::momentum_nesterov(ops.momentum + at, grad_chunk(op, chunk.begin, chunk.size, slot), update_.data() + at,
                             chunk.size, static_cast<float>(1 - h.beta1), static_cast<float>(h.beta1), h.nesterov);
-  }
+  });
   ++counters_.elementwise_passes;
   if (timing_) times_.momentum = ms_since(t0);
 
-  // Phase 2: Newton-Schulz, one batch per shape and group, written back into update_ in place.
+  // Phase 2: Newton-Schulz, one batch per shape and group, written back into update_ in place; all
+  // batches in one run, so that the threads share out the matrices of all of them at once.
   t0 = Clock::now();
+  int n_work = 0;
+  size_t at = 0;
   for (size_t b = 0; b < batches_.size(); ++b) {
     const NsBatch& batch = batches_[b];
     bool any = false;
     for (size_t k = 0; k < batch.entries.size(); ++k) {
       const LayoutEntry& e = layout_.entries[batch.entries[k]];
-      ns_in_[k] = update_.data() + e.offset;
-      ns_out_[k] = update_.data() + e.offset;
+      ns_in_[at + k] = update_.data() + e.offset;
+      ns_out_[at + k] = update_.data() + e.offset;
       any = any || ops.has_grad(batch.entries[k]);
     }
-    if (!any) continue;  // matrices without a gradient ride along in the batch; their output is unused
-    ns_->run(static_cast<int>(b), ns_in_.data(), ns_out_.data(), options.groups[batch.group].normuon);
-    counters_.elementwise_passes += 2 + 3 * options.groups[batch.group].normuon.ns_steps;
+    // Matrices without a gradient ride along in the batch; their output is unused.
+    if (any) {
+      ns_work_[static_cast<size_t>(n_work++)] = {static_cast<int>(b), ns_in_.data() + at, ns_out_.data() + at,
+                                                 &options.groups[batch.group].normuon};
+      counters_.elementwise_passes += 2 + 3 * options.groups[batch.group].normuon.ns_steps;
+    }
+    at += batch.entries.size();
   }
+  ns_->run(ns_work_.data(), n_work);
   if (timing_) times_.newton_schulz = ms_since(t0);
 
   // Phases 3-4: statistics, second moment, normalisation, re-norm, decay and step; one matrix per thread.
-  const int64_t n_entries = static_cast<int64_t>(layout_.entries.size());
-  double normalisation_ms = 0, update_ms = 0;
-#pragma omp parallel for schedule(dynamic, 1) reduction(+ : normalisation_ms, update_ms)
-  for (int64_t i = 0; i < n_entries; ++i) {
+  std::fill(phase_ms_.begin(), phase_ms_.end(), 0.0);
+  pool.run(static_cast<int64_t>(layout_.entries.size()), [&](int64_t i, int slot) {
     const LayoutEntry& e = layout_.entries[i];
     const ParamOperand& op = ops.params[i];
-    if (e.algorithm != Algorithm::normuon || !op.grad || e.numel == 0) continue;
+    if (e.algorithm != Algorithm::normuon || !op.grad || e.numel == 0) return;
     const NorMuonHyper& h = options.groups[e.group].normuon;
     fast::NorMuonScalars s;
     s.stats_per_row = e.stats_per_row;
@@ -194,18 +187,22 @@ StepResult FastCpuBackend::run(const Options& options) {
     s.decay_factor = static_cast<float>(1 - h.lr * h.weight_decay);
     s.lr_wd = static_cast<float>(h.lr * h.weight_decay);
     s.neg_lr = static_cast<float>(-h.lr);
-    const int t = omp_get_thread_num();
     fast::NorMuonPassTimes pass_times;
     fast::normuon_finalize(update_.data() + e.offset, op.master, op.master_runs, ops.row_var + e.stat_offset, e.rows,
-                           e.cols, s, col_sums_.data() + t * std::max<int64_t>(max_cols_, 1),
-                           inv_scale_.data() + t * std::max<int64_t>(max_stat_, 1), timing_ ? &pass_times : nullptr);
+                           e.cols, s, col_sums_.data() + slot * std::max<int64_t>(max_cols_, 1),
+                           inv_scale_.data() + slot * std::max<int64_t>(max_stat_, 1), timing_ ? &pass_times : nullptr);
     write_low(op, 0, e.numel);
-    normalisation_ms += pass_times.normalisation_ms;
-    update_ms += pass_times.update_ms;
-  }
+    phase_ms_[static_cast<size_t>(2 * slot)] += pass_times.normalisation_ms;
+    phase_ms_[static_cast<size_t>(2 * slot + 1)] += pass_times.update_ms;
+  });
   counters_.elementwise_passes += 3;
   // Summed over threads: CPU time split between the two, scaled to this phase's wall time below.
   if (timing_) {
+    double normalisation_ms = 0, update_ms = 0;
+    for (int t = 0; t < threads_; ++t) {
+      normalisation_ms += phase_ms_[static_cast<size_t>(2 * t)];
+      update_ms += phase_ms_[static_cast<size_t>(2 * t + 1)];
+    }
     const double wall = ms_since(t0) - times_.newton_schulz;
     const double sum = normalisation_ms + update_ms;
     times_.normalisation = sum > 0 ? wall * normalisation_ms / sum : 0;
@@ -214,12 +211,10 @@ StepResult FastCpuBackend::run(const Options& options) {
 
   // Phase 5: AdamW over every AdamW parameter, one pass.
   t0 = Clock::now();
-  const int64_t n_adamw_chunks = static_cast<int64_t>(adamw_chunks_.size());
-#pragma omp parallel for schedule(static)
-  for (int64_t c = 0; c < n_adamw_chunks; ++c) {
+  pool.run(static_cast<int64_t>(adamw_chunks_.size()), [&](int64_t c, int slot) {
     const Chunk& chunk = adamw_chunks_[c];
     const ParamOperand& op = ops.params[chunk.entry];
-    if (!op.grad) continue;
+    if (!op.grad) return;
     const LayoutEntry& e = layout_.entries[chunk.entry];
     const AdamWHyper& h = options.groups[e.group].adamw;
     const double t = static_cast<double>(ops.entry_steps[chunk.entry]);  // the parameter's own count
@@ -233,10 +228,10 @@ StepResult FastCpuBackend::run(const Options& options) {
     s.eps = static_cast<float>(h.eps);
     s.neg_step_size = static_cast<float>(-(h.lr / (1 - std::pow(h.beta1, t))));
     const int64_t adam_at = e.adam_offset + chunk.begin;
-    fast::adamw(op.master + chunk.begin, grad_chunk(op, chunk.begin, chunk.size), ops.exp_avg + adam_at,
+    fast::adamw(op.master + chunk.begin, grad_chunk(op, chunk.begin, chunk.size, slot), ops.exp_avg + adam_at,
                 ops.exp_avg_sq + adam_at, chunk.size, s);
     write_low(op, chunk.begin, chunk.size);
-  }
+  });
   ++counters_.elementwise_passes;
   if (timing_) {
     times_.adamw = ms_since(t0);

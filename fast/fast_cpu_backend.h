@@ -16,6 +16,8 @@
 
 namespace normuon::fast {
 class BatchedNewtonSchulz;
+class WorkPool;
+struct NsWork;
 }
 
 namespace normuon {
@@ -23,15 +25,17 @@ namespace normuon {
 // Work counts of the last step, for the old-vs-new comparison.
 struct FastStepCounters {
   int64_t elementwise_passes = 0;  // multi-tensor passes over flat buffers or bucket workspaces
-  int64_t gemm_calls = 0;          // batched GEMM launches
+  int64_t gemm_calls = 0;          // oneDNN matmul executions (one per matrix, or per batch: newton_schulz.h)
 };
 
 class FastCpuBackend : public Backend {
  public:
   // The layout must outlive the backend; options give the groups (as for Layout::build). `threads`:
-  // OpenMP threads of its passes and GEMMs, 0 = default_threads() (thread_budget.h: the processors this
-  // process may use, within its CPU quota). It is set for the duration of each step only, so a host
-  // that lowers the process-wide count (libtorch sets 1 here) doesn't starve it.
+  // the threads of its passes and GEMMs (OpenMP regions of that many threads whose waits do not spin,
+  // work_pool.h), 0 = default_threads() (thread_budget.h: the processors this process may use, within
+  // its CPU quota). The process-wide OpenMP count is not used, so a host that lowers it (libtorch sets 1
+  // here) doesn't starve it; a Newton-Schulz batch smaller than the thread count runs on oneDNN's
+  // threads, this many for that call (newton_schulz.h).
   FastCpuBackend(const Layout& layout, const Options& options, int threads = 0);
   ~FastCpuBackend() override;
 
@@ -64,12 +68,15 @@ class FastCpuBackend : public Backend {
   std::vector<float> update_;           // Nesterov blend, then Newton-Schulz output (normuon_floats)
   std::vector<double> col_sums_;        // per thread: max cols
   std::vector<float> inv_scale_;        // per thread: max stat length
-  std::vector<const float*> ns_in_;     // per batch member pointers (sized at setup)
+  std::vector<const float*> ns_in_;     // per batch member pointers, all batches (sized at setup)
   std::vector<float*> ns_out_;
+  std::vector<fast::NsWork> ns_work_;   // the batches of this step's Newton-Schulz run
+  std::vector<double> phase_ms_;        // per thread: normalisation and update times
   std::vector<float> grad_scratch_;     // per thread: one chunk of a bf16 / fp16 gradient, widened
   StepOperands operands_;               // what this step works on (either mode)
   int64_t max_cols_ = 0, max_stat_ = 0;
   int threads_ = 1;
+  std::unique_ptr<fast::WorkPool> pool_;  // before ns_, which runs on it
   std::unique_ptr<fast::BatchedNewtonSchulz> ns_;
   FastStepCounters counters_;
 };

@@ -1,24 +1,46 @@
 // Batched Newton-Schulz on the CPU: every NorMuon matrix of one shape and one group goes through the
-// iteration together, each GEMM one oneDNN batched matmul (brgemm kernels, bf16 where the CPU has
-// AVX512_BF16, chosen by oneDNN at run time). Primitives, memory objects and the workspace are made
-// once, in the constructor; a step allocates nothing of its own.
+// iteration together. A batch with at least as many matrices as threads is shared out a matrix at a time
+// on the work pool (work_pool.h), each GEMM a one-thread oneDNN matmul on that thread's workspace: no
+// thread waits inside a GEMM for a preempted one, and a preempted thread's matrices go to the others.
+// A smaller batch cannot keep every thread busy that way: each GEMM is one oneDNN batched matmul over the
+// whole batch on oneDNN's own (OpenMP) threads, whose waits spin. brgemm kernels, bf16 where the CPU has
+// AVX512_BF16, chosen by oneDNN at run time. Primitives, memory objects and the workspace are made once,
+// in the constructor; a step allocates nothing of its own.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "normuon/options.h"
 
 namespace normuon::fast {
 
+class WorkPool;
+
 struct NsBatchShape {
   int64_t rows = 0, cols = 0;  // as stored
   int64_t count = 0;           // matrices in the batch
 };
 
+// How a batch uses the threads. automatic: per_matrix when the batch has at least as many matrices as
+// the pool has threads, else batched. The others force one way (tests, measurements).
+enum class NsSplit { automatic, per_matrix, batched };
+
+// One batch's part of a run: its matrices and its group's hyper-parameters.
+struct NsWork {
+  int batch;
+  const float* const* inputs;
+  float* const* outputs;
+  const NorMuonHyper* h;
+};
+
 class BatchedNewtonSchulz {
  public:
+  // The pool must outlive this object; run() is called from the thread that calls the pool's run().
+  BatchedNewtonSchulz(const std::vector<NsBatchShape>& batches, WorkPool& pool, NsSplit split = NsSplit::automatic);
+  // Without a pool: every batch on oneDNN's threads, as many as this thread's OpenMP count now.
   explicit BatchedNewtonSchulz(const std::vector<NsBatchShape>& batches);
   ~BatchedNewtonSchulz();
   BatchedNewtonSchulz(const BatchedNewtonSchulz&) = delete;
@@ -27,13 +49,18 @@ class BatchedNewtonSchulz {
   // Orthogonalises batch `b`: inputs[k] and outputs[k] point at rows x cols fp32 matrices (as stored;
   // the output may alias the input). Follows docs/spec.md section 3.2 operation by operation.
   void run(int b, const float* const* inputs, float* const* outputs, const NorMuonHyper& h);
+  // Several batches (each at most once): the matrices of the per-matrix ones share one pass of the pool,
+  // so that no thread waits at the end of each batch; the others follow, one by one.
+  void run(const NsWork* work, int n);
 
-  int64_t gemm_calls() const { return gemm_calls_; }  // since construction
-  int64_t workspace_bytes() const;                     // its buffers and oneDNN's scratchpad
+  int64_t gemm_calls() const { return gemm_calls_; }  // oneDNN matmul executions since construction
+  int64_t workspace_bytes() const;                     // its buffers and oneDNN's scratchpads
+  bool per_matrix(int b) const;                        // batch b is shared out a matrix at a time
   std::string gemm_implementation(int b, NsPrecision p) const;  // e.g. "brg:avx512_core_bf16"
 
  private:
   struct Impl;
+  std::unique_ptr<WorkPool> own_pool_;
   std::unique_ptr<Impl> impl_;
   int64_t gemm_calls_ = 0;
 };
