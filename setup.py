@@ -1,5 +1,5 @@
 """pip's build of `normuon` (metadata: pyproject.toml): the pure-Python files from python/normuon, and the
-native module normuon._C built by the project's own CMake build (python/CMakeLists.txt) and copied in.
+native modules normuon._C (and, where CMake finds the CUDA toolkit, normuon._C_cuda) built by the project's own CMake build (python/CMakeLists.txt) and copied in.
 
     pip install --no-build-isolation .                      # offline: the system's setuptools and wheel
     NORMUON_CMAKE_BUILD_DIR=build pip install --no-build-isolation .   # reuse a CMake build folder
@@ -51,8 +51,8 @@ class OutOfTreeEggInfo(egg_info):
 
 
 class CMakeBuild(build_ext):
-    """Configures (unless the folder is configured already) and builds the CMake target _C, then copies the
-    module where setuptools expects it."""
+    """Configures (unless the folder is configured already) and builds the CMake targets _C and, in a build
+    with CUDA, _C_cuda, then copies the modules where setuptools expects them."""
 
     def build_extension(self, ext):
         cmake = shutil.which("cmake")
@@ -69,15 +69,21 @@ class CMakeBuild(build_ext):
                 configure += ["-G", "Ninja"]
             subprocess.check_call(configure)
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or str(os.cpu_count() or 1)
-        subprocess.check_call([cmake, "--build", build_dir, "--target", "_C", "-j", jobs])
+        # normuon._C_cuda (the CUDA backend, a module of its own so that _C never needs the CUDA runtime)
+        # where CMake found the toolkit; it goes next to _C.
+        with open(os.path.join(build_dir, "CMakeCache.txt")) as cache:
+            has_cuda = "NORMUON_BUILD_CUDA:BOOL=ON" in cache.read()
+        modules = ["_C", "_C_cuda"] if has_cuda else ["_C"]
+        subprocess.check_call([cmake, "--build", build_dir, "-j", jobs, "--target", *modules])
         suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-        built = glob.glob(os.path.join(build_dir, "python", "normuon", "_C*" + suffix))
-        if len(built) != 1:
-            sys.exit(f"normuon: expected one _C*{suffix} in {build_dir}/python/normuon, found {built} (was the "
-                     f"CMake folder configured for another Python than {sys.executable}?)")
         target = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        shutil.copyfile(built[0], target)
+        for module in modules:
+            built = glob.glob(os.path.join(build_dir, "python", "normuon", module + suffix))
+            if len(built) != 1:
+                sys.exit(f"normuon: expected {module}{suffix} in {build_dir}/python/normuon, found {built} (was the "
+                         f"CMake folder configured for another Python than {sys.executable}?)")
+            shutil.copyfile(built[0], os.path.join(os.path.dirname(target), module + suffix))
 
 
 setup(ext_modules=[Extension("normuon._C", sources=[])],

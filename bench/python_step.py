@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import normuon
-from normuon import _C
+from normuon import optim
 
 PRESETS = {  # vocab, context, width, layers
     "gpt2-124m": (50257, 1024, 768, 12),
@@ -113,7 +113,8 @@ def main(argv=None):
     rows = []
 
     opt = normuon.NorMuonAdamW(model.named_parameters(), threads=threads)
-    launches = _C.cuda_launches_per_step(opt.layout, opt._options) if hasattr(_C, "cuda_launches_per_step") else None
+    cuda, _ = optim.cuda_module()  # the CUDA backend's module, where this build has one
+    launches = cuda.cuda_launches_per_step(opt.layout, opt._options) if cuda is not None else None
     mem = opt.memory_report()
     held = mem["state_bytes"] + mem["master_bytes"] + mem["workspace_bytes"]
     t, ops = measure("python", opt.step, model, args.warmup, args.repeats, log)

@@ -13,11 +13,14 @@ cmake -S "$src" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNORMUON_B
 grep -q "no CUDA toolkit found" "$log" || { cat "$log"; echo "FAIL: no line says the CUDA backend is left out"; exit 1; }
 grep -q "NORMUON_BUILD_CUDA:BOOL=OFF" "$work/build/CMakeCache.txt" || { echo "FAIL: NORMUON_BUILD_CUDA is not OFF"; exit 1; }
 cmake --build "$work/build" --target _C -j "$(nproc)" >"$work/build.log" 2>&1 || { tail -40 "$work/build.log"; echo "FAIL: build"; exit 1; }
-module=$(ls "$work"/build/python/normuon/_C*.so)
+module=$(ls "$work"/build/python/normuon/_C.*so)
 if ldd "$module" | grep -q cudart; then ldd "$module"; echo "FAIL: the module links the CUDA runtime"; exit 1; fi
+if compgen -G "$work/build/python/normuon/_C_cuda*" >/dev/null; then echo "FAIL: a CUDA module in a build without CUDA"; exit 1; fi
 python=$(command -v /usr/bin/python3 || command -v python3)
 PYTHONPATH="$work/build/python" "$python" -c "
 import normuon._C as C
-assert not hasattr(C, 'FastCudaBackend'), 'a CUDA backend in a build without CUDA'
-print('imports; fast CPU backend:', hasattr(C, 'FastCpuBackend'))"
+from normuon import optim
+reason = optim.cuda_unavailable_reason(0)
+assert 'no CUDA backend' in reason, reason
+print('imports; fast CPU backend:', hasattr(C, 'FastCpuBackend'), '; CUDA:', reason)"
 echo "PASS: configure, build and import without CUDA"

@@ -5,6 +5,8 @@ layout of the C++ core (normuon._C.FlatState, viewed zero-copy as torch tensors)
 gradients in, runs the backend over the whole layout, and copies the updated values back into the
 model's own tensors (rounded to their dtype).
 """
+import importlib
+import importlib.util
 import math
 import os
 import warnings
@@ -62,6 +64,35 @@ if _C is not None:
 def native_error():
     """Why normuon._C could not be imported, or None."""
     return _C_IMPORT_ERROR
+
+
+_CUDA_MODULE = []  # normuon._C_cuda, or why it cannot be had: looked up once, on first use
+
+
+def cuda_module():
+    """(normuon._C_cuda, None), or (None, why not). The fast CUDA backend is a module of its own, which links
+    the CUDA runtime; it is imported here, when CUDA parameters first ask for it, so that `import normuon`
+    and everything on the CPU work where there is no CUDA runtime at all."""
+    if not _CUDA_MODULE:
+        if _C is None:
+            _CUDA_MODULE.append((None, f"the native module normuon._C is missing ({_C_IMPORT_ERROR})"))
+        elif importlib.util.find_spec(__package__ + "._C_cuda") is None:
+            _CUDA_MODULE.append((None, "this build of normuon has no CUDA backend (built without the CUDA toolkit, "
+                                       "or with -DNORMUON_BUILD_CUDA=OFF)"))
+        else:
+            try:
+                module = importlib.import_module(__package__ + "._C_cuda")
+                _CUDA_MODULE.append((module, None))
+            except ImportError as error:  # e.g. libcudart.so.13 is not on this machine
+                _CUDA_MODULE.append((None, "the CUDA backend normuon._C_cuda could not be loaded: "
+                                           f"{type(error).__name__}: {error}"))
+    return _CUDA_MODULE[0]
+
+
+def cuda_unavailable_reason(device=0):
+    """Empty when the fast CUDA backend can run on that CUDA device index, else why not."""
+    module, why = cuda_module()
+    return why if module is None else module.cuda_unavailable_reason(device)
 
 
 def route(name, shape, role, override=None):
@@ -468,15 +499,16 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         zero-copy through __cuda_array_interface__) and reads the model's tensors through pointer tables.
         No silent fallback to the CPU or the reference."""
         index = self._device.index
-        if not hasattr(_C, "FastCudaBackend"):  # _C built without CUDA (-DNORMUON_BUILD_CUDA=OFF)
-            raise ValueError(f"backend '{self._choice}' on {self._device}: {_C.cuda_unavailable_reason(index)} (no "
-                             "fallback to the CPU or the reference; ask for backend='reference' explicitly)")
-        reason = _C.FastCudaBackend.unsupported_reason(self._layout, self._options, index)
+        cuda, why = cuda_module()
+        if cuda is None:
+            raise ValueError(f"backend '{self._choice}' on {self._device}: {why} (no fallback to the CPU or the "
+                             "reference; ask for backend='reference' explicitly)")
+        reason = cuda.FastCudaBackend.unsupported_reason(self._layout, self._options, index)
         if reason:
             raise ValueError(f"backend '{self._choice}' on {self._device} cannot serve this request: {reason} (no "
                              "fallback to the CPU or the reference; ask for backend='reference' explicitly)")
         with torch.cuda.device(self._device):
-            backend = _C.FastCudaBackend(self._layout, self._options, device=index,
+            backend = cuda.FastCudaBackend(self._layout, self._options, device=index,
                                          stream=torch.cuda.current_stream(self._device).cuda_stream,
                                          caller_tensors=True)
         self._cuda_backend = backend

@@ -15,7 +15,7 @@ def _cuda_reason():
         return f"the native module is missing ({optim.native_error()})"
     if not torch.cuda.is_available():
         return "torch has no usable CUDA device (CPU-only torch or no GPU)"
-    return optim._C.cuda_unavailable_reason(0) or None
+    return optim.cuda_unavailable_reason(0) or None
 
 
 needs_gpu = pytest.mark.skipif(_cuda_reason() is not None, reason=f"no GPU: {_cuda_reason()}")

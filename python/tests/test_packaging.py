@@ -48,6 +48,8 @@ def install_and_check(tmp_path, cmake_dir=None):
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     installed = sorted(p.name for p in (target / "normuon").iterdir())
     assert "megatron.py" in installed and any(n.startswith("_C.") for n in installed), installed
+    if cmake_dir is not None and "NORMUON_BUILD_CUDA:BOOL=ON" in (cmake_dir / "CMakeCache.txt").read_text():
+        assert any(n.startswith("_C_cuda.") for n in installed), installed  # the CUDA backend's module too
     env["PYTHONPATH"] = str(target)
     env.pop("NORMUON_BACKEND", None)
     run = subprocess.run([sys.executable, "-c", CHECK, str(target)], cwd=tmp_path, env=env,
