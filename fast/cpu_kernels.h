@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "normuon/param_table.h"
+#include "normuon/row_runs.h"
 
 namespace normuon::fast {
 

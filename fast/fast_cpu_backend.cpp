@@ -7,6 +7,7 @@
 
 #include "cpu_kernels.h"
 #include "normuon/low_precision.h"
+#include "normuon/row_runs.h"
 #include "normuon/step_prologue.h"
 #include "newton_schulz.h"
 #include "thread_budget.h"

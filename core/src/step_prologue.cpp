@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "normuon/low_precision.h"
+#include "normuon/row_runs.h"
 
 namespace normuon {
 

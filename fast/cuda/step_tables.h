@@ -24,7 +24,7 @@ enum class ElemType : int32_t { f32, bf16, f16 };
 
 // Where the step finds one parameter's tensors (one per layout entry, in device memory): the backend's
 // flat buffers, or the caller's own tensors (table mode, re-uploaded when an address changes).
-// A tensor's rows in runs (RowRuns of param_table.h): element i of the matrix lies at
+// A tensor's rows in runs (RowRuns of normuon/row_runs.h): element i of the matrix lies at
 // (i / run) * pitch + i % run; run == 0: dense. Only the caller's tensors of table mode have runs (a block
 // of Megatron's fused QKV weight).
 struct Runs {

@@ -4,7 +4,7 @@ Megatron's fused QKV weight holds, per query group, the group's query rows, then
 rows (a gate block too with attention_output_gate). With split_qkv each block (its rows of every query group)
 is orthogonalised, normalised and scaled as a matrix of its own. A RowBlock names such a block: `run` rows
 taken every `pitch` rows from row `first`. The fast backends read and write it in the parameter and its
-gradient through row runs (core/include/normuon/param_table.h, RowRuns): no copy per step.
+gradient through row runs (core/include/normuon/row_runs.h, RowRuns): no copy per step.
 """
 
 
@@ -51,7 +51,7 @@ class RowBlock:
 
     @property
     def runs(self):
-        """(run, pitch) in elements: param_table.h's RowRuns."""
+        """(run, pitch) in elements: row_runs.h's RowRuns."""
         return self.run * self.cols, self.pitch * self.cols
 
 

@@ -8,45 +8,20 @@
 // table_to_flat / flat_to_table move a state between the modes (state files, the comparator) unchanged.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <vector>
 
 #include "normuon/backend.h"
 #include "normuon/flat_state.h"
+#include "normuon/row_runs.h"
 
 namespace normuon {
-
-// Where the rows of a matrix lie in the caller's tensor: dense, or in runs of `run` elements (whole rows)
-// that start `pitch` elements apart. One block of Megatron's fused QKV weight is such a matrix: its rows of
-// every query group, stepped in place as a matrix of its own (run = the block's rows, pitch = the rows of
-// a query group, both times the columns). Allowed on NorMuon matrices only (ParamTable::invalid_reason).
-struct RowRuns {
-  int64_t run = 0, pitch = 0;  // elements; run == 0: dense
-
-  bool dense() const { return run == 0; }
-  // Where element i of the matrix lies, counted from the tensor's first element.
-  int64_t at(int64_t i) const { return run == 0 ? i : (i / run) * pitch + i % run; }
-  // f(logical, physical, n) over the contiguous pieces of elements [begin, begin + n).
-  template <class F>
-  void for_each_piece(int64_t begin, int64_t n, F&& f) const {
-    if (run == 0) {
-      if (n > 0) f(begin, begin, n);
-      return;
-    }
-    for (int64_t i = begin, end = begin + n; i < end;) {
-      const int64_t piece = std::min(end - i, run - i % run);
-      f(i, at(i), piece);
-      i += piece;
-    }
-  }
-};
 
 struct TensorRef {
   void* data = nullptr;  // row-major; nullptr: absent (a gradient: no gradient this step)
   DType dtype = DType::f32;
-  RowRuns runs;          // dense unless the tensor is a block of rows of a larger one
+  RowRuns runs;          // dense unless the tensor is a block of rows of a larger one (row_runs.h)
 };
 
 // The caller's tensors, per layout entry. A parameter's dtype is the layout's; a gradient may be fp32,
@@ -107,10 +82,6 @@ struct StepOperands {
   void bind(TableState& state, const ParamTable& table);    // throws std::invalid_argument on a bad table
   bool has_grad(int e) const { return params[e].grad != nullptr; }
 };
-
-// widen / narrow elements [begin, begin + n) of a matrix whose rows lie in `runs` of the tensor at `data`.
-void widen_rows(const void* data, DType dtype, const RowRuns& runs, int64_t begin, float* dst, int64_t n);
-void narrow_rows(const float* src, void* data, DType dtype, const RowRuns& runs, int64_t begin, int64_t n);
 
 // Between the modes. table_to_flat: the flat parameters (fp32 tensors or masters), gradients (widened,
 // has_grad from presence), state and steps (group and entry). flat_to_table: state, steps and masters, and
