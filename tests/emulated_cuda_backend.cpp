@@ -237,4 +237,6 @@ StepResult EmulatedCudaBackend::step(FlatState& state, const Options& options) {
   return finish_step(options);
 }
 
+int64_t device_row_runs_at(cuda::Runs runs, int64_t i) { return cuda::step_device::at(runs, i); }
+
 }  // namespace normuon::test

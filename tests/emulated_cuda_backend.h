@@ -67,4 +67,7 @@ class EmulatedCudaBackend : public Backend {
   int64_t launches_last_step_ = 0;
 };
 
+// step_kernels.cuh's at(): where the kernels find element i of a matrix whose rows lie in `runs`.
+int64_t device_row_runs_at(cuda::Runs runs, int64_t i);
+
 }  // namespace normuon::test

@@ -30,6 +30,7 @@
 #include "normuon/grad_gen.h"
 #include "normuon/low_precision.h"
 #include "normuon/param_table.h"
+#include "normuon/row_runs.h"
 #include "normuon/step_prologue.h"
 #include "reference_backend.h"
 #include "simt.h"
@@ -302,64 +303,96 @@ BOOST_AUTO_TEST_CASE(table_mode_steps_the_callers_tensors_as_the_flat_state_in_e
 BOOST_AUTO_TEST_CASE(blocks_of_rows_of_a_fused_tensor_are_stepped_in_place) {
   // Megatron's split QKV: the three blocks of a fused weight (per query group 4 query, 2 key and 2 value
   // rows, and one row no entry covers) are entries of their own whose parameter and gradient lie in row
-  // runs of the fused tensors. The kernels read and write them there: bit for bit the flat step, and the
-  // uncovered rows untouched.
+  // runs of the fused tensors. The kernels read and write them there, for every parameter dtype with fp32
+  // and bf16 gradients: bit for bit the flat step (the same matrices dense), and the uncovered rows
+  // untouched. The gradient's uncovered rows are NaN: a read of one would fail the step.
   const Options options = odd_options();
   constexpr int64_t groups = 3, cols = 40, group_rows = 9;
   const int64_t block_rows[] = {4, 2, 2}, block_first[] = {0, 4, 6};
-  for (DType dtype : {DType::f32, DType::bf16}) {
-    Manifest m = odd_manifest();
-    const char* names[] = {"qkv.q", "qkv.k", "qkv.v"};
-    for (int b = 0; b < 3; ++b) add_param(m, names[b], {groups * block_rows[b], cols});
-    for (int b = 0; b < 3; ++b) m.params[m.params.size() - 3 + b].dtype = dtype;
-    const Layout layout = Layout::build(m, options);
-    const int first = static_cast<int>(layout.entries.size()) - 3;
-    EmulatedCudaBackend flat_backend(layout, options), table_backend(layout, options);
-    FlatState flat(layout);
-    kGenerator.fill_params(flat);
-    TableState state(layout);
-    ParamTable table(layout);
-    const size_t pb = dtype_bytes(dtype);
-    std::vector<std::vector<char>> params(layout.entries.size()), grads(layout.entries.size());
-    std::vector<char> fused_param(static_cast<size_t>(groups * group_rows * cols) * pb, 0x5a);
-    std::vector<float> fused_grad(static_cast<size_t>(groups * group_rows * cols), std::nanf(""));
-    for (size_t e = 0; e < layout.entries.size(); ++e) {
-      const LayoutEntry& le = layout.entries[e];
-      const int b = static_cast<int>(e) - first;
-      params[e].resize(static_cast<size_t>(le.numel) * dtype_bytes(le.dtype));
-      grads[e].resize(static_cast<size_t>(le.numel) * sizeof(float));
-      if (b >= 0) {
-        table.params[e].data = fused_param.data() + static_cast<size_t>(block_first[b] * cols) * pb;
-        table.params[e].runs = RowRuns{block_rows[b] * cols, group_rows * cols};
-      } else {
-        table.params[e].data = params[e].data();
-      }
-      narrow_rows(flat.param(static_cast<int>(e)), table.params[e].data, le.dtype, table.params[e].runs, 0, le.numel);
-      widen_rows(table.params[e].data, le.dtype, table.params[e].runs, 0, flat.param(static_cast<int>(e)), le.numel);
-      state.refresh_master(static_cast<int>(e), table);
-    }
-    for (int64_t s = 1; s <= 3; ++s) {
-      kGenerator.fill_gradients(flat, s);
+  for (DType dtype : {DType::f32, DType::bf16, DType::f16})
+    for (DType grad_dtype : {DType::f32, DType::bf16}) {
+      Manifest m = odd_manifest();
+      const char* names[] = {"qkv.q", "qkv.k", "qkv.v"};
+      for (int b = 0; b < 3; ++b) add_param(m, names[b], {groups * block_rows[b], cols});
+      for (int b = 0; b < 3; ++b) m.params[m.params.size() - 3 + b].dtype = dtype;
+      const Layout layout = Layout::build(m, options);
+      const int first = static_cast<int>(layout.entries.size()) - 3;
+      EmulatedCudaBackend flat_backend(layout, options), table_backend(layout, options);
+      FlatState flat(layout);
+      kGenerator.fill_params(flat);
+      TableState state(layout);
+      ParamTable table(layout);
+      const size_t pb = dtype_bytes(dtype), gb = dtype_bytes(grad_dtype);
+      std::vector<std::vector<char>> params(layout.entries.size()), grads(layout.entries.size());
+      std::vector<char> fused_param(static_cast<size_t>(groups * group_rows * cols) * pb, 0x5a);
+      std::vector<char> fused_grad(static_cast<size_t>(groups * group_rows * cols) * gb, static_cast<char>(0xff));
       for (size_t e = 0; e < layout.entries.size(); ++e) {
+        const LayoutEntry& le = layout.entries[e];
         const int b = static_cast<int>(e) - first;
-        TensorRef& g = table.grads[e];
-        g = b >= 0 ? TensorRef{fused_grad.data() + block_first[b] * cols, DType::f32, table.params[e].runs}
-                   : TensorRef{grads[e].data(), DType::f32, {}};
-        narrow_rows(flat.grad(static_cast<int>(e)), g.data, DType::f32, g.runs, 0, layout.entries[e].numel);
-        if (!flat.has_grad[e]) g.data = nullptr;
+        params[e].resize(static_cast<size_t>(le.numel) * dtype_bytes(le.dtype));
+        grads[e].resize(static_cast<size_t>(le.numel) * gb);
+        if (b >= 0) {
+          table.params[e].data = fused_param.data() + static_cast<size_t>(block_first[b] * cols) * pb;
+          table.params[e].runs = RowRuns{block_rows[b] * cols, group_rows * cols};
+        } else {
+          table.params[e].data = params[e].data();
+        }
+        narrow_rows(flat.param(static_cast<int>(e)), table.params[e].data, le.dtype, table.params[e].runs, 0, le.numel);
+        widen_rows(table.params[e].data, le.dtype, table.params[e].runs, 0, flat.param(static_cast<int>(e)), le.numel);
+        state.refresh_master(static_cast<int>(e), table);
       }
-      flat_backend.step(flat, options);
-      table_backend.step(state, table, options);
+      for (int64_t s = 1; s <= 3; ++s) {
+        kGenerator.fill_gradients(flat, s);
+        for (size_t e = 0; e < layout.entries.size(); ++e) {
+          const int b = static_cast<int>(e) - first;
+          const int64_t numel = layout.entries[e].numel;
+          TensorRef& g = table.grads[e];
+          g = b >= 0 ? TensorRef{fused_grad.data() + static_cast<size_t>(block_first[b] * cols) * gb, grad_dtype,
+                                 table.params[e].runs}
+                     : TensorRef{grads[e].data(), grad_dtype, {}};
+          // Both modes step the gradient as stored (rounded to its dtype).
+          narrow_rows(flat.grad(static_cast<int>(e)), g.data, grad_dtype, g.runs, 0, numel);
+          widen_rows(g.data, grad_dtype, g.runs, 0, flat.grad(static_cast<int>(e)), numel);
+          if (!flat.has_grad[e]) g.data = nullptr;
+        }
+        BOOST_TEST(!flat_backend.step(flat, options).skipped);
+        BOOST_TEST(!table_backend.step(state, table, options).skipped);
+      }
+      FlatState from_table(layout);
+      table_to_flat(state, table, from_table);
+      BOOST_TEST(first_difference(flat, from_table) == "",
+                 to_string(dtype) << " parameters, " << to_string(grad_dtype) << " gradients");
+      int64_t changed = 0;
+      for (int64_t g = 0; g < groups; ++g)
+        for (size_t k = 0; k < static_cast<size_t>(cols) * pb; ++k)
+          changed += fused_param[static_cast<size_t>((g * group_rows + 8) * cols) * pb + k] != 0x5a;
+      BOOST_TEST(changed == 0);
     }
-    FlatState from_table(layout);
-    table_to_flat(state, table, from_table);
-    BOOST_TEST(first_difference(flat, from_table) == "", to_string(dtype) << " parameters");
-    int64_t changed = 0;
-    for (int64_t g = 0; g < groups; ++g)
-      for (size_t k = 0; k < static_cast<size_t>(cols) * pb; ++k)
-        changed += fused_param[static_cast<size_t>((g * group_rows + 8) * cols) * pb + k] != 0x5a;
-    BOOST_TEST(changed == 0);
-  }
+}
+
+BOOST_AUTO_TEST_CASE(the_kernels_find_an_element_of_row_runs_where_the_host_does) {
+  // step_kernels.cuh's at() (32-bit division) against RowRuns::at (64-bit), over the whole range the
+  // plan allows: element indices and runs up to 2^31 - 1 elements, and pitches that put the element far
+  // beyond 2^32 elements into the tensor (the product must stay 64-bit). Dense: the index itself.
+  const int64_t max_index = std::numeric_limits<int32_t>::max();
+  const int64_t runs[] = {1, 3, 64, 1000, 4096 * 3, 1 << 20, max_index / 2, max_index};
+  const int64_t pitch_factors[] = {1, 2, 3, 1000, int64_t{1} << 20};
+  int64_t wrong = 0, checked = 0;
+  for (int64_t run : runs)
+    for (int64_t factor : pitch_factors) {
+      const RowRuns host{run, run * factor};
+      const cuda::Runs device{run, run * factor};
+      for (int64_t i : {int64_t{0}, int64_t{1}, run - 1, run, run + 1, 2 * run - 1, 7 * run + run / 2,
+                        max_index - run, max_index - 1, max_index}) {
+        if (i < 0 || i > max_index) continue;
+        ++checked;
+        wrong += device_row_runs_at(device, i) != host.at(i);
+      }
+    }
+  BOOST_TEST(checked > 300);
+  BOOST_TEST(wrong == 0);
+  for (int64_t i : {int64_t{0}, int64_t{12345}, max_index, int64_t{1} << 39})
+    BOOST_TEST(device_row_runs_at(cuda::Runs{0, 0}, i) == i);
 }
 
 BOOST_AUTO_TEST_CASE(a_gradient_scalers_scale_is_divided_out_as_read_and_found_inf_skips_quietly) {

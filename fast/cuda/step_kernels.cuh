@@ -28,8 +28,17 @@ __device__ __forceinline__ float lerp(float a, float b, float w) {
   return fabsf(w) < 0.5f ? fmaf(w, b - a, a) : fmaf(w - 1.0f, b - a, b);
 }
 
-// Where element i of a matrix lies in a tensor with these runs (dense: i).
-__device__ __forceinline__ int64_t at(Runs r, int64_t i) { return r.run == 0 ? i : (i / r.run) * r.pitch + i % r.run; }
+// Where element i of a matrix lies in a tensor with these runs. Dense (every AdamW parameter, every
+// buffer of the optimizer's own): i, no division. Runs: only NorMuon matrices have them
+// (ParamTable::invalid_reason), which the plan keeps below 2^31 elements (plan_unsupported_reason), so i
+// and the run fit 32 bits and the division is a 32-bit one (a 64-bit division is a long subroutine on the
+// GPU, once per element); the pitch times the run index stays 64-bit: the tensor may be far larger.
+__device__ __forceinline__ int64_t at(Runs r, int64_t i) {
+  if (r.run == 0) return i;
+  const uint32_t element = static_cast<uint32_t>(i), run = static_cast<uint32_t>(r.run);
+  const uint32_t run_index = element / run;
+  return static_cast<int64_t>(run_index) * r.pitch + (element - run_index * run);
+}
 
 __device__ __forceinline__ float load_grad(const void* grad, ElemType type, int64_t i) {
   switch (type) {

@@ -19,7 +19,8 @@ void add_chunks(std::vector<Chunk>& chunks, int entry, int64_t numel) {
 
 std::string plan_unsupported_reason(const Layout& layout, const Options& options) {
   if (std::string reason = fused_step_unsupported_reason(layout, options); !reason.empty()) return reason;
-  // The step status packs (entry, element) into 64 bits; chunk and task indices are 32-bit.
+  // The step status packs (entry, element) into 64 bits; chunk and task indices are 32-bit, and so is an
+  // element index of a NorMuon matrix (the update kernel's row, the division of step_kernels.cuh's at()).
   if (layout.entries.size() >= (size_t{1} << (64 - kBadElementBits - 1)))
     return "too many parameters (" + std::to_string(layout.entries.size()) + ") for the step status word";
   for (const auto& e : layout.entries) {
