@@ -18,6 +18,7 @@
 #include "normuon/low_precision.h"
 #include "normuon/param_table.h"
 #include "normuon/presets.h"
+#include "normuon/row_runs.h"
 #include "normuon/state_file.h"
 
 using namespace normuon;
@@ -263,17 +264,30 @@ BOOST_AUTO_TEST_CASE(a_bad_table_is_refused_before_anything_changes) {
 
 namespace {
 
-// Megatron's fused QKV weight: per query group, 4 query rows, 2 key rows, 2 value rows and 1 row that no
-// entry covers (it must come through untouched); the three blocks are layout entries of their own.
-constexpr int64_t kGroups = 3, kCols = 24, kGroupRows = 9;
-const int64_t kBlockRows[] = {4, 2, 2};
-const int64_t kBlockFirst[] = {0, 4, 6};
+// Megatron's fused QKV weight: per query group, block_rows[0] query rows, block_rows[1] key rows,
+// block_rows[2] value rows and one last row that no entry covers (it must come through untouched); the
+// three blocks are layout entries of their own.
+struct FusedGeometry {
+  int64_t groups, cols;
+  int64_t block_rows[3];
+  int64_t group_rows() const { return block_rows[0] + block_rows[1] + block_rows[2] + 1; }
+  int64_t block_first(int b) const { return b == 0 ? 0 : block_first(b - 1) + block_rows[b - 1]; }
+  int64_t uncovered_row() const { return group_rows() - 1; }
+  RowRuns runs(int b) const { return RowRuns{block_rows[b] * cols, group_rows() * cols}; }
+};
 
-Manifest fused_manifest(DType dtype) {
+// Blocks far smaller than a work chunk of the fast CPU backend (32768 floats): a chunk is a whole block.
+constexpr FusedGeometry kSmall{3, 24, {4, 2, 2}};
+// A query block of 48 x 4 rows of 200 columns, 38400 elements: its first chunk spans 40.96 runs of 800
+// elements (it ends inside a run), the second the rest, so a chunk's gradient is gathered from its runs.
+constexpr FusedGeometry kLarge{48, 200, {4, 2, 2}};
+
+Manifest fused_manifest(const FusedGeometry& geometry, DType dtype) {
   Manifest m = mixed_manifest();
   const char* names[] = {"qkv.q", "qkv.k", "qkv.v"};
   for (int b = 0; b < 3; ++b)
-    m.params.push_back(ParamSpec{names[b], {kGroups * kBlockRows[b], kCols}, dtype, Role::matrix, "", std::nullopt});
+    m.params.push_back(ParamSpec{names[b], {geometry.groups * geometry.block_rows[b], geometry.cols}, dtype,
+                                 Role::matrix, "", std::nullopt});
   return m;
 }
 
@@ -289,26 +303,27 @@ void gather(const char* tensor, char* dense, const RowRuns& runs, size_t bytes, 
   });
 }
 
-// Twins whose table steps the three blocks in place inside one fused parameter and one fused gradient.
+// Twins whose table steps the three blocks in place inside one fused parameter and one fused gradient;
+// the flat twin steps the same matrices dense.
 struct FusedTwins : Twins {
+  FusedGeometry geometry;
   int first = 0;  // layout entry of the first block
   std::vector<char> fused_param, fused_grad;
-  RowRuns runs[3];
 
-  FusedTwins(DType dtype, DType grad_dtype) : Twins(grad_dtype, fused_manifest(dtype)) {
+  FusedTwins(DType dtype, DType grad_dtype, const FusedGeometry& g = kSmall)
+      : Twins(grad_dtype, fused_manifest(g, dtype)), geometry(g) {
     first = static_cast<int>(layout.entries.size()) - 3;
     const size_t pb = dtype_bytes(dtype), gb = dtype_bytes(grad_dtype);
-    const int64_t fused_numel = kGroups * kGroupRows * kCols;
+    const int64_t fused_numel = g.groups * g.group_rows() * g.cols;
     fused_param.assign(static_cast<size_t>(fused_numel) * pb, 0x5a);  // the uncovered rows keep these bytes
     fused_grad.assign(static_cast<size_t>(fused_numel) * gb, 0x7f);   // NaN-ish filler nobody may read
     for (int b = 0; b < 3; ++b) {
       const int e = first + b;
       BOOST_REQUIRE(layout.entries[e].algorithm == Algorithm::normuon);
-      runs[b] = RowRuns{kBlockRows[b] * kCols, kGroupRows * kCols};
-      char* at = fused_param.data() + static_cast<size_t>(kBlockFirst[b] * kCols) * pb;
-      scatter(caller.params[e].data(), at, runs[b], pb, layout.entries[e].numel);
+      char* at = fused_param.data() + static_cast<size_t>(g.block_first(b) * g.cols) * pb;
+      scatter(caller.params[e].data(), at, g.runs(b), pb, layout.entries[e].numel);
       caller.table.params[e].data = at;
-      caller.table.params[e].runs = runs[b];
+      caller.table.params[e].runs = g.runs(b);
     }
     for (int b = 0; b < 3; ++b) table_state.refresh_master(first + b, caller.table);
   }
@@ -322,9 +337,9 @@ struct FusedTwins : Twins {
     for (int b = 0; b < 3; ++b) {
       const int e = first + b;
       if (!caller.table.grads[e].data) continue;
-      char* at = fused_grad.data() + static_cast<size_t>(kBlockFirst[b] * kCols) * gb;
-      scatter(caller.grads[e].data(), at, runs[b], gb, layout.entries[e].numel);
-      caller.table.grads[e] = TensorRef{at, caller.grad_dtype, runs[b]};
+      char* at = fused_grad.data() + static_cast<size_t>(geometry.block_first(b) * geometry.cols) * gb;
+      scatter(caller.grads[e].data(), at, geometry.runs(b), gb, layout.entries[e].numel);
+      caller.table.grads[e] = TensorRef{at, caller.grad_dtype, geometry.runs(b)};
     }
     StepResult a, r;
     std::string a_error, r_error;  // nonfinite=error: both modes raise the same message
@@ -341,39 +356,66 @@ struct FusedTwins : Twins {
   std::string difference() {
     const size_t pb = dtype_bytes(layout.entries[first].dtype);
     for (int b = 0; b < 3; ++b)
-      gather(static_cast<const char*>(caller.table.params[first + b].data), caller.params[first + b].data(), runs[b],
-             pb, layout.entries[first + b].numel);
-    for (int64_t g = 0; g < kGroups; ++g) {
-      const char* row = fused_param.data() + static_cast<size_t>((g * kGroupRows + 8) * kCols) * pb;
-      for (size_t k = 0; k < static_cast<size_t>(kCols) * pb; ++k)
+      gather(static_cast<const char*>(caller.table.params[first + b].data), caller.params[first + b].data(),
+             geometry.runs(b), pb, layout.entries[first + b].numel);
+    for (int64_t g = 0; g < geometry.groups; ++g) {
+      const char* row =
+          fused_param.data() + static_cast<size_t>((g * geometry.group_rows() + geometry.uncovered_row()) * geometry.cols) * pb;
+      for (size_t k = 0; k < static_cast<size_t>(geometry.cols) * pb; ++k)
         if (row[k] != 0x5a) return "an uncovered row of the fused parameter changed";
     }
     return Twins::difference();
   }
 };
 
+struct DTypes {
+  DType param, grad;
+};
+const std::vector<DTypes> kEveryDTypePair = {
+    {DType::f32, DType::f32},  {DType::f32, DType::bf16},  {DType::f32, DType::f16},
+    {DType::bf16, DType::f32}, {DType::bf16, DType::bf16}, {DType::bf16, DType::f16},
+    {DType::f16, DType::f32},  {DType::f16, DType::bf16},  {DType::f16, DType::f16}};
+
+// Three steps of blocks of `geometry` in each pair of parameter and gradient dtypes: bit for bit the
+// dense matrices' flat step, and the state crosses to a FlatState and back through the runs.
+void check_blocks_step_as_dense_matrices(const FusedGeometry& geometry, const std::vector<DTypes>& pairs) {
+  for (const auto [dtype, grad_dtype] : pairs) {
+    FusedTwins twins(dtype, grad_dtype, geometry);
+    for (int64_t s = 1; s <= 3; ++s) {
+      BOOST_TEST(!twins.step(s).skipped);
+      BOOST_TEST(twins.difference() == "", to_string(dtype) << " parameters, " << to_string(grad_dtype)
+                                                            << " gradients, step " << s);
+    }
+    // Into a FlatState (state files) and back, through the runs.
+    FlatState out(twins.layout);
+    table_to_flat(twins.table_state, twins.caller.table, out);
+    BOOST_TEST(out.same_optimizer_state(twins.flat));
+    BOOST_TEST(same_bits(out.params.data(), twins.flat.params.data(),
+                         static_cast<size_t>(twins.layout.param_floats) * sizeof(float)));
+    BOOST_TEST(same_bits(out.grads.data(), twins.flat.grads.data(),
+                         static_cast<size_t>(twins.layout.param_floats) * sizeof(float)));
+    flat_to_table(twins.flat, twins.table_state, twins.caller.table);
+    BOOST_TEST(twins.difference() == "");
+  }
+}
+
 }  // namespace
 
 BOOST_AUTO_TEST_CASE(blocks_of_rows_of_a_fused_tensor_step_in_place_as_the_dense_matrices) {
-  for (DType dtype : {DType::f32, DType::bf16})
-    for (DType grad_dtype : {DType::f32, DType::bf16}) {
-      FusedTwins twins(dtype, grad_dtype);
-      for (int64_t s = 1; s <= 3; ++s) {
-        BOOST_TEST(!twins.step(s).skipped);
-        BOOST_TEST(twins.difference() == "", to_string(dtype) << " parameters, " << to_string(grad_dtype)
-                                                              << " gradients, step " << s);
-      }
-      // Into a FlatState (state files) and back, through the runs.
-      FlatState out(twins.layout);
-      table_to_flat(twins.table_state, twins.caller.table, out);
-      BOOST_TEST(out.same_optimizer_state(twins.flat));
-      BOOST_TEST(same_bits(out.params.data(), twins.flat.params.data(),
-                           static_cast<size_t>(twins.layout.param_floats) * sizeof(float)));
-      BOOST_TEST(same_bits(out.grads.data(), twins.flat.grads.data(),
-                           static_cast<size_t>(twins.layout.param_floats) * sizeof(float)));
-      flat_to_table(twins.flat, twins.table_state, twins.caller.table);
-      BOOST_TEST(twins.difference() == "");
-    }
+  check_blocks_step_as_dense_matrices(kSmall, kEveryDTypePair);
+}
+
+BOOST_AUTO_TEST_CASE(a_block_larger_than_a_work_chunk_steps_as_the_dense_matrix) {
+  // The fast CPU backend's multi-tensor passes cut a matrix into chunks of 32768 floats; a chunk of a
+  // block then spans several runs and starts or ends inside one. Every parameter dtype on fp32 gradients
+  // (gathered from the runs into scratch), and low-precision gradients (widened from them).
+  BOOST_REQUIRE(kLarge.groups * kLarge.block_rows[0] * kLarge.cols > 32768);
+  BOOST_REQUIRE(32768 % kLarge.runs(0).run != 0);
+  check_blocks_step_as_dense_matrices(kLarge, {{DType::f32, DType::f32},
+                                               {DType::bf16, DType::f32},
+                                               {DType::f16, DType::f32},
+                                               {DType::f32, DType::bf16},
+                                               {DType::f16, DType::f16}});
 }
 
 BOOST_AUTO_TEST_CASE(a_nonfinite_gradient_in_a_block_is_reported_at_its_element_of_the_block) {
@@ -394,6 +436,7 @@ BOOST_AUTO_TEST_CASE(a_nonfinite_gradient_in_a_block_is_reported_at_its_element_
 
 BOOST_AUTO_TEST_CASE(row_runs_are_checked) {
   FusedTwins twins(DType::f32, DType::f32);
+  const int64_t cols = twins.geometry.cols;
   ParamTable table = twins.caller.table;
   BOOST_TEST(table.invalid_reason() == "");
   auto refused = [&](ParamTable t, const std::string& words) {
@@ -401,10 +444,10 @@ BOOST_AUTO_TEST_CASE(row_runs_are_checked) {
     BOOST_TEST(reason.find(words) != std::string::npos, reason);
   };
   ParamTable partial_rows = table;
-  partial_rows.params[twins.first].runs.run = kCols + 1;  // not whole rows
+  partial_rows.params[twins.first].runs.run = cols + 1;  // not whole rows
   refused(partial_rows, "whole rows");
   ParamTable short_pitch = table;
-  short_pitch.grads[twins.first].runs = RowRuns{2 * kCols, kCols};  // runs that overlap
+  short_pitch.grads[twins.first].runs = RowRuns{2 * cols, cols};  // runs that overlap
   refused(short_pitch, "the gradient of 'qkv.q'");
   ParamTable adamw = table;
   int adamw_entry = 0;
