@@ -186,6 +186,14 @@ class _Entry:
         t = self.source.detach()
         return t if self.block is None else self.block.values(t)
 
+    def read_into(self, out):
+        """Copies the parameter's values as they are now into `out` (self.shape, any dtype): one copy."""
+        t = self.source.detach()
+        if self.block is None:
+            out.copy_(t)
+        else:
+            self.block.read_into(t, out)
+
     def write(self, values):
         """Writes `values` (self.shape) into the parameter, rounded to its dtype."""
         if self.block is None:
@@ -539,7 +547,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         """The fp32 masters of bf16/fp16 parameters from the model (the only copy the optimizer makes)."""
         for e in self._entries:
             if e.master is not None:
-                e.master.copy_(e.values())
+                e.read_into(e.master)
             e.version = e.source._version
 
     @staticmethod
@@ -679,7 +687,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                                    f"{e.dtype} {list(shape)} on {self._device} when the optimizer was built")
             version = e.source._version
             if e.block is not None and e.master is not None and not e.low_precision:
-                e.master.copy_(e.values())  # the reference's working copy of a block: writes through .data too
+                e.read_into(e.master)  # the reference's working copy of a block: writes through .data too
             elif version != e.version:
                 if e.master is not None:
                     values = e.values()
