@@ -1,6 +1,7 @@
 #include "newton_schulz.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -12,7 +13,9 @@
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include "cpu_kernels.h"
+#include "normuon/ns_algorithm.h"
 #include "normuon/ns_coefficients.h"
+#include "symmetric_panels.h"
 #include "work_pool.h"
 
 namespace normuon::fast {
@@ -66,18 +69,51 @@ class OmpThreads {
   int saved_;
 };
 
-// One product of the iteration, for one batch and one precision.
+// The workspace of the iteration: per pool slot (one matrix), or the whole batch one matrix after another.
+// X and G are m x n (G also holds m x m products), the others m x m; kPanels holds the column panels of a
+// symmetric product before they are placed (symmetric_panels.h).
+enum Buffer { kX, kG, kA, kCA, kZ, kQ, kRZ, kPanels, kBuffers };
+
+// Column-panel width of the symmetric products: narrower panels skip more of the upper triangle
+// ((p + 1) / 2p of the full work for p panels), wide enough for brgemm to run at full rate (measured on
+// AVX512_BF16, 768 x 2304 and 768 x 768: 64 is as fast per FLOP as the full product).
+constexpr int64_t kPanelWidth = 64;
+
+// One oneDNN matmul, bound to fixed places of the workspace per pool slot (or once, for a whole batch).
 struct Gemm {
   dnnl::matmul prim;
-  std::vector<std::unordered_map<int, dnnl::memory>> args;  // per pool slot (per matrix), or one (batched)
+  std::vector<std::unordered_map<int, dnnl::memory>> args;
   std::string impl;
+  double macs = 0;  // multiply-adds of one execution
+};
+
+// One product of the iteration for one batch and one precision. Dense, or symmetric with one panel, or
+// for a whole batch: one GEMM, the full product into its destination. Symmetric with several panels (per
+// matrix, m > kPanelWidth): a GEMM per column panel of the lower triangle, then placed and mirrored into
+// buffer `dst`. A full product's lower triangle is mirrored where the spec makes the product symmetric
+// (Gram's); the standard iteration's full products stay as computed, the reference's values.
+struct Product {
+  std::vector<Gemm> gemms;
+  int dst = -1;
+  bool panels = false;       // gemms are the lower triangle's column panels
+  bool mirror_full = false;  // the full product's upper triangle is replaced by the mirrored lower one
 };
 
 struct BatchPlan {
   int64_t m = 0, n = 0, count = 0;  // wide orientation: m <= n
   bool tall = false;                 // stored rows > cols: iterate on the transpose
   bool per_matrix = false;           // a matrix per pool item, else the whole batch on oneDNN's threads
-  Gemm gram[2], square[2], apply[2];  // [precision]: X X^T, (cA) A, B X
+  std::vector<SymmetricPanel> panels;
+  // [precision]. Standard: X X^T, (cA) A, B X. Gram (m < n): R = X X^T, (cR) R, Q Z, R Z, Z (RZ), Q X.
+  Product gram[2], square[2], apply[2];
+  Product gram_r[2], gram_crr[2], qz[2], rz[2], zrz[2], qx[2];
+};
+
+// Where a run works: one matrix on a pool slot's workspace, or a whole batch on oneDNN's threads.
+struct Site {
+  int slot = 0;
+  bool batched = false;
+  int64_t count = 1;
 };
 
 // X = P(U) in the wide orientation, then X = P(X / P(||X|| + eps)), for one matrix.
@@ -125,6 +161,10 @@ template <typename T>
 void x_update(T* X, const T* G, float a, int64_t begin, int64_t end) {  // X = P(P(a X) + G)
   for (int64_t i = begin; i < end; ++i) store(X[i], P<T>(a * load(X[i])) + load(G[i]));
 }
+template <typename T>
+void copy_into(T* D, const T* S, int64_t begin, int64_t end) {  // D = S (values already in P)
+  std::memcpy(D + begin, S + begin, static_cast<size_t>(end - begin) * sizeof(T));
+}
 
 }  // namespace
 
@@ -136,24 +176,34 @@ struct BatchedNewtonSchulz::Impl {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   std::vector<dnnl::stream> streams;  // per pool slot
   std::vector<BatchPlan> plans;
-  // Workspace, in fp32 sizes: per matrix, a region per slot (`*_stride` floats apart); batched, the
-  // batch's matrices one after another from the start.
-  std::unique_ptr<Aligned> x, g, a, ca, scratch;
-  int64_t mn_stride = 0, mm_stride = 0, scratch_stride = 0;  // scratch: bytes per slot
+  // Workspace, in fp32 sizes: per matrix, a region per slot (`stride[buffer]` floats apart); batched,
+  // the batch's matrices one after another from the start.
+  std::unique_ptr<Aligned> buffers[kBuffers], scratch;
+  int64_t stride[kBuffers] = {};
+  int64_t scratch_stride = 0;  // bytes per slot
   std::vector<int> order;      // run_per_matrix: its batches, costliest first (sized at set-up)
   std::vector<int64_t> first;  // and the first item of each
+  std::atomic<int64_t> executions{0};
+  std::atomic<int64_t> executed_macs{0};
 
   template <typename T>
-  T* region(const Aligned& buffer, int64_t stride, int slot) const {
-    return reinterpret_cast<T*>(static_cast<char*>(buffer.ptr) + slot * stride * static_cast<int64_t>(sizeof(float)));
+  T* region(int buffer, const Site& s) const {
+    const int64_t floats = s.batched ? 0 : s.slot * stride[buffer];
+    return reinterpret_cast<T*>(static_cast<char*>(buffers[buffer]->ptr) + floats * static_cast<int64_t>(sizeof(float)));
   }
 
-  void make_gemm(Gemm& gemm, int64_t count, int64_t M, int64_t K, int64_t N, bool weights_transposed, int slots,
-                 Aligned& src, int64_t src_stride, Aligned& wei, int64_t wei_stride, Aligned& dst, int64_t dst_stride,
-                 dnnl::memory::data_type dt, size_t& scratch_bytes) {
+  // A place in the workspace: a buffer and an offset in elements of the GEMM's data type.
+  struct Operand {
+    int buffer;
+    int64_t offset = 0;
+  };
+
+  // count x (M x K) times (K x N), every operand dense; weights_transposed: the weights are stored N x K
+  // (rows of X or of a symmetric matrix, read as columns). Bound for `bindings` sites (pool slots).
+  void make_gemm(Gemm& gemm, int64_t count, int64_t M, int64_t K, int64_t N, bool weights_transposed, int bindings,
+                 Operand src, Operand wei, Operand dst, dnnl::memory::data_type dt, size_t& scratch_bytes) {
     using dims = dnnl::memory::dims;
     const dnnl::memory::desc src_md(dims{count, M, K}, dt, dims{M * K, K, 1});
-    // X^T without a copy: the same buffer read with swapped strides.
     const dnnl::memory::desc wei_md(dims{count, K, N}, dt,
                                     weights_transposed ? dims{K * N, 1, K} : dims{K * N, N, 1});
     const dnnl::memory::desc dst_md(dims{count, M, N}, dt, dims{M * N, N, 1});
@@ -162,39 +212,144 @@ struct BatchedNewtonSchulz::Impl {
     const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src_md, wei_md, dst_md), attr, engine);
     gemm.prim = dnnl::matmul(pd);
     gemm.impl = pd.impl_info_str();
+    gemm.macs = static_cast<double>(count) * static_cast<double>(M) * static_cast<double>(K) * static_cast<double>(N);
     scratch_bytes = std::max(scratch_bytes, pd.scratchpad_desc().get_size());
-    for (int s = 0; s < slots; ++s)
-      gemm.args.push_back({{DNNL_ARG_SRC, dnnl::memory(src_md, engine, region<void>(src, src_stride, s))},
-                           {DNNL_ARG_WEIGHTS, dnnl::memory(wei_md, engine, region<void>(wei, wei_stride, s))},
-                           {DNNL_ARG_DST, dnnl::memory(dst_md, engine, region<void>(dst, dst_stride, s))}});
+    const int64_t element = dt == dnnl::memory::data_type::bf16 ? 2 : 4;
+    auto at = [&](Operand o, int s) {
+      return static_cast<void*>(region<char>(o.buffer, Site{s, !per_matrix_binding, 1}) + o.offset * element);
+    };
+    for (int s = 0; s < bindings; ++s)
+      gemm.args.push_back({{DNNL_ARG_SRC, dnnl::memory(src_md, engine, at(src, s))},
+                           {DNNL_ARG_WEIGHTS, dnnl::memory(wei_md, engine, at(wei, s))},
+                           {DNNL_ARG_DST, dnnl::memory(dst_md, engine, at(dst, s))}});
+  }
+  bool per_matrix_binding = false;  // make_gemm: the plan being built is per matrix (bound per slot)
+
+  // dst = S W, symmetric m x m, S (m x K) and the rows of W (m x K, read transposed) in the workspace.
+  // mirrored: the spec makes the product exactly symmetric (Gram Newton-Schulz's sym()).
+  void make_symmetric(Product& p, const BatchPlan& plan, int S, int W, int64_t K, int dst, bool mirrored,
+                      int bindings, dnnl::memory::data_type dt, size_t& scratch_bytes) {
+    p.dst = dst;
+    p.panels = plan.per_matrix && plan.panels.size() > 1;
+    p.mirror_full = mirrored && !p.panels;
+    if (!p.panels) {
+      p.gemms.resize(1);
+      make_gemm(p.gemms[0], plan.per_matrix ? 1 : plan.count, plan.m, K, plan.m, true, bindings, {S}, {W}, {dst}, dt,
+                scratch_bytes);
+      return;
+    }
+    p.gemms.resize(plan.panels.size());
+    for (size_t j = 0; j < plan.panels.size(); ++j) {
+      const SymmetricPanel& panel = plan.panels[j];
+      make_gemm(p.gemms[j], 1, plan.m - panel.c0, K, panel.width, true, bindings, {S, panel.c0 * K},
+                {W, panel.c0 * K}, {kPanels, panel.offset}, dt, scratch_bytes);
+    }
+  }
+  // dst = S (m x m) times X (m x n), plain.
+  void make_dense(Product& p, const BatchPlan& plan, int S, int X, int dst, int bindings, dnnl::memory::data_type dt,
+                  size_t& scratch_bytes) {
+    p.gemms.resize(1);
+    make_gemm(p.gemms[0], plan.per_matrix ? 1 : plan.count, plan.m, plan.m, plan.n, false, bindings, {S}, {X}, {dst},
+              dt, scratch_bytes);
   }
 
   void exec(Gemm& gemm, int slot) {
     dnnl::stream& stream = streams[static_cast<size_t>(slot)];
     gemm.prim.execute(stream, gemm.args[static_cast<size_t>(slot)]);
     stream.wait();
+    executions.fetch_add(1, std::memory_order_relaxed);
+    executed_macs.fetch_add(static_cast<int64_t>(gemm.macs), std::memory_order_relaxed);
+  }
+
+  // The elementwise steps: f(begin, end) over the site's matrices' elements (n_per_matrix each, one after
+  // another), on oneDNN's OpenMP team for a whole batch.
+  template <typename F>
+  static void each(const Site& s, int64_t n_per_matrix, const F& f) {
+    const int64_t total = n_per_matrix * s.count;
+    if (!s.batched) return f(0, total);
+    const int64_t parts = omp_get_max_threads();
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < parts; ++p) f(total * p / parts, total * (p + 1) / parts);
+  }
+  template <typename F>
+  static void each_matrix(const Site& s, const F& f) {
+#pragma omp parallel for schedule(static) if (s.batched)
+    for (int64_t k = 0; k < s.count; ++k) f(k);
+  }
+
+  template <typename T>
+  void product(const BatchPlan& plan, Product& p, const Site& s) {
+    for (Gemm& g : p.gemms) exec(g, s.slot);
+    T* c = p.dst >= 0 ? region<T>(p.dst, s) : nullptr;
+    const int64_t m = plan.m;
+    if (p.panels)
+      place_symmetric_panels(plan.panels, region<T>(kPanels, s), c, m);
+    else if (p.mirror_full)
+      each_matrix(s, [&](int64_t k) { mirror_lower_triangle(c + k * m * m, m); });
+  }
+
+  // NS(U) of docs/spec.md section 3.2 after the normalisation, on the site's matrices in X; returns the
+  // buffer that holds the result.
+  template <typename T>
+  int iterate(BatchPlan& plan, int prec, const NorMuonHyper& h, const Site& s) {
+    const int64_t m = plan.m, mm = m * m, mn = m * plan.n;
+    T *X = region<T>(kX, s), *G = region<T>(kG, s), *A = region<T>(kA, s), *CA = region<T>(kCA, s);
+    // Coefficients enter as fp32 values (docs/spec.md section 3.2).
+    if (!ns_uses_gram(h.ns_algorithm, plan.m, plan.n)) {
+      for (int it = 0; it < h.ns_steps; ++it) {
+        const NsTriple& t = ns_triple(h.ns_coefficients, it);
+        product<T>(plan, plan.gram[prec], s);  // A = P(X X^T)
+        each(s, mm, [&](int64_t b, int64_t e) { scale_into(CA, A, static_cast<float>(t.c), b, e); });
+        product<T>(plan, plan.square[prec], s);  // G = P(CA A)
+        each(s, mm, [&](int64_t b, int64_t e) { b_into(CA, A, G, static_cast<float>(t.b), b, e); });
+        product<T>(plan, plan.apply[prec], s);  // G = P(B X)
+        each(s, mn, [&](int64_t b, int64_t e) { x_update(X, G, static_cast<float>(t.a), b, e); });
+      }
+      return kX;
+    }
+    // Gram Newton-Schulz: R (in A) = X X^T, Q collects the polynomial, X <- Q X at restarts and the end.
+    T *Z = region<T>(kZ, s), *Q = region<T>(kQ, s), *RZ = region<T>(kRZ, s);
+    product<T>(plan, plan.gram_r[prec], s);  // R = P(X X^T)
+    for (int it = 0; it < h.ns_steps; ++it) {
+      const bool restart = it > 0 && gram_restarts_before(it);
+      if (restart) {
+        product<T>(plan, plan.qx[prec], s);  // G = P(Q X)
+        each(s, mn, [&](int64_t b, int64_t e) { copy_into(X, G, b, e); });
+        product<T>(plan, plan.gram_r[prec], s);
+      }
+      const NsTriple& t = ns_triple(h.ns_coefficients, it);
+      const float a = static_cast<float>(t.a);
+      each(s, mm, [&](int64_t b, int64_t e) { scale_into(CA, A, static_cast<float>(t.c), b, e); });
+      product<T>(plan, plan.gram_crr[prec], s);                                                         // G = P(CR R)
+      each(s, mm, [&](int64_t b, int64_t e) { b_into(Z, A, G, static_cast<float>(t.b), b, e); });  // Z = P(P(bR) + G)
+      if (it == 0 || restart) {  // Q = P(Z + a I)
+        each(s, mm, [&](int64_t b, int64_t e) { copy_into(Q, Z, b, e); });
+        each_matrix(s, [&](int64_t k) {
+          T* q = Q + k * mm;
+          for (int64_t i = 0; i < m; ++i) store(q[i * m + i], load(q[i * m + i]) + a);
+        });
+      } else {  // Q = P(P(a Q) + P(Q Z))
+        product<T>(plan, plan.qz[prec], s);
+        each(s, mm, [&](int64_t b, int64_t e) { x_update(Q, G, a, b, e); });
+      }
+      if (it + 1 < h.ns_steps && !gram_restarts_before(it + 1)) {  // R = (Z + a I) R (Z + a I)
+        product<T>(plan, plan.rz[prec], s);
+        each(s, mm, [&](int64_t b, int64_t e) { b_into(RZ, A, G, a, b, e); });  // RZ = P(P(a R) + P(R Z))
+        product<T>(plan, plan.zrz[prec], s);
+        each(s, mm, [&](int64_t b, int64_t e) { b_into(A, RZ, G, a, b, e); });  // R = P(P(a RZ) + P(Z RZ))
+      }
+    }
+    product<T>(plan, plan.qx[prec], s);  // G = P(Q X)
+    return kG;
   }
 
   // One matrix on the workspace of pool slot `slot`, every product a one-thread matmul.
   template <typename T>
   void orthogonalise(BatchPlan& plan, int prec, const float* u, float* o, const NorMuonHyper& h, int slot) {
-    const int64_t mn = plan.m * plan.n, mm = plan.m * plan.m;
-    T* X = region<T>(*x, mn_stride, slot);
-    T* G = region<T>(*g, mn_stride, slot);
-    T* A = region<T>(*a, mm_stride, slot);
-    T* CA = region<T>(*ca, mm_stride, slot);
-    load_normalised(plan, u, X, h);
-    for (int it = 0; it < h.ns_steps; ++it) {
-      // Coefficients enter as fp32 values (docs/spec.md section 3.2).
-      const NsTriple& t = ns_triple(h.ns_coefficients, it);
-      exec(plan.gram[prec], slot);  // A = P(X X^T)
-      scale_into(CA, A, static_cast<float>(t.c), 0, mm);
-      exec(plan.square[prec], slot);  // G = P(CA A)
-      b_into(CA, A, G, static_cast<float>(t.b), 0, mm);
-      exec(plan.apply[prec], slot);  // G = P(B X)
-      x_update(X, G, static_cast<float>(t.a), 0, mn);
-    }
-    store_output(plan, X, o);
+    const Site s{slot, false, 1};
+    load_normalised(plan, u, region<T>(kX, s), h);
+    const int result = iterate<T>(plan, prec, h, s);
+    store_output(plan, region<T>(result, s), o);
   }
 
   // The matrices of every per-matrix batch of `work` in one pass of the pool, a matrix per item, the
@@ -222,9 +377,9 @@ struct BatchedNewtonSchulz::Impl {
         orthogonalise<float>(plan, 0, w.inputs[k], w.outputs[k], *w.h, slot);
     });
   }
-  int64_t cost(const NsWork& w) const {  // of one matrix, in multiply-adds: 2 m^2 n + m^3 per iteration
+  double cost(const NsWork& w) const {  // of one matrix: the FLOPs of its algorithm in full
     const BatchPlan& plan = plans[static_cast<size_t>(w.batch)];
-    return (2 * plan.m * plan.m * plan.n + plan.m * plan.m * plan.m) * w.h->ns_steps;
+    return ns_dense_flops(w.h->ns_algorithm, plan.m, plan.n, w.h->ns_steps);
   }
 
   // The whole batch at once: each product one batched matmul on oneDNN's threads, the steps between
@@ -232,29 +387,15 @@ struct BatchedNewtonSchulz::Impl {
   template <typename T>
   void iterate_batched(BatchPlan& plan, int prec, const float* const* inputs, float* const* outputs,
                        const NorMuonHyper& h) {
-    const int64_t mn = plan.m * plan.n, mm = plan.m * plan.m, count = plan.count;
-    T* X = region<T>(*x, 0, 0);
-    T* G = region<T>(*g, 0, 0);
-    T* A = region<T>(*a, 0, 0);
-    T* CA = region<T>(*ca, 0, 0);
+    const Site s{0, true, plan.count};
+    const int64_t mn = plan.m * plan.n;
     const OmpThreads team(team_threads);
+    T* X = region<T>(kX, s);
 #pragma omp parallel for schedule(static)
-    for (int64_t k = 0; k < count; ++k) load_normalised(plan, inputs[k], X + k * mn, h);
-    for (int it = 0; it < h.ns_steps; ++it) {
-      const NsTriple& t = ns_triple(h.ns_coefficients, it);
-      const int64_t parts = omp_get_max_threads();
-      exec(plan.gram[prec], 0);
+    for (int64_t k = 0; k < plan.count; ++k) load_normalised(plan, inputs[k], X + k * mn, h);
+    const T* result = region<T>(iterate<T>(plan, prec, h, s), s);
 #pragma omp parallel for schedule(static)
-      for (int64_t p = 0; p < parts; ++p) scale_into(CA, A, static_cast<float>(t.c), count * mm * p / parts, count * mm * (p + 1) / parts);
-      exec(plan.square[prec], 0);
-#pragma omp parallel for schedule(static)
-      for (int64_t p = 0; p < parts; ++p) b_into(CA, A, G, static_cast<float>(t.b), count * mm * p / parts, count * mm * (p + 1) / parts);
-      exec(plan.apply[prec], 0);
-#pragma omp parallel for schedule(static)
-      for (int64_t p = 0; p < parts; ++p) x_update(X, G, static_cast<float>(t.a), count * mn * p / parts, count * mn * (p + 1) / parts);
-    }
-#pragma omp parallel for schedule(static)
-    for (int64_t k = 0; k < count; ++k) store_output(plan, X + k * mn, outputs[k]);
+    for (int64_t k = 0; k < plan.count; ++k) store_output(plan, result + k * mn, outputs[k]);
   }
 };
 
@@ -269,9 +410,8 @@ BatchedNewtonSchulz::BatchedNewtonSchulz(const std::vector<NsBatchShape>& batche
 }
 
 void BatchedNewtonSchulz::Impl::build(const std::vector<NsBatchShape>& batches, NsSplit split) {
-  Impl& im = *this;
   const int slots = pool.threads();
-  int64_t max_mn = 1, max_mm = 1, batched_mn = 1, batched_mm = 1;
+  int64_t max_mn = 1, max_mm = 1, max_panels = 1, batched_mn = 1, batched_mm = 1;
   for (const auto& b : batches) {
     BatchPlan plan;
     plan.m = std::min(b.rows, b.cols);
@@ -279,60 +419,74 @@ void BatchedNewtonSchulz::Impl::build(const std::vector<NsBatchShape>& batches, 
     plan.count = b.count;
     plan.tall = b.rows > b.cols;
     plan.per_matrix = split == NsSplit::per_matrix || (split == NsSplit::automatic && b.count >= slots);
+    if (plan.per_matrix) plan.panels = symmetric_panels(plan.m, kPanelWidth);
     max_mn = std::max(max_mn, plan.m * plan.n);
     max_mm = std::max(max_mm, plan.m * plan.m);
+    max_panels = std::max(max_panels, symmetric_panel_floats(plan.panels, plan.m));
     if (!plan.per_matrix) {
       batched_mn = std::max(batched_mn, plan.count * plan.m * plan.n);
       batched_mm = std::max(batched_mm, plan.count * plan.m * plan.m);
     }
-    im.plans.push_back(std::move(plan));
+    plans.push_back(std::move(plan));
   }
   // Slot regions 64-byte aligned (16 floats), so that no two threads share a cache line.
-  im.mn_stride = (max_mn + 15) / 16 * 16;
-  im.mm_stride = (max_mm + 15) / 16 * 16;
-  im.x = std::make_unique<Aligned>(std::max(slots * im.mn_stride, batched_mn) * sizeof(float));
-  im.g = std::make_unique<Aligned>(std::max(slots * im.mn_stride, batched_mn) * sizeof(float));  // m x m and m x n
-  im.a = std::make_unique<Aligned>(std::max(slots * im.mm_stride, batched_mm) * sizeof(float));
-  im.ca = std::make_unique<Aligned>(std::max(slots * im.mm_stride, batched_mm) * sizeof(float));
+  auto aligned = [](int64_t floats) { return (floats + 15) / 16 * 16; };
+  for (int b = 0; b < kBuffers; ++b) {
+    const bool mn_sized = b == kX || b == kG;  // G holds m x n and m x m results
+    stride[b] = aligned(b == kPanels ? max_panels : mn_sized ? max_mn : max_mm);
+    const int64_t batched = b == kPanels ? 1 : mn_sized ? batched_mn : batched_mm;
+    buffers[b] = std::make_unique<Aligned>(std::max(slots * stride[b], batched) * sizeof(float));
+  }
   size_t scratch_bytes = 0;
-  for (auto& plan : im.plans) {
+  for (auto& plan : plans) {
     if (plan.m == 0 || plan.count == 0) continue;
     const OmpThreads team(plan.per_matrix ? 1 : team_threads);
-    const int64_t count = plan.per_matrix ? 1 : plan.count;
-    const int n_args = plan.per_matrix ? slots : 1;
-    const int64_t mn = plan.per_matrix ? im.mn_stride : 0, mm = plan.per_matrix ? im.mm_stride : 0;
+    const int bindings = plan.per_matrix ? slots : 1;
+    per_matrix_binding = plan.per_matrix;
+    const int64_t m = plan.m, n = plan.n;
     for (int prec = 0; prec < 2; ++prec) {
       const auto dt = prec == 0 ? dnnl::memory::data_type::f32 : dnnl::memory::data_type::bf16;
-      im.make_gemm(plan.gram[prec], count, plan.m, plan.n, plan.m, true, n_args, *im.x, mn, *im.x, mn, *im.a, mm, dt,
-                   scratch_bytes);
-      im.make_gemm(plan.square[prec], count, plan.m, plan.m, plan.m, false, n_args, *im.ca, mm, *im.a, mm, *im.g, mn,
-                   dt, scratch_bytes);
-      im.make_gemm(plan.apply[prec], count, plan.m, plan.m, plan.n, false, n_args, *im.ca, mm, *im.x, mn, *im.g, mn,
-                   dt, scratch_bytes);
+      // Standard: X X^T, (cA) A, B X. Gram (m < n) uses the first two mirrored, as R X X^T and (cR) R.
+      const bool gram = m < n;
+      make_symmetric(plan.gram[prec], plan, kX, kX, n, kA, false, bindings, dt, scratch_bytes);
+      make_symmetric(plan.square[prec], plan, kCA, kA, m, kG, false, bindings, dt, scratch_bytes);
+      make_dense(plan.apply[prec], plan, kCA, kX, kG, bindings, dt, scratch_bytes);
+      if (!gram) continue;  // square: always the standard iteration
+      make_symmetric(plan.gram_r[prec], plan, kX, kX, n, kA, true, bindings, dt, scratch_bytes);
+      make_symmetric(plan.gram_crr[prec], plan, kCA, kA, m, kG, true, bindings, dt, scratch_bytes);
+      make_symmetric(plan.qz[prec], plan, kQ, kZ, m, kG, true, bindings, dt, scratch_bytes);
+      make_symmetric(plan.rz[prec], plan, kA, kZ, m, kG, true, bindings, dt, scratch_bytes);
+      make_symmetric(plan.zrz[prec], plan, kZ, kRZ, m, kG, true, bindings, dt, scratch_bytes);
+      make_dense(plan.qx[prec], plan, kQ, kX, kG, bindings, dt, scratch_bytes);
     }
   }
-  im.order.assign(im.plans.size(), 0);
-  im.first.assign(im.plans.size() + 1, 0);
-  im.scratch_stride = static_cast<int64_t>((std::max<size_t>(scratch_bytes, 64) + 63) / 64 * 64);
-  im.scratch = std::make_unique<Aligned>(static_cast<size_t>(slots * im.scratch_stride));
-  const dnnl::memory::desc scratch_md({im.scratch_stride}, dnnl::memory::data_type::u8, dnnl::memory::format_tag::a);
+  order.assign(plans.size(), 0);
+  first.assign(plans.size() + 1, 0);
+  scratch_stride = static_cast<int64_t>((std::max<size_t>(scratch_bytes, 64) + 63) / 64 * 64);
+  scratch = std::make_unique<Aligned>(static_cast<size_t>(slots * scratch_stride));
+  const dnnl::memory::desc scratch_md({scratch_stride}, dnnl::memory::data_type::u8, dnnl::memory::format_tag::a);
   for (int s = 0; s < slots; ++s) {
-    im.streams.emplace_back(im.engine);
-    const dnnl::memory pad(scratch_md, im.engine, static_cast<char*>(im.scratch->ptr) + s * im.scratch_stride);
-    for (auto& plan : im.plans)
-      for (int prec = 0; prec < 2 && plan.m > 0 && plan.count > 0; ++prec)
-        for (Gemm* gemm : {&plan.gram[prec], &plan.square[prec], &plan.apply[prec]})
-          if (static_cast<size_t>(s) < gemm->args.size()) gemm->args[static_cast<size_t>(s)][DNNL_ARG_SCRATCHPAD] = pad;
+    streams.emplace_back(engine);
+    const dnnl::memory pad(scratch_md, engine, static_cast<char*>(scratch->ptr) + s * scratch_stride);
+    for (auto& plan : plans)
+      for (int prec = 0; prec < 2; ++prec)
+        for (Product* p : {&plan.gram[prec], &plan.square[prec], &plan.apply[prec], &plan.gram_r[prec],
+                           &plan.gram_crr[prec], &plan.qz[prec], &plan.rz[prec], &plan.zrz[prec], &plan.qx[prec]})
+          for (Gemm& gemm : p->gemms)
+            if (static_cast<size_t>(s) < gemm.args.size()) gemm.args[static_cast<size_t>(s)][DNNL_ARG_SCRATCHPAD] = pad;
   }
 }
 
 BatchedNewtonSchulz::~BatchedNewtonSchulz() = default;
 
 int64_t BatchedNewtonSchulz::workspace_bytes() const {
-  size_t total = 0;
-  for (const auto* buffer : {&impl_->x, &impl_->g, &impl_->a, &impl_->ca, &impl_->scratch}) total += (*buffer)->bytes;
+  size_t total = impl_->scratch->bytes;
+  for (const auto& buffer : impl_->buffers) total += buffer->bytes;
   return static_cast<int64_t>(total);
 }
+
+int64_t BatchedNewtonSchulz::gemm_calls() const { return impl_->executions.load(); }
+double BatchedNewtonSchulz::multiply_adds() const { return static_cast<double>(impl_->executed_macs.load()); }
 
 void BatchedNewtonSchulz::run(int b, const float* const* inputs, float* const* outputs, const NorMuonHyper& h) {
   const NsWork work{b, inputs, outputs, &h};
@@ -348,8 +502,7 @@ void BatchedNewtonSchulz::run(const NsWork* work, int n) {
     if (h.ns_coefficients == NsCoefficients::polar_express && h.ns_steps > kPolarExpressSteps)
       throw std::invalid_argument("ns_steps=" + std::to_string(h.ns_steps) +
                                   " but the Polar Express schedule has 5 coefficient triples");
-    const BatchPlan& plan = im.plans.at(static_cast<size_t>(work[i].batch));
-    if (plan.m > 0) gemm_calls_ += 3 * static_cast<int64_t>(h.ns_steps) * (plan.per_matrix ? plan.count : 1);
+    im.plans.at(static_cast<size_t>(work[i].batch));
   }
   im.run_per_matrix(work, n);
   for (int i = 0; i < n; ++i) {
@@ -366,7 +519,7 @@ bool BatchedNewtonSchulz::per_matrix(int b) const { return impl_->plans.at(stati
 
 std::string BatchedNewtonSchulz::gemm_implementation(int b, NsPrecision p) const {
   const BatchPlan& plan = impl_->plans.at(static_cast<size_t>(b));
-  return plan.m > 0 && plan.count > 0 ? plan.gram[p == NsPrecision::bf16 ? 1 : 0].impl : "none";
+  return plan.m > 0 && plan.count > 0 ? plan.gram[p == NsPrecision::bf16 ? 1 : 0].gemms.at(0).impl : "none";
 }
 
 }  // namespace normuon::fast

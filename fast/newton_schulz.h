@@ -1,11 +1,16 @@
 // Batched Newton-Schulz on the CPU: every NorMuon matrix of one shape and one group goes through the
-// iteration together. A batch with at least as many matrices as threads is shared out a matrix at a time
-// on the work pool (work_pool.h), each GEMM a one-thread oneDNN matmul on that thread's workspace: no
-// thread waits inside a GEMM for a preempted one, and a preempted thread's matrices go to the others.
-// A smaller batch cannot keep every thread busy that way: each GEMM is one oneDNN batched matmul over the
-// whole batch on oneDNN's own (OpenMP) threads, whose waits spin. brgemm kernels, bf16 where the CPU has
-// AVX512_BF16, chosen by oneDNN at run time. Primitives, memory objects and the workspace are made once,
-// in the constructor; a step allocates nothing of its own.
+// iteration together, the standard one or Gram Newton-Schulz (ns_algorithm, docs/spec.md section 3.2).
+// A batch with at least as many matrices as threads is shared out a matrix at a time on the work pool
+// (work_pool.h), each GEMM a one-thread oneDNN matmul on that thread's workspace: no thread waits inside
+// a GEMM for a preempted one, and a preempted thread's matrices go to the others. There every symmetric
+// product (X X^T, (cA) A, and Gram's m x m products) of a matrix wider than one panel computes only its
+// lower triangle, in column panels (symmetric_panels.h), and mirrors it. A smaller batch cannot keep every
+// thread busy that way: each GEMM is one oneDNN batched matmul over the whole batch on oneDNN's own
+// (OpenMP) threads, whose waits spin; there, as for a matrix of one panel, a symmetric product is
+// computed in full (brgemm takes no sub-matrix of a batch), the standard iteration's as it comes, Gram's
+// with its lower triangle mirrored (docs/spec.md's sym). brgemm kernels, bf16 where the CPU has AVX512_BF16, chosen by
+// oneDNN at run time. Primitives, memory objects and the workspace are made once, in the constructor, for
+// both precisions and both algorithms; a step allocates nothing of its own.
 #pragma once
 
 #include <cstdint>
@@ -47,13 +52,15 @@ class BatchedNewtonSchulz {
   BatchedNewtonSchulz& operator=(const BatchedNewtonSchulz&) = delete;
 
   // Orthogonalises batch `b`: inputs[k] and outputs[k] point at rows x cols fp32 matrices (as stored;
-  // the output may alias the input). Follows docs/spec.md section 3.2 operation by operation.
+  // the output may alias the input). Follows docs/spec.md section 3.2 operation by operation, the
+  // symmetric products as that section allows (lower triangle, mirrored).
   void run(int b, const float* const* inputs, float* const* outputs, const NorMuonHyper& h);
   // Several batches (each at most once): the matrices of the per-matrix ones share one pass of the pool,
   // so that no thread waits at the end of each batch; the others follow, one by one.
   void run(const NsWork* work, int n);
 
-  int64_t gemm_calls() const { return gemm_calls_; }  // oneDNN matmul executions since construction
+  int64_t gemm_calls() const;     // oneDNN matmul executions since construction
+  double multiply_adds() const;   // of those executions (the FLOPs actually computed are twice this)
   int64_t workspace_bytes() const;                     // its buffers and oneDNN's scratchpads
   bool per_matrix(int b) const;                        // batch b is shared out a matrix at a time
   std::string gemm_implementation(int b, NsPrecision p) const;  // e.g. "brg:avx512_core_bf16"
@@ -62,7 +69,6 @@ class BatchedNewtonSchulz {
   struct Impl;
   std::unique_ptr<WorkPool> own_pool_;
   std::unique_ptr<Impl> impl_;
-  int64_t gemm_calls_ = 0;
 };
 
 }  // namespace normuon::fast

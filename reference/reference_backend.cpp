@@ -1,5 +1,6 @@
 #include "reference_backend.h"
 
+#include "normuon/ns_algorithm.h"
 #include "normuon/ns_coefficients.h"
 #include "normuon/step_prologue.h"
 
@@ -103,6 +104,39 @@ class SpecGemmGuard {
   bool restore_bf16_ = false;
 };
 
+// Gram Newton-Schulz (docs/spec.md section 3.2) on the normalised wide X (m < n): R = X X^T, Q collects
+// the polynomial, X <- Q X only at a restart and at the end. Every m x m product is symmetric in exact
+// arithmetic; its lower triangle (one dot product per element, rounded once) is kept and mirrored, as a
+// symmetric GEMM computes it.
+template <typename Round, typename Gemm>
+at::Tensor gram_iteration(at::Tensor X, const NorMuonHyper& h, const Round& P, const Gemm& gemm) {
+  const int64_t m = X.size(0);
+  const at::Tensor lower = at::ones({m, m}, X.options().dtype(at::kBool)).tril();
+  auto sym = [&lower](const at::Tensor& c) { return at::where(lower, c, c.t()); };
+  at::Tensor R = sym(gemm(X, X.t())), Q;
+  for (int k = 0; k < h.ns_steps; ++k) {
+    const bool restart = k > 0 && gram_restarts_before(k);
+    if (restart) {
+      X = gemm(Q, X);
+      R = sym(gemm(X, X.t()));
+    }
+    const NsTriple& co = ns_triple(h.ns_coefficients, k);
+    const at::Tensor Z = P(P(co.b * R) + sym(gemm(P(co.c * R), R)));  // the standard B, on R
+    if (k == 0 || restart) {
+      Q = Z.clone();
+      Q.diagonal().add_(co.a);  // Q = Z + a I: only the diagonal changes (off it, Z + 0 would flip -0)
+      Q = P(Q);
+    } else {
+      Q = P(P(co.a * Q) + sym(gemm(Q, Z)));  // Q (Z + a I)
+    }
+    if (k + 1 < h.ns_steps && !gram_restarts_before(k + 1)) {  // R <- (Z + a I) R (Z + a I)
+      const at::Tensor RZ = P(P(co.a * R) + sym(gemm(R, Z)));
+      R = P(P(co.a * RZ) + sym(gemm(Z, RZ)));
+    }
+  }
+  return gemm(Q, X);
+}
+
 }  // namespace
 
 at::Tensor newton_schulz(const at::Tensor& update, const NorMuonHyper& h) {
@@ -132,11 +166,15 @@ at::Tensor newton_schulz(const at::Tensor& update, const NorMuonHyper& h) {
                                ? P(norm + h.ns_eps)
                                : P(P(norm * kPolarExpressSafety) + h.ns_eps);
   X = P(X / denom);
-  for (int k = 0; k < h.ns_steps; ++k) {
-    const NsTriple& co = ns_triple(h.ns_coefficients, k);
-    const at::Tensor A = gemm(X, X.t());
-    const at::Tensor B = P(P(co.b * A) + gemm(P(co.c * A), A));  // (c*A) @ A, as the official `c * A @ A`
-    X = P(P(co.a * X) + gemm(B, X));
+  if (ns_uses_gram(h.ns_algorithm, X.size(0), X.size(1))) {
+    X = gram_iteration(X, h, P, gemm);
+  } else {
+    for (int k = 0; k < h.ns_steps; ++k) {
+      const NsTriple& co = ns_triple(h.ns_coefficients, k);
+      const at::Tensor A = gemm(X, X.t());
+      const at::Tensor B = P(P(co.b * A) + gemm(P(co.c * A), A));  // (c*A) @ A, as the official `c * A @ A`
+      X = P(P(co.a * X) + gemm(B, X));
+    }
   }
   if (tall) X = X.t();
   return X;

@@ -28,6 +28,12 @@ expect_output "group:    normuon at step 3" "$tool" inspect "$dir/a.safetensors"
 expect_output "normuon.beta2=0.95$" "$tool" inspect "$dir/a.safetensors"
 expect_output "resumed from" "$tool" run --steps 2 --quiet --load "$dir/a.safetensors" --save "$dir/b.safetensors"
 expect_output "group:    adamw at step 5" "$tool" inspect "$dir/b.safetensors"
+# Gram Newton-Schulz: saved with the state, resumed from it; a bad value is an error that writes nothing.
+expect_output "3 steps (0 skipped)" "$tool" run --steps 3 --quiet --set ns_algorithm=gram --save "$dir/g.safetensors"
+expect_output "normuon.ns_algorithm=gram$" "$tool" inspect "$dir/g.safetensors"
+expect_output "resumed from" "$tool" run --steps 1 --quiet --load "$dir/g.safetensors" --set ns_algorithm=gram
+expect_error "'ns_algorithm': unknown value 'foo' (choose standard | gram)" "$tool" run --steps 1 --set ns_algorithm=foo --save "$dir/foo.safetensors"
+test ! -e "$dir/foo.safetensors" || { echo "a refused option wrote a state file"; exit 1; }
 "$tool" manifest --preset tiny --out "$dir/m.csv"
 expect_output "on NorMuon in 4 shape buckets" "$tool" layout --manifest "$dir/m.csv"
 

@@ -15,6 +15,7 @@ using namespace normuon;
 namespace {
 
 const std::string kGoldenPath = std::string(NORMUON_SOURCE_DIR) + "/golden/tiny.csv";
+const std::string kGoldenGramPath = std::string(NORMUON_SOURCE_DIR) + "/golden/tiny-gram.csv";
 
 std::vector<TraceRow> run(const GoldenSpec& spec) {
   ReferenceBackend backend;
@@ -34,6 +35,33 @@ BOOST_AUTO_TEST_CASE(committed_golden_matches_a_fresh_run) {
   BOOST_TEST_MESSAGE("golden: " << cmp.rows_compared << " rows, max rel. error " << cmp.max_rel_error);
   BOOST_TEST(cmp.ok(), cmp.first_mismatch);
   BOOST_TEST(cmp.rows_compared > 1000);
+}
+
+// Gram Newton-Schulz has a golden trace of its own (golden/tiny-gram.csv): the golden configuration with
+// normuon.ns_algorithm=gram. tiny's square matrices (attn.c_proj) take the standard iteration there too.
+BOOST_AUTO_TEST_CASE(committed_gram_golden_matches_a_fresh_run) {
+  GoldenSpec spec = GoldenSpec::standard();
+  spec.options.set("normuon.ns_algorithm=gram");
+  TraceTolerance exact;
+  exact.exact = true;
+  const std::vector<TraceRow> gram = run(spec);
+  const TraceComparison cmp = compare_traces(read_trace_csv(kGoldenGramPath), gram, TraceTolerance{});
+  BOOST_TEST_MESSAGE("gram golden: " << cmp.rows_compared << " rows, max rel. error " << cmp.max_rel_error);
+  BOOST_TEST(cmp.ok(), cmp.first_mismatch);
+  BOOST_TEST(cmp.rows_compared > 1000);
+  BOOST_TEST(compare_traces(gram, run(spec), exact).ok());  // bitwise run to run
+  // Where it differs from the standard golden: every non-square NorMuon matrix, nothing else.
+  const std::vector<TraceRow>& standard = standard_trace();
+  BOOST_REQUIRE(standard.size() == gram.size());
+  bool adamw_and_square_same = true, wide_differ = true;
+  for (size_t i = 0; i < gram.size(); ++i) {
+    const bool square = gram[i].param.find("attn.c_proj") != std::string::npos;
+    const bool same = gram[i].param_hash == standard[i].param_hash;
+    if (gram[i].algorithm == "adamw" || square) adamw_and_square_same = adamw_and_square_same && same;
+    else if (gram[i].step == 20) wide_differ = wide_differ && !same;
+  }
+  BOOST_TEST(adamw_and_square_same);
+  BOOST_TEST(wide_differ);
 }
 
 BOOST_AUTO_TEST_CASE(reference_is_bitwise_deterministic) {
@@ -67,6 +95,7 @@ BOOST_AUTO_TEST_CASE(every_planted_semantic_change_is_caught) {
       "normuon.weight_decay_mode=none",
       "normuon.ns_coefficients=polar_express",
       "normuon.ns_precision=fp32",
+      "normuon.ns_algorithm=gram",
       "normuon.eps_placement=clamp",
       "normuon.beta2=0.9",
       "adamw.eps=1e-8",

@@ -1,6 +1,8 @@
 #define BOOST_TEST_MODULE options
 #include <boost/test/unit_test.hpp>
 
+#include <algorithm>
+
 #include "normuon/options.h"
 
 using namespace normuon;
@@ -102,7 +104,7 @@ BOOST_AUTO_TEST_CASE(json_round_trip_is_lossless) {
 
 BOOST_AUTO_TEST_CASE(describe_lists_every_key) {
   const auto lines = describe(Options());
-  BOOST_TEST(lines.size() == 1u + 15u + 5u);
+  BOOST_TEST(lines.size() == 1u + 16u + 5u);
   BOOST_TEST(lines[0] == "nonfinite=error");
 }
 
@@ -152,10 +154,41 @@ BOOST_AUTO_TEST_CASE(from_json_checks_ranges_and_types) {
   rejected(with("\"eps\":1e-10", "\"eps\":\"1e-10\""), {"adamw.eps", "not a number"});
   rejected(with("\"nesterov\":true", "\"nesterov\":\"true\""), {"normuon.nesterov", "boolean"});
   rejected(with("\"ns_precision\":\"bf16\"", "\"ns_precision\":\"fp8\""), {"normuon.ns_precision", "fp32 | bf16"});
+  rejected(with("\"ns_algorithm\":\"standard\"", "\"ns_algorithm\":\"fast\""), {"normuon.ns_algorithm", "standard | gram"});
+  rejected(with("\"ns_algorithm\":\"standard\"", "\"ns_algorithm\":1"), {"normuon.ns_algorithm", "not a string"});
   rejected(with("\"nonfinite\":\"error\"", "\"nonfinite\":\"ignore\""), {"nonfinite", "skip_step"});
   rejected(with("\"lr\":0.02,", ""), {"'normuon.lr' is missing"});
   rejected(with("\"name\":\"adamw\"", "\"name\":\"normuon\""), {"'normuon' is defined twice"});
   rejected("{\"nonfinite\":\"error\",\"groups\":" + std::string(100, '[') + std::string(100, ']') + "}",
            {"nests deeper than 64 levels"});
   BOOST_TEST(Options::from_json(good).to_json() == good);
+}
+
+// ns_algorithm (issue 15): set, printed, saved and read like the other Newton-Schulz knobs; state files
+// from before it existed carry no such key and mean the standard iteration they ran.
+BOOST_AUTO_TEST_CASE(ns_algorithm_is_a_knob_and_old_files_mean_standard) {
+  Options o;
+  BOOST_TEST((o.group("normuon").normuon.ns_algorithm == NsAlgorithm::standard));
+  o.set("ns_algorithm=gram");  // only NorMuon groups have it
+  BOOST_TEST((o.group("normuon").normuon.ns_algorithm == NsAlgorithm::gram));
+  const std::string saved = o.to_json();
+  BOOST_TEST(saved.find("\"ns_algorithm\":\"gram\"") != std::string::npos);
+  BOOST_TEST((Options::from_json(saved).group("normuon").normuon.ns_algorithm == NsAlgorithm::gram));
+  const auto lines = describe(o);
+  BOOST_TEST((std::find(lines.begin(), lines.end(), "normuon.ns_algorithm=gram") != lines.end()));
+  // A bad value is a clear error and changes nothing.
+  BOOST_CHECK_EXCEPTION(o.set("normuon.ns_algorithm=foo"), std::invalid_argument, [](const auto& e) {
+    return message_contains(e, "normuon.ns_algorithm") && message_contains(e, "'foo'") &&
+           message_contains(e, "standard | gram");
+  });
+  BOOST_TEST((o.group("normuon").normuon.ns_algorithm == NsAlgorithm::gram));
+  BOOST_CHECK_THROW(o.set("adamw.ns_algorithm=gram"), std::invalid_argument);
+  // A file written before the key existed.
+  std::string old = Options().to_json();
+  const std::string key = ",\"ns_algorithm\":\"standard\"";
+  const size_t at = old.find(key);
+  BOOST_REQUIRE(at != std::string::npos);
+  old.erase(at, key.size());
+  BOOST_TEST((Options::from_json(old).group("normuon").normuon.ns_algorithm == NsAlgorithm::standard));
+  BOOST_TEST(Options::from_json(old).to_json() == Options().to_json());
 }

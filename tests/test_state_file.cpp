@@ -265,6 +265,7 @@ BOOST_AUTO_TEST_CASE(options_round_trip) {
   options.set("normuon.lr=0.0123");
   options.set("adamw.beta2=0.999");
   options.set("nonfinite=skip_step");
+  options.set("normuon.ns_algorithm=gram");
   const Layout layout = Layout::build(test_manifest(), options);
   FlatState state(layout);
   fill(state, 3.0f);
@@ -273,6 +274,7 @@ BOOST_AUTO_TEST_CASE(options_round_trip) {
   FlatState target(layout);
   load_state(dir.file("s"), target, &loaded);
   BOOST_TEST(loaded.to_json() == options.to_json());
+  BOOST_TEST((loaded.group("normuon").normuon.ns_algorithm == NsAlgorithm::gram));
   BOOST_TEST(read_state_header(dir.file("s")).options.to_json() == options.to_json());
 }
 
@@ -572,6 +574,11 @@ BOOST_AUTO_TEST_CASE(files_written_by_the_version_1_code_load) {
     BOOST_TEST_CONTEXT(path) {
       const StateFileHeader h = read_state_header(path);
       BOOST_TEST(h.version == 1);
+      // Written before ns_algorithm existed: no such key, read as the standard iteration they ran.
+      std::ifstream file(path, std::ios::binary);
+      const std::string bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+      BOOST_TEST(bytes.find("ns_algorithm") == std::string::npos);
+      BOOST_TEST((h.options.group("normuon").normuon.ns_algorithm == NsAlgorithm::standard));
       BOOST_TEST(h.extra_metadata.at("run_step") == std::to_string(f.step));
       FlatState state(layout);
       load_state(path, state);

@@ -34,6 +34,7 @@ NORMUON_ENUM_NAMES(ReduceAxis, {ReduceAxis::rows, "rows"}, {ReduceAxis::longer_d
 NORMUON_ENUM_NAMES(NsCoefficients, {NsCoefficients::quintic, "quintic"},
                    {NsCoefficients::polar_express, "polar_express"})
 NORMUON_ENUM_NAMES(NsPrecision, {NsPrecision::fp32, "fp32"}, {NsPrecision::bf16, "bf16"})
+NORMUON_ENUM_NAMES(NsAlgorithm, {NsAlgorithm::standard, "standard"}, {NsAlgorithm::gram, "gram"})
 NORMUON_ENUM_NAMES(LrScale, {LrScale::official, "official"}, {LrScale::spectral, "spectral"},
                    {LrScale::rms_matching, "rms_matching"})
 NORMUON_ENUM_NAMES(WeightDecayMode, {WeightDecayMode::decoupled, "decoupled"},
@@ -107,6 +108,8 @@ struct Field {
   std::function<std::string(const H&)> get;
   std::function<void(const H&, Json&)> to_json;
   std::function<void(H&, const std::string& key, const Json&)> from_json;
+  // A field added after state files existed: a file without it keeps the default (what those files ran).
+  bool optional_in_json = false;
 };
 
 void require_json_type(const std::string& key, const Json& v, bool ok, const char* what) {
@@ -133,7 +136,7 @@ Field<H> number_field(const char* name, double H::*member, double lo, double hi,
 }
 
 template <typename H, typename E>
-Field<H> enum_field(const char* name, E H::*member) {
+Field<H> enum_field(const char* name, E H::*member, bool optional_in_json = false) {
   return {name,
           [member](H& h, const std::string& key, const std::string& text) { h.*member = parse_enum<E>(key, text); },
           [member](const H& h) { return std::string(enum_name(h.*member)); },
@@ -141,7 +144,8 @@ Field<H> enum_field(const char* name, E H::*member) {
           [member](H& h, const std::string& key, const Json& v) {
             require_json_type(key, v, v.is_string(), "a string");
             h.*member = parse_enum<E>(key, v.get<std::string>());
-          }};
+          },
+          optional_in_json};
 }
 
 void set_ns_steps(NorMuonHyper& h, const std::string& key, const std::string& text) {
@@ -174,6 +178,7 @@ const std::vector<Field<NorMuonHyper>>& normuon_fields() {
        }},
       enum_field<H>("ns_coefficients", &H::ns_coefficients),
       enum_field<H>("ns_precision", &H::ns_precision),
+      enum_field<H>("ns_algorithm", &H::ns_algorithm, /*optional_in_json=*/true),  // absent before issue 15
       enum_field<H>("reduce_axis", &H::reduce_axis),
       enum_field<H>("lr_scale", &H::lr_scale),
       enum_field<H>("weight_decay_mode", &H::weight_decay_mode),
@@ -333,7 +338,10 @@ Options Options::from_json(const std::string& text) {
         for (const auto& f : fields) {
           const std::string key = g.name + "." + f.name;
           const auto it = h.find(f.name);
-          if (it == h.end()) throw std::invalid_argument("option '" + key + "' is missing");
+          if (it == h.end()) {
+            if (f.optional_in_json) continue;
+            throw std::invalid_argument("option '" + key + "' is missing");
+          }
           f.from_json(hyper, key, *it);
         }
       };
@@ -374,6 +382,7 @@ const char* to_string(Algorithm e) { return enum_name(e); }
 const char* to_string(ReduceAxis e) { return enum_name(e); }
 const char* to_string(NsCoefficients e) { return enum_name(e); }
 const char* to_string(NsPrecision e) { return enum_name(e); }
+const char* to_string(NsAlgorithm e) { return enum_name(e); }
 const char* to_string(LrScale e) { return enum_name(e); }
 const char* to_string(WeightDecayMode e) { return enum_name(e); }
 const char* to_string(EpsPlacement e) { return enum_name(e); }

@@ -41,6 +41,7 @@ CUDA_FIXED_FIELDS = ("ns_precision", "ns_coefficients", "ns_steps", "ns_eps")
 _ENUMS = {
     "ns_coefficients": ("quintic", "polar_express"),
     "ns_precision": ("bf16", "fp32"),
+    "ns_algorithm": ("standard", "gram"),
     "reduce_axis": ("rows", "longer_dim"),
     "lr_scale": ("official", "spectral", "rms_matching"),
     "weight_decay_mode": ("decoupled", "cautious", "none"),

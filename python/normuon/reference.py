@@ -28,7 +28,7 @@ _NATIVE_BF16_GEMM_MAX = 16 ** 3
 NORMUON_DEFAULTS = dict(lr=0.02, beta1=0.95, beta2=0.95, weight_decay=0.0, nesterov=True, ns_steps=5,
                         ns_coefficients="quintic", ns_precision="bf16", reduce_axis="rows", lr_scale="official",
                         weight_decay_mode="decoupled", eps_placement="add", ns_eps=1e-7, denom_eps=1e-10,
-                        renorm_eps=1e-10)
+                        renorm_eps=1e-10, ns_algorithm="standard")
 ADAMW_DEFAULTS = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-10, weight_decay=0.0)
 
 
@@ -70,6 +70,41 @@ def _norm_in_double(x):
     return x.double().square().sum().sqrt().float()
 
 
+def gram_restarts_before(k):
+    """Gram Newton-Schulz restarts before iterations 2, 5, 8, ... (0-based; spec section 3.2)."""
+    return k >= 2 and (k - 2) % 3 == 0
+
+
+def _gram_iteration(X, h, P, gemm):
+    """Gram Newton-Schulz (spec section 3.2) on the normalised wide X (m < n): R = X X^T, Q collects the
+    polynomial, X <- Q X only at a restart and at the end. Every m x m product keeps its lower triangle
+    (one dot product per element, rounded once) and mirrors it, as a symmetric GEMM computes it."""
+    m = X.size(0)
+    lower = torch.ones(m, m, dtype=torch.bool, device=X.device).tril()
+
+    def sym(c):
+        return torch.where(lower, c, c.t())
+
+    R, Q = sym(gemm(X, X.t())), None
+    for k in range(h["ns_steps"]):
+        restart = k > 0 and gram_restarts_before(k)
+        if restart:
+            X = gemm(Q, X)
+            R = sym(gemm(X, X.t()))
+        a, b, c = ns_triple(h, k)
+        Z = P(P(b * R) + sym(gemm(P(c * R), R)))
+        if k == 0 or restart:
+            Q = Z.clone()
+            Q.diagonal().add_(a)  # Z + a I: only the diagonal changes
+            Q = P(Q)
+        else:
+            Q = P(P(a * Q) + sym(gemm(Q, Z)))
+        if k + 1 < h["ns_steps"] and not gram_restarts_before(k + 1):
+            RZ = P(P(a * R) + sym(gemm(R, Z)))
+            R = P(P(a * RZ) + sym(gemm(Z, RZ)))
+    return gemm(Q, X)
+
+
 def newton_schulz(update, h):
     """NS(U) of spec section 3.2 for a 2-D fp32 tensor; fp32 result holding values of the working precision."""
     if h["ns_coefficients"] == "polar_express" and h["ns_steps"] > len(POLAR_EXPRESS):
@@ -98,11 +133,17 @@ def newton_schulz(update, h):
     else:
         denom = P(P(norm * POLAR_EXPRESS_SAFETY) + h["ns_eps"])
     X = P(X / denom)
-    for k in range(h["ns_steps"]):
-        a, b, c = ns_triple(h, k)
-        A = gemm(X, X.t())
-        B = P(P(b * A) + gemm(P(c * A), A))  # (c*A) @ A, as the official `c * A @ A`
-        X = P(P(a * X) + gemm(B, X))
+    algorithm = h["ns_algorithm"]
+    if algorithm not in ("standard", "gram"):
+        raise ValueError(f"unknown ns_algorithm {algorithm!r} (choose standard | gram)")
+    if algorithm == "gram" and X.size(0) != X.size(1):
+        X = _gram_iteration(X, h, P, gemm)
+    else:
+        for k in range(h["ns_steps"]):
+            a, b, c = ns_triple(h, k)
+            A = gemm(X, X.t())
+            B = P(P(b * A) + gemm(P(c * A), A))  # (c*A) @ A, as the official `c * A @ A`
+            X = P(P(a * X) + gemm(B, X))
     if tall:
         X = X.t()
     return X

@@ -17,6 +17,9 @@ enum class ReduceAxis {
 };
 enum class NsCoefficients { quintic, polar_express };
 enum class NsPrecision { fp32, bf16 };
+// How Newton-Schulz iterates (docs/spec.md section 3.2): on X itself, or on the Gram matrix X X^T
+// (Dao AI Lab's Gram Newton-Schulz; square matrices take the standard iteration either way).
+enum class NsAlgorithm { standard, gram };
 enum class LrScale {
   official,      // max(1, rows/cols)^0.5   (Keller Muon, official NorMuon)
   spectral,      // (rows/cols)^0.5         (dion "spectral_norm")
@@ -47,6 +50,7 @@ struct NorMuonHyper {
   int ns_steps = 5;
   NsCoefficients ns_coefficients = NsCoefficients::quintic;
   NsPrecision ns_precision = NsPrecision::bf16;
+  NsAlgorithm ns_algorithm = NsAlgorithm::standard;
   ReduceAxis reduce_axis = ReduceAxis::rows;
   LrScale lr_scale = LrScale::official;
   WeightDecayMode weight_decay_mode = WeightDecayMode::decoupled;
@@ -100,6 +104,7 @@ const char* to_string(Algorithm);
 const char* to_string(ReduceAxis);
 const char* to_string(NsCoefficients);
 const char* to_string(NsPrecision);
+const char* to_string(NsAlgorithm);
 const char* to_string(LrScale);
 const char* to_string(WeightDecayMode);
 const char* to_string(EpsPlacement);

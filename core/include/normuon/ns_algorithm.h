@@ -1,0 +1,51 @@
+// What the two Newton-Schulz algorithms of docs/spec.md section 3.2 do and cost, shared by every backend
+// and the benchmarks: when Gram Newton-Schulz applies and restarts, and the FLOPs of each way to iterate.
+#pragma once
+
+#include <cstdint>
+
+#include "normuon/options.h"
+
+namespace normuon {
+
+// Gram Newton-Schulz iterates on the m x m Gram matrix of the wide orientation (m <= n); a square matrix
+// gains nothing from it and takes the standard iteration (as Dao-AILab/gram-newton-schulz does).
+constexpr bool ns_uses_gram(NsAlgorithm algorithm, int64_t rows, int64_t cols) {
+  return algorithm == NsAlgorithm::gram && rows != cols;
+}
+
+// Restarts (X <- Q X, R <- X X^T, Q <- I) happen before iterations 2, 5, 8, ... (0-based): after the
+// second, as the authors' default for 5 iterations, then every third, so that no stretch of a longer
+// quintic schedule lets Q grow (a^k on the null space of X) or collect rounding for long.
+constexpr bool gram_restarts_before(int iteration) { return iteration >= 2 && (iteration - 2) % 3 == 0; }
+
+// FLOPs (2 per multiply-add) of orthogonalising one matrix, m = min(rows, cols), n = max(rows, cols).
+// The full dense standard iteration: X X^T, (cA) A and B X, every product computed in full. This is the
+// "useful" count: the work the standard algorithm defines, whatever a backend actually computes.
+constexpr double ns_standard_dense_flops(int64_t rows, int64_t cols, int steps) {
+  const double m = static_cast<double>(rows < cols ? rows : cols), n = static_cast<double>(rows < cols ? cols : rows);
+  return steps * (4 * m * m * n + 2 * m * m * m);
+}
+
+// Gram Newton-Schulz with every product in full (what the reference computes): R = X X^T and the final
+// Q X; per restart Q X and X X^T again; per iteration (cR) R, Q Z (after the first of a stretch), and R Z,
+// Z (RZ) unless the next iteration restarts or ends. Square matrices: the standard count.
+constexpr double ns_gram_dense_flops(int64_t rows, int64_t cols, int steps) {
+  if (rows == cols) return ns_standard_dense_flops(rows, cols, steps);
+  const double m = static_cast<double>(rows < cols ? rows : cols), n = static_cast<double>(rows < cols ? cols : rows);
+  double mmn = 2, mmm = 0;  // products of m x m x n and m x m x m multiply-adds
+  for (int k = 0; k < steps; ++k) {
+    const bool fresh = k == 0 || gram_restarts_before(k);
+    if (k > 0 && gram_restarts_before(k)) mmn += 2;
+    mmm += fresh ? 1 : 2;
+    if (k + 1 < steps && !gram_restarts_before(k + 1)) mmm += 2;
+  }
+  return 2 * (mmn * m * m * n + mmm * m * m * m);
+}
+
+inline double ns_dense_flops(NsAlgorithm algorithm, int64_t rows, int64_t cols, int steps) {
+  return algorithm == NsAlgorithm::gram ? ns_gram_dense_flops(rows, cols, steps)
+                                        : ns_standard_dense_flops(rows, cols, steps);
+}
+
+}  // namespace normuon
