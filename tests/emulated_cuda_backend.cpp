@@ -1,6 +1,7 @@
 // First: the CUDA builtins for the host compiler, then the device code of the fused step itself.
 #include "simt.h"
 #include "ns_kernels.cuh"
+#include "ns_gram_kernels.cuh"
 #include "step_kernels.cuh"
 
 #include "emulated_cuda_backend.h"
@@ -38,6 +39,74 @@ struct NsBatch {
   DeviceBytes x;  // the batch's own: P(U) in, O out
 };
 
+// Shared by the batches and sized for the largest, as BatchedNewtonSchulz allocates them: A, C/B, T
+// (s x s) and U (X-shaped), Gram's Q, Z and T2 (s x s, only with a Gram batch), the norm kernels' partial
+// sums.
+struct NsWorkspace {
+  DeviceBytes gram, bmat, tmat, umat, qmat, zmat, t2mat;
+  std::vector<double> partials;
+
+  void size_for(const std::vector<NsBatch>& batches) {
+    int64_t max_gram = 0, max_x = 0, max_partials = 0, max_gram_iteration = 0;  // elements
+    for (const NsBatch& b : batches) {
+      if (b.geometry.empty) continue;
+      max_gram = std::max(max_gram, b.shape.count * b.geometry.gram.stride);
+      max_x = std::max(max_x, b.shape.count * b.geometry.x.stride);
+      max_partials = std::max(max_partials, b.shape.count * b.geometry.x.slices);
+      if (b.geometry.gram_iteration) max_gram_iteration = std::max(max_gram_iteration, b.shape.count * b.geometry.gram.stride);
+    }
+    gram = DeviceBytes(max_gram);
+    bmat = DeviceBytes(max_gram);
+    tmat = DeviceBytes(max_gram);
+    umat = DeviceBytes(max_x);
+    qmat = DeviceBytes(max_gram_iteration);
+    zmat = DeviceBytes(max_gram_iteration);
+    t2mat = DeviceBytes(max_gram_iteration);
+    partials.resize(static_cast<size_t>(max_partials));
+  }
+};
+
+NsBatch make_batch(const cuda::NsBatchShape& shape) {
+  NsBatch b;
+  b.shape = shape;
+  b.geometry = cuda::ns_batch_geometry(shape);
+  if (!b.geometry.empty) {
+    const int64_t x_elements = shape.count * b.geometry.x.stride;
+    b.x = DeviceBytes(shape.precision == NsPrecision::bf16 ? (x_elements + 1) / 2 : x_elements);
+  }
+  return b;
+}
+
+// BatchedNewtonSchulz::run on the host: the same run_newton_schulz or run_gram_newton_schulz, the GEMMs
+// emulated. Returns the number of GEMMs.
+template <typename T>
+int64_t run_batch_as(NsBatch& b, NsWorkspace& w) {
+  const cuda::NsBatchGeometry& g = b.geometry;
+  const cuda::NsBuffers<LtBuffer<T>> whole{b.x.as<T>(),    w.gram.as<T>(), w.bmat.as<T>(), w.tmat.as<T>(),
+                                           w.umat.as<T>(), w.qmat.as<T>(), w.zmat.as<T>(), w.t2mat.as<T>()};
+  int64_t gemms = 0;
+  auto gemm = [&](cuda::ns_device::NsGemm which, const cuda::NsGemmSpec& spec) {
+    // The run hands each GEMM the layout planned for `which`; only its operands may differ.
+    const cuda::NsGemmSpec& planned = which == cuda::ns_device::NsGemm::gram     ? g.plan.gram
+                                      : which == cuda::ns_device::NsGemm::square ? g.plan.square
+                                                                                 : g.plan.apply;
+    if (!same_layout(spec, planned)) throw LayoutError("a GEMM on another layout than the one planned for it");
+    lt_matmul<float>(spec, whole, b.shape.count, g.x.stride, g.gram.stride);
+    ++gemms;
+  };
+  const cuda::NsBuffers<T*> buf{whole.x.data, whole.gram.data, whole.b.data, whole.t.data,
+                                whole.u.data, whole.q.data,    whole.z.data, whole.t2.data};
+  if (g.gram_iteration)
+    cuda::ns_device::run_gram_newton_schulz<T>(simt::Launch{}, gemm, buf, b.shape, g, w.partials.data());
+  else
+    cuda::ns_device::run_newton_schulz<T>(simt::Launch{}, gemm, buf, b.shape, g, w.partials.data());
+  return gemms;
+}
+
+int64_t run_batch(NsBatch& b, NsWorkspace& w) {
+  return b.shape.precision == NsPrecision::bf16 ? run_batch_as<__nv_bfloat16>(b, w) : run_batch_as<float>(b, w);
+}
+
 }  // namespace
 
 struct EmulatedCudaBackend::Impl {
@@ -45,10 +114,7 @@ struct EmulatedCudaBackend::Impl {
   Config config;
   cuda::StepPlan plan;
   std::vector<NsBatch> batches;
-  // Shared by the batches and sized for the largest, as BatchedNewtonSchulz allocates them: A, C/B, T
-  // (s x s) and U (X-shaped), and the norm kernels' partial sums.
-  DeviceBytes gram, bmat, tmat, umat;
-  std::vector<double> partials;
+  NsWorkspace ns;
   std::vector<cuda::GroupScalars> groups;
   std::vector<cuda::EntryScalars> entry_scalars;  // kept between steps, as the device's (flags cleared there)
   std::vector<cuda::MatrixScalars> matrix_scalars;
@@ -62,23 +128,8 @@ struct EmulatedCudaBackend::Impl {
 
   Impl(const Layout& l, const Options& options, Config c)
       : layout(l), config(c), plan(cuda::StepPlan::build(l, options)) {
-    int64_t max_gram = 0, max_x = 0, max_partials = 0;  // elements
-    for (const cuda::NsBatchShape& shape : plan.batches) {
-      NsBatch& b = batches.emplace_back();
-      b.shape = shape;
-      b.geometry = cuda::ns_batch_geometry(shape);
-      if (b.geometry.empty) continue;
-      const int64_t x_elements = shape.count * b.geometry.x.stride;
-      b.x = DeviceBytes(shape.precision == NsPrecision::bf16 ? (x_elements + 1) / 2 : x_elements);
-      max_gram = std::max(max_gram, shape.count * b.geometry.gram.stride);
-      max_x = std::max(max_x, x_elements);
-      max_partials = std::max(max_partials, shape.count * b.geometry.x.slices);
-    }
-    gram = DeviceBytes(max_gram);
-    bmat = DeviceBytes(max_gram);
-    tmat = DeviceBytes(max_gram);
-    umat = DeviceBytes(max_x);
-    partials.resize(static_cast<size_t>(max_partials));
+    for (const cuda::NsBatchShape& shape : plan.batches) batches.push_back(make_batch(shape));
+    ns.size_for(batches);
     // Each matrix reads and writes its slot of its batch's buffers (as FastCudaBackend points them).
     for (size_t m = 0; m < plan.matrices.size(); ++m) {
       cuda::MatrixInfo& info = plan.matrices[m];
@@ -94,18 +145,6 @@ struct EmulatedCudaBackend::Impl {
     std::memset(&status, 0xff, sizeof status);  // nothing bad reported
   }
 
-  // BatchedNewtonSchulz::run on the host: the same run_newton_schulz, the GEMMs emulated.
-  template <typename T>
-  void run_batch(NsBatch& b) {
-    const cuda::NsBatchGeometry& g = b.geometry;
-    const cuda::NsBuffers<LtBuffer<T>> whole{b.x.as<T>(), gram.as<T>(), bmat.as<T>(), tmat.as<T>(), umat.as<T>()};
-    auto gemm = [&](cuda::ns_device::NsGemm, const cuda::NsGemmSpec& spec) {
-      lt_matmul<float>(spec, whole, b.shape.count, g.x.stride, g.gram.stride);
-      ++gemms;
-    };
-    const cuda::NsBuffers<T*> buf{whole.x.data, whole.gram.data, whole.b.data, whole.t.data, whole.u.data};
-    cuda::ns_device::run_newton_schulz<T>(simt::Launch{}, gemm, buf, b.shape, g, partials.data());
-  }
 };
 
 EmulatedCudaBackend::EmulatedCudaBackend(const Layout& layout, const Options& options, Config config)
@@ -204,13 +243,8 @@ void EmulatedCudaBackend::run(float* momentum, float* row_var, float* exp_avg, f
   im.gemms = 0;
   im.status.first_bad = cuda::kNoBadGradient;  // as enqueue_step's memset
   auto newton_schulz = [&] {
-    for (NsBatch& batch : im.batches) {
-      if (batch.geometry.empty) continue;
-      if (batch.shape.precision == NsPrecision::bf16)
-        im.run_batch<__nv_bfloat16>(batch);
-      else
-        im.run_batch<float>(batch);
-    }
+    for (NsBatch& batch : im.batches)
+      if (!batch.geometry.empty) im.gemms += run_batch(batch, im.ns);
   };
   const cuda::StepPlan& p = im.plan;
   cuda::step_device::run_step(simt::Launch{}, b, p.tables(p.scan_chunks.data(), p.normuon_chunks.data(),
@@ -238,5 +272,38 @@ StepResult EmulatedCudaBackend::step(FlatState& state, const Options& options) {
 }
 
 int64_t device_row_runs_at(cuda::Runs runs, int64_t i) { return cuda::step_device::at(runs, i); }
+
+EmulatedNewtonSchulz emulated_newton_schulz(const cuda::NsBatchShape& shape, const std::vector<float>& inputs) {
+  const int64_t n = shape.rows * shape.cols;
+  if (static_cast<int64_t>(inputs.size()) != shape.count * n)
+    throw std::invalid_argument("emulated_newton_schulz: " + std::to_string(inputs.size()) + " values for " +
+                                std::to_string(shape.count) + " matrices of " + std::to_string(n));
+  std::vector<NsBatch> batches;
+  batches.push_back(make_batch(shape));
+  NsBatch& b = batches.front();
+  EmulatedNewtonSchulz result;
+  result.outputs.resize(inputs.size());
+  if (b.geometry.empty) return result;
+  NsWorkspace workspace;
+  workspace.size_for(batches);
+  const bool bf16 = shape.precision == NsPrecision::bf16;
+  const int64_t stride = b.geometry.x.stride;
+  for (int64_t q = 0; q < shape.count; ++q)
+    for (int64_t e = 0; e < n; ++e) {
+      const float v = inputs[static_cast<size_t>(q * n + e)];
+      if (bf16)
+        b.x.as<__nv_bfloat16>().data[q * stride + e] = __float2bfloat16_rn(v);
+      else
+        b.x.as<float>().data[q * stride + e] = v;
+    }
+  const int64_t before = simt::launches();
+  result.launches = run_batch(b, workspace);
+  result.launches += simt::launches() - before;
+  for (int64_t q = 0; q < shape.count; ++q)
+    for (int64_t e = 0; e < n; ++e)
+      result.outputs[static_cast<size_t>(q * n + e)] = bf16 ? __bfloat162float(b.x.as<__nv_bfloat16>().data[q * stride + e])
+                                                            : b.x.as<float>().data[q * stride + e];
+  return result;
+}
 
 }  // namespace normuon::test

@@ -19,6 +19,7 @@
 #include "normuon/layout.h"
 #include "normuon/options.h"
 #include "normuon/param_table.h"
+#include "newton_schulz_cuda.h"
 #include "step_kernels.h"
 
 namespace normuon::test {
@@ -69,5 +70,14 @@ class EmulatedCudaBackend : public Backend {
 
 // step_kernels.cuh's at(): where the kernels find element i of a matrix whose rows lie in `runs`.
 int64_t device_row_runs_at(cuda::Runs runs, int64_t i);
+
+// One Newton-Schulz batch alone, as BatchedNewtonSchulz::run runs it (either algorithm, the kernels on the
+// emulator, the GEMMs emulated): `inputs` holds shape.count row-major rows x cols matrices back to back,
+// rounded to the batch's precision on the way in; `outputs` the same way.
+struct EmulatedNewtonSchulz {
+  std::vector<float> outputs;
+  int64_t launches = 0;  // kernels and GEMMs
+};
+EmulatedNewtonSchulz emulated_newton_schulz(const cuda::NsBatchShape& shape, const std::vector<float>& inputs);
 
 }  // namespace normuon::test

@@ -64,6 +64,17 @@ T store(Acc x) {
 
 }  // namespace lt_detail
 
+// Whether `g` runs on the cuBLASLt plan made for `planned` (newton_schulz_cuda.cu plans a layout once and
+// runs it on other operands): the same transposes, sizes, leading dimensions and batch strides.
+inline bool same_layout(const cuda::NsGemmSpec& g, const cuda::NsGemmSpec& planned) {
+  auto same = [](const cuda::NsMatrixSpec& m, const cuda::NsMatrixSpec& p) {
+    const bool x_shaped = cuda::ns_batch_stride(m.operand, 1, 0) == 1, planned_x_shaped = cuda::ns_batch_stride(p.operand, 1, 0) == 1;
+    return m.rows == p.rows && m.cols == p.cols && m.ld == p.ld && x_shaped == planned_x_shaped;
+  };
+  return g.trans_a == planned.trans_a && g.trans_b == planned.trans_b && same(g.a, planned.a) && same(g.b, planned.b) &&
+         same(g.d, planned.d);
+}
+
 // The GEMM `g` of the plan over `count` batch entries; the operands' buffers as `buf` names them.
 template <typename Acc, typename T>
 void lt_matmul(const cuda::NsGemmSpec& g, const cuda::NsBuffers<LtBuffer<T>>& buf, int64_t count, int64_t x_stride,

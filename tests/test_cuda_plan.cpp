@@ -22,6 +22,7 @@
 #include "normuon/layout.h"
 #include "normuon/presets.h"
 #include "selector.h"
+#include "ns_batch_geometry.h"
 #include "step_plan.h"
 #include "cuda_test_models.h"
 
@@ -214,10 +215,16 @@ void check_plan(const Layout& layout, const Options& options, const StepPlan& pl
       check_cover(stats[k], plan.matrices[k].stat_len, "statistics of matrix " + std::to_string(k), stat_problems);
     BOOST_TEST(stat_problems.none(), stat_problems.str());
 
-    // ---- launches: the Newton-Schulz ones are 2 + 6 * ns_steps per batch that has work
+    // ---- launches: the Newton-Schulz ones are 2 + 6 * ns_steps per batch that has work, or Gram's count
+    // for a non-square Gram batch; every batch carries its group's algorithm
     int64_t ns = 0;
-    for (const auto& shape : plan.batches)
-      if (shape.count > 0 && shape.rows * shape.cols > 0) ns += 2 + 6 * shape.steps;
+    for (size_t b = 0; b < plan.batches.size(); ++b) {
+      const cuda::NsBatchShape& shape = plan.batches[b];
+      BOOST_TEST((shape.algorithm == options.groups[static_cast<size_t>(plan.batch_group[b])].normuon.ns_algorithm));
+      const bool gram = shape.algorithm == NsAlgorithm::gram && shape.rows != shape.cols;
+      if (shape.count > 0 && shape.rows * shape.cols > 0)
+        ns += gram ? cuda::ns_gram_launches(shape.steps) : 2 + 6 * shape.steps;
+    }
     BOOST_TEST(plan.newton_schulz_launches() == ns);
     BOOST_TEST(plan.elementwise_launches() >= 1);
     BOOST_TEST(plan.elementwise_launches() <= 7);
@@ -230,7 +237,7 @@ int64_t launches(const StepPlan& plan) { return plan.elementwise_launches() + pl
 
 BOOST_AUTO_TEST_CASE(plans_of_the_presets_cover_everything_once) {
   for (const std::string name : {"tiny", "gpt2-124m", "gpt-1.3b", "llama-1b"}) {
-    for (const std::string knob : {"", "normuon.reduce_axis=longer_dim"}) {
+    for (const std::string knob : {"", "normuon.reduce_axis=longer_dim", "normuon.ns_algorithm=gram"}) {
       Options options;
       if (!knob.empty()) options.set(knob);
       const Layout layout = Layout::build(preset_manifest(name), options);
@@ -254,6 +261,38 @@ BOOST_AUTO_TEST_CASE(plan_of_gpt2_124m_has_the_expected_size) {
   BOOST_TEST(plan.matrices.size() == 48u);
   BOOST_TEST(plan.newton_schulz_launches() == 4 * (2 + 6 * 5));
   BOOST_TEST(launches(plan) == 135);
+
+  // Gram Newton-Schulz: 35 launches for each of the three non-square batches, the square 768 x 768 one
+  // standard.
+  Options gram;
+  gram.set("normuon.ns_algorithm=gram");
+  const StepPlan gram_plan = StepPlan::build(Layout::build(preset_manifest("gpt2-124m"), gram), gram);
+  BOOST_TEST(gram_plan.newton_schulz_launches() == 3 * 35 + (2 + 6 * 5));
+  BOOST_TEST(launches(gram_plan) == 144);
+}
+
+// Gram Newton-Schulz's launches, counted by hand from the spec's loop (docs/spec.md section 3.2): 2 norm
+// kernels, X X^T and its mirror (with C = P(c R)), the final Q X; per iteration C R and the Z kernel, Q Z
+// unless Q is fresh (first iteration or restart), R Z, the RZ kernel, Z RZ and the R kernel when R is
+// updated (not the last iteration, nor one before a restart; the Q and RZ updates share a kernel); a
+// restart adds Q X, X X^T and the mirror. Restarts before iterations 2, 5, 8 (0-based).
+BOOST_AUTO_TEST_CASE(gram_launches_follow_the_spec_loop) {
+  //                      ns_steps:  1   2   3   4   5   6   7   8
+  const int expected[] = {7, 15, 20, 28, 35, 40, 48, 55};
+  for (int steps = 1; steps <= 8; ++steps) BOOST_TEST(cuda::ns_gram_launches(steps) == expected[steps - 1], steps);
+  BOOST_TEST(cuda::ns_gram_applies(5) == 2);
+  BOOST_TEST(cuda::ns_gram_applies(6) == 3);
+  BOOST_TEST(cuda::ns_gram_applies(2) == 1);
+  // Per batch: a square Gram batch and one with no iteration take the standard count; an empty one none.
+  cuda::NsBatchShape shape{64, 192, 3, NsPrecision::bf16, NsCoefficients::quintic, 5, 1e-7, NsAlgorithm::gram};
+  BOOST_TEST(cuda::ns_batch_launches(shape) == 35);
+  shape.cols = 64;
+  BOOST_TEST(cuda::ns_batch_launches(shape) == 2 + 6 * 5);
+  shape.cols = 192;
+  shape.steps = 0;
+  BOOST_TEST(cuda::ns_batch_launches(shape) == 2);
+  shape.count = 0;
+  BOOST_TEST(cuda::ns_batch_launches(shape) == 0);
 }
 
 BOOST_AUTO_TEST_CASE(plan_of_odd_shapes_and_groups) {
@@ -438,6 +477,13 @@ BOOST_AUTO_TEST_CASE(unsupported_options_are_rejected_with_a_reason) {
   // The backend gives the plan's reason before asking for a device, on any machine.
   BOOST_TEST(FastCudaBackend::unsupported_reason(layout, polar6) == reason);
   BOOST_CHECK_THROW(FastCudaBackend(layout, polar6), std::invalid_argument);
+
+  // Gram Newton-Schulz is served: the plan has nothing against it, and the backend's only reason is the
+  // one every option set gets (none on a GPU machine, the missing device here).
+  Options gram;
+  gram.set("normuon.ns_algorithm=gram");
+  BOOST_TEST(cuda::plan_unsupported_reason(layout, gram).empty());
+  BOOST_TEST(FastCudaBackend::unsupported_reason(layout, gram) == FastCudaBackend::unsupported_reason(layout, defaults));
 }
 
 BOOST_AUTO_TEST_CASE(backend_reports_the_device_it_lacks) {

@@ -34,6 +34,7 @@
 #include "normuon/param_table.h"
 #include "normuon/presets.h"
 #include "normuon/step_prologue.h"
+#include "ns_gram_plan.h"
 #include "step_plan.h"
 #include "cuda_test_models.h"
 #include "drift_case.h"
@@ -128,7 +129,8 @@ FlatState run_cuda(const Layout& layout, const Options& options, int64_t steps, 
 
 // The launches one step issues, counted from the layout and the options alone (not from StepPlan or the
 // backend): per (shape bucket, group) batch of matrices with elements, 2 + 6 * ns_steps (norms, scaling,
-// three matmuls and three elementwise kernels an iteration); one launch for the step counters, one for the NaN/Inf scan when any
+// three matmuls and three elementwise kernels an iteration), or Gram's count (ns_gram_plan.h, checked
+// against a hand count in test_cuda_plan) for a non-square bucket of a group with ns_algorithm=gram; one launch for the step counters, one for the NaN/Inf scan when any
 // parameter has elements, four (momentum, statistics, finalize, update) when a NorMuon matrix has
 // elements, one when an AdamW parameter has elements. Resetting the status word is a memset, no launch.
 int64_t expected_launches(const Layout& layout, const Options& options) {
@@ -146,7 +148,11 @@ int64_t expected_launches(const Layout& layout, const Options& options) {
     if (bucket.rows * bucket.cols == 0) continue;
     std::set<int> groups;
     for (int e : bucket.entries) groups.insert(layout.entries[e].group);
-    for (int g : groups) n += 2 + 6 * static_cast<int64_t>(options.groups[static_cast<size_t>(g)].normuon.ns_steps);
+    for (int g : groups) {
+      const NorMuonHyper& h = options.groups[static_cast<size_t>(g)].normuon;
+      n += h.ns_algorithm == NsAlgorithm::gram && bucket.rows != bucket.cols ? cuda::ns_gram_launches(h.ns_steps)
+                                                                              : 2 + 6 * static_cast<int64_t>(h.ns_steps);
+    }
   }
   return n;
 }
@@ -184,10 +190,10 @@ struct UserStream {
 
 BOOST_AUTO_TEST_CASE(launches_per_step_follow_the_layout) {
   // The last case gives the two NorMuon groups different ns_steps, with a bucket ("tall") in both.
-  for (const std::string variant : {"tiny", "odd shapes", "odd shapes, ns_steps 2 and 3"}) {
+  for (const std::string variant : {"tiny", "odd shapes", "odd shapes, ns_steps 2 and 3", "tiny gram"}) {
     BOOST_TEST_CONTEXT(variant) {
-      const bool odd = variant != "tiny";
-      Options options = odd ? odd_options() : with("");
+      const bool odd = variant.rfind("odd", 0) == 0;
+      Options options = odd ? odd_options() : with(variant == "tiny gram" ? "normuon.ns_algorithm=gram" : "");
       if (variant == "odd shapes, ns_steps 2 and 3") {
         options.set("normuon.ns_steps=2");
         options.set("fp32.ns_steps=3");
@@ -269,7 +275,13 @@ BOOST_AUTO_TEST_CASE(matches_reference_on_tiny_for_every_knob) {
   // An even ns_steps leaves the Newton-Schulz output in the input buffer; 1 is a single iteration.
   variants.insert(variants.end(), {{"normuon.ns_steps=4"},
                                    {"normuon.ns_steps=1"},
-                                   {"normuon.ns_coefficients=polar_express", "normuon.ns_steps=4"}});
+                                   {"normuon.ns_coefficients=polar_express", "normuon.ns_steps=4"},
+                                   // Gram Newton-Schulz (tiny's square matrices take the standard loop)
+                                   {"normuon.ns_algorithm=gram"},
+                                   {"normuon.ns_algorithm=gram", "normuon.ns_precision=fp32"},
+                                   {"normuon.ns_algorithm=gram", "normuon.ns_steps=6"},
+                                   {"normuon.ns_algorithm=gram", "normuon.ns_coefficients=polar_express",
+                                    "normuon.ns_precision=fp32"}});
   for (const auto& sets : variants) {
     std::string label;
     const Options options = options_with(sets, label);
@@ -350,7 +362,7 @@ BOOST_AUTO_TEST_CASE(newton_schulz_knobs_are_fixed_at_construction) {
   kGenerator.fill_gradients(state, 1);
   const FlatState before = state;
   for (const std::string knob : {"normuon.ns_precision=fp32", "normuon.ns_steps=4", "normuon.ns_eps=1e-6",
-                                 "normuon.ns_coefficients=polar_express"}) {
+                                 "normuon.ns_coefficients=polar_express", "normuon.ns_algorithm=gram"}) {
     Options changed = options;
     changed.set(knob);
     BOOST_CHECK_THROW(backend.set_options(changed), std::invalid_argument);
@@ -363,7 +375,8 @@ BOOST_AUTO_TEST_CASE(newton_schulz_knobs_are_fixed_at_construction) {
 // ---- determinism ---------------------------------------------------------------------------------------
 
 BOOST_AUTO_TEST_CASE(two_runs_are_bitwise_identical) {
-  for (const std::string knob : {"", "normuon.ns_precision=fp32", "normuon.reduce_axis=longer_dim", "odd shapes"}) {
+  for (const std::string knob :
+       {"", "normuon.ns_precision=fp32", "normuon.reduce_axis=longer_dim", "normuon.ns_algorithm=gram", "odd shapes"}) {
     BOOST_TEST_CONTEXT(knob) {
       const bool odd = knob == "odd shapes";
       const Options options = odd ? odd_options() : with(knob);
@@ -414,9 +427,11 @@ BOOST_AUTO_TEST_CASE(state_files_cross_between_cuda_and_cpu) {
 BOOST_AUTO_TEST_CASE(graph_replay_equals_eager_steps) {
   // Learning rates, weight decay, lr_scale and Nesterov change at every step: set_options() before each
   // eager step and each replay, which reads them from device memory.
-  for (const bool odd : {false, true}) {
-    BOOST_TEST_CONTEXT((odd ? "odd shapes" : "tiny")) {
-      const Options options = odd ? odd_options() : with("");
+  // Gram Newton-Schulz: its own kernels and GEMM sequence, captured as well.
+  for (const std::string variant : {"tiny", "odd shapes", "tiny gram"}) {
+    BOOST_TEST_CONTEXT(variant) {
+      const bool odd = variant == "odd shapes";
+      const Options options = odd ? odd_options() : with(variant == "tiny gram" ? "normuon.ns_algorithm=gram" : "");
       const Layout layout = Layout::build(odd ? odd_manifest() : preset_manifest("tiny"), options);
       FlatState initial(layout), grads(layout);
       kGenerator.fill_params(initial);

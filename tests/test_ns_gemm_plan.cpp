@@ -17,11 +17,13 @@
 
 #include "lt_matmul_emulation.h"
 #include "ns_gemm_plan.h"
+#include "ns_gram_plan.h"
 
 using namespace normuon::cuda;
 using normuon::test::LayoutError;
 using normuon::test::LtBuffer;
 using normuon::test::lt_matmul;
+using normuon::test::same_layout;
 
 namespace {
 
@@ -217,4 +219,34 @@ BOOST_AUTO_TEST_CASE(wrong_plans_are_detected) {
         BOOST_TEST(detected(plan, rows, cols));
       }
     }
+}
+
+// Gram Newton-Schulz's GEMMs (ns_gram_plan.h) run on the three layouts planned for the standard iteration
+// (newton_schulz_cuda.cu plans each once), on the buffers the loop names; X = Q X writes the other X
+// buffer, never its own input. Their values are checked bit for bit against the spec's loop in
+// test_cuda_emulated (gram_batches_equal_the_spec_loop_bit_for_bit).
+BOOST_AUTO_TEST_CASE(gram_plan_reuses_the_layouts_on_its_own_operands) {
+  using O = NsOperand;
+  auto operands = [](const NsGemmSpec& g) { return std::vector<O>{g.a.operand, g.b.operand, g.d.operand}; };
+  for (const auto& [rows, cols] : kShapes) {
+    if (rows == cols) continue;  // square matrices take the standard iteration
+    BOOST_TEST_CONTEXT(shape_name(rows, cols)) {
+      const NsGemmPlan p = ns_gemm_plan(rows, cols);
+      const NsGramPlan g = ns_gram_plan(p);
+      for (const NsGemmSpec* gram : {&g.gram_x, &g.gram_u}) BOOST_TEST(same_layout(*gram, p.gram));
+      for (const NsGemmSpec* square : {&g.c_r, &g.q_z, &g.r_z, &g.z_rz}) BOOST_TEST(same_layout(*square, p.square));
+      for (const NsGemmSpec* apply : {&g.apply_x_to_u, &g.apply_u_to_x}) BOOST_TEST(same_layout(*apply, p.apply));
+      BOOST_TEST((operands(g.gram_x) == std::vector<O>{O::x, O::x, O::gram}));
+      BOOST_TEST((operands(g.gram_u) == std::vector<O>{O::u, O::u, O::gram}));
+      BOOST_TEST((operands(g.c_r) == std::vector<O>{O::b, O::gram, O::t}));  // C R, C in the B buffer
+      BOOST_TEST((operands(g.q_z) == std::vector<O>{O::q, O::z, O::t}));
+      BOOST_TEST((operands(g.r_z) == std::vector<O>{O::gram, O::z, O::t2}));
+      BOOST_TEST((operands(g.z_rz) == std::vector<O>{O::z, O::b, O::t}));  // RZ in the B buffer
+      // Q X: the s x s operand is Q, X from one buffer into the other, in the standard apply's order.
+      const std::vector<O> x_to_u = p.tall ? std::vector<O>{O::q, O::x, O::u} : std::vector<O>{O::x, O::q, O::u};
+      const std::vector<O> u_to_x = p.tall ? std::vector<O>{O::q, O::u, O::x} : std::vector<O>{O::u, O::q, O::x};
+      BOOST_TEST((operands(g.apply_x_to_u) == x_to_u));
+      BOOST_TEST((operands(g.apply_u_to_x) == u_to_x));
+    }
+  }
 }

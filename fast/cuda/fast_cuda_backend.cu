@@ -69,7 +69,8 @@ FastCudaBackend::FastCudaBackend(const Layout& layout, const Options& options, c
   ns_ = std::make_unique<cuda::BatchedNewtonSchulz>(plan.batches, stream_);
   for (size_t b = 0; b < plan.batches.size(); ++b) {
     const cuda::NsBatchShape& shape = plan.batches[b];
-    batch_knobs_.push_back({plan.batch_group[b], shape.precision, shape.coefficients, shape.steps, shape.eps});
+    batch_knobs_.push_back(
+        {plan.batch_group[b], shape.precision, shape.coefficients, shape.steps, shape.eps, shape.algorithm});
   }
   // Each matrix reads and writes its slot of its batch's Newton-Schulz buffers.
   for (size_t m = 0; m < plan.matrices.size(); ++m) {
@@ -202,9 +203,11 @@ void FastCudaBackend::set_options(const Options& options, const std::vector<int6
                                 " groups but the layout was built with " + std::to_string(layout_.group_names.size()));
   for (const NsKnobs& k : batch_knobs_) {
     const NorMuonHyper& h = options.groups[k.group].normuon;
-    if (h.ns_precision != k.precision || h.ns_coefficients != k.coefficients || h.ns_steps != k.steps || h.ns_eps != k.eps)
+    if (h.ns_precision != k.precision || h.ns_coefficients != k.coefficients || h.ns_steps != k.steps || h.ns_eps != k.eps ||
+        h.ns_algorithm != k.algorithm)
       throw std::invalid_argument("fast-cuda backend: group '" + options.groups[k.group].name +
-                                  "' changed a Newton-Schulz knob (ns_precision, ns_coefficients, ns_steps or ns_eps) "
+                                  "' changed a Newton-Schulz knob (ns_precision, ns_coefficients, ns_steps, ns_eps or "
+                                  "ns_algorithm) "
                                   "after the backend was built; build a new backend for it");
   }
   const DeviceScope scope(device_index_);

@@ -48,7 +48,7 @@ struct FastCudaConfig {
 class FastCudaBackend : public Backend {
  public:
   // The layout must outlive the backend. Options fix the groups and the Newton-Schulz knobs (precision,
-  // coefficients, ns_steps, ns_eps); the other values may change at every set_options().
+  // coefficients, ns_steps, ns_eps, ns_algorithm); the other values may change at every set_options().
   FastCudaBackend(const Layout& layout, const Options& options, const FastCudaConfig& config = {});
   ~FastCudaBackend() override;
   FastCudaBackend(const FastCudaBackend&) = delete;
@@ -128,6 +128,7 @@ class FastCudaBackend : public Backend {
     NsCoefficients coefficients;
     int steps;
     double eps;
+    NsAlgorithm algorithm;
   };
   std::vector<NsKnobs> batch_knobs_;
   std::vector<cuda::MatrixInfo> host_matrices_;  // for the lr_scale factors

@@ -1,6 +1,8 @@
 // Batched Newton-Schulz on the GPU (docs/spec.md section 3.2): two deterministic kernels normalise the
 // batch, then each iteration is three cuBLASLt strided-batched GEMMs and three elementwise kernels, which
-// round as the spec does (ns_gemm_plan.h has the iteration).
+// round as the spec does (ns_gemm_plan.h has the iteration). A Gram batch (ns_algorithm=gram, not square)
+// runs Gram Newton-Schulz on the same three GEMM layouts with other operands (ns_gram_plan.h), and its
+// symmetric kernel (ns_gram_kernels.cuh).
 //
 // GEMM layouts (transposes, layouts, operand buffers): ns_gemm_plan.h. Batch strides and the elementwise
 // kernels' slices: ns_batch_geometry.h. The kernels and the order of a run: ns_kernels.cuh.
@@ -21,9 +23,11 @@
 
 #include "cuda_check.h"
 #include "device_buffer.h"
+#include "normuon/ns_algorithm.h"
 #include "normuon/ns_coefficients.h"
 #include "ns_batch_geometry.h"
 #include "ns_gemm_plan.h"
+#include "ns_gram_kernels.cuh"
 #include "ns_kernels.cuh"
 #include "stream_launch.cuh"
 
@@ -148,19 +152,24 @@ const char* coefficients_name(NsCoefficients c) {
 struct BatchedNewtonSchulz::Impl {
   cudaStream_t stream = nullptr;
   std::unique_ptr<LtHandle> handle;  // declared first: destroyed after the plans that were made with it
-  // Shared by all batches (runs are stream-ordered): the s x s buffers A, C/B and T, the X-shaped U.
-  DeviceBuffer<unsigned char> workspace, gram, bmat, tmat, umat;
+  // Shared by all batches (runs are stream-ordered): the s x s buffers A, C/B and T, the X-shaped U; and
+  // for Gram batches (only when there is one) the s x s Q, Z and T2.
+  DeviceBuffer<unsigned char> workspace, gram, bmat, tmat, umat, qmat, zmat, t2mat;
   DeviceBuffer<double> partials;
   std::vector<std::unique_ptr<Batch>> batches;
 
   template <typename T>
   void run(Batch& b) {
     auto typed = [](DeviceBuffer<unsigned char>& d) { return reinterpret_cast<T*>(d.data()); };
-    const NsBuffers<T*> buf{typed(b.x), typed(gram), typed(bmat), typed(tmat), typed(umat)};
+    const NsBuffers<T*> buf{typed(b.x),    typed(gram), typed(bmat), typed(tmat),
+                            typed(umat), typed(qmat), typed(zmat), typed(t2mat)};
     auto gemm = [&](ns_device::NsGemm which, const NsGemmSpec& spec) {
       matmul(b.lt[static_cast<int>(which)], spec, buf);
     };
-    ns_device::run_newton_schulz<T>(StreamLaunch{stream}, gemm, buf, b.shape, b.geometry, partials.data());
+    if (b.geometry.gram_iteration)
+      ns_device::run_gram_newton_schulz<T>(StreamLaunch{stream}, gemm, buf, b.shape, b.geometry, partials.data());
+    else
+      ns_device::run_newton_schulz<T>(StreamLaunch{stream}, gemm, buf, b.shape, b.geometry, partials.data());
   }
 
   // D = op(A) op(B), the operands' buffers as the spec names them.
@@ -186,7 +195,7 @@ BatchedNewtonSchulz::BatchedNewtonSchulz(const std::vector<NsBatchShape>& batche
                                   " but the Polar Express schedule has 5 coefficient triples");
   }
 
-  int64_t max_gram = 0, max_x = 0, max_partials = 0;  // elements
+  int64_t max_gram = 0, max_x = 0, max_partials = 0, max_gram_iteration = 0;  // elements
   bool any = false;
   for (const NsBatchShape& sh : batches) {
     auto b = std::make_unique<Batch>();
@@ -197,6 +206,7 @@ BatchedNewtonSchulz::BatchedNewtonSchulz(const std::vector<NsBatchShape>& batche
       max_gram = std::max(max_gram, sh.count * g.gram.stride);
       max_x = std::max(max_x, sh.count * g.x.stride);
       max_partials = std::max(max_partials, sh.count * g.x.slices);
+      if (g.gram_iteration) max_gram_iteration = std::max(max_gram_iteration, sh.count * g.gram.stride);
       any = true;
     }
     im.batches.push_back(std::move(b));
@@ -210,6 +220,12 @@ BatchedNewtonSchulz::BatchedNewtonSchulz(const std::vector<NsBatchShape>& batche
   im.tmat = DeviceBuffer<unsigned char>(max_gram * static_cast<int64_t>(sizeof(float)));
   im.umat = DeviceBuffer<unsigned char>(max_x * static_cast<int64_t>(sizeof(float)));
   im.partials = DeviceBuffer<double>(max_partials);
+  if (max_gram_iteration > 0) {
+    const int64_t bytes = max_gram_iteration * static_cast<int64_t>(sizeof(float));
+    im.qmat = DeviceBuffer<unsigned char>(bytes);
+    im.zmat = DeviceBuffer<unsigned char>(bytes);
+    im.t2mat = DeviceBuffer<unsigned char>(bytes);
+  }
 
   for (auto& bp : im.batches) {
     Batch& b = *bp;
@@ -233,7 +249,7 @@ int BatchedNewtonSchulz::size() const { return static_cast<int>(impl_->batches.s
 int64_t BatchedNewtonSchulz::workspace_bytes() const {
   const Impl& im = *impl_;
   size_t total = im.workspace.bytes() + im.gram.bytes() + im.bmat.bytes() + im.tmat.bytes() + im.umat.bytes() +
-                 im.partials.bytes();
+                 im.qmat.bytes() + im.zmat.bytes() + im.t2mat.bytes() + im.partials.bytes();
   for (const auto& b : im.batches) total += b->x.bytes();
   return static_cast<int64_t>(total);
 }
@@ -259,12 +275,17 @@ void BatchedNewtonSchulz::run(int b) {
 
 int BatchedNewtonSchulz::launches(int b) const {
   const Batch& batch = *impl_->batches.at(static_cast<size_t>(b));
-  return batch.geometry.empty ? 0 : ns_launches(batch.shape.steps);
+  if (batch.geometry.empty) return 0;
+  return batch.geometry.gram_iteration ? ns_gram_launches(batch.shape.steps) : ns_launches(batch.shape.steps);
 }
 
 double BatchedNewtonSchulz::flops(int b) const {
   const Batch& batch = *impl_->batches.at(static_cast<size_t>(b));
   if (batch.geometry.empty) return 0;
+  // Every product is computed in full: the dense counts of normuon/ns_algorithm.h.
+  if (batch.geometry.gram_iteration)
+    return ns_gram_dense_flops(batch.shape.rows, batch.shape.cols, batch.shape.steps) *
+           static_cast<double>(batch.shape.count);
   const double s = static_cast<double>(batch.geometry.plan.s), l = static_cast<double>(batch.geometry.plan.l);
   return 2.0 * (s * s * l + s * s * s + s * s * l) * batch.shape.steps * static_cast<double>(batch.shape.count);
 }
@@ -283,6 +304,7 @@ std::string BatchedNewtonSchulz::describe() const {
       out += " (empty)";
     } else {
       out += b.geometry.plan.tall ? " tall" : " wide";
+      if (b.geometry.gram_iteration) out += " gram tiles=" + std::to_string(b.geometry.sym.tiles);
       out += " slices=" + std::to_string(b.geometry.x.slices);
       for (const LtGemm& lt : b.lt) out += " " + lt.info;
     }

@@ -26,6 +26,7 @@ struct NsBatchShape {
   NsCoefficients coefficients = NsCoefficients::quintic;
   int steps = 5;
   double eps = 1e-7;           // X / (||X||_F + eps)
+  NsAlgorithm algorithm = NsAlgorithm::standard;  // gram: on square matrices the standard iteration all the same
 };
 
 class BatchedNewtonSchulz {

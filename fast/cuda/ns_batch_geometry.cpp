@@ -5,6 +5,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "normuon/ns_algorithm.h"
+
 namespace normuon::cuda {
 namespace {
 
@@ -35,11 +37,24 @@ NsBatchGeometry ns_batch_geometry(const NsBatchShape& shape) {
     if (shape.count > INT32_MAX || g.plan.l > INT32_MAX) throw std::invalid_argument("too large");
     g.x = slicing(shape.rows * shape.cols, shape.count);
     g.gram = slicing(g.plan.s * g.plan.s, shape.count);
+    g.gram_iteration = shape.steps > 0 && ns_uses_gram(shape.algorithm, shape.rows, shape.cols);
+    if (g.gram_iteration) {
+      g.gram_plan = ns_gram_plan(g.plan);
+      const int64_t per_side = ceil_div(g.plan.s, kNsSymTile);
+      g.sym = {g.plan.s, g.gram.stride, per_side * (per_side + 1) / 2};
+      if (shape.count * g.sym.tiles > INT32_MAX) throw std::invalid_argument("too many blocks");
+    }
   } catch (const std::invalid_argument&) {
     throw std::invalid_argument("Newton-Schulz batch too large: " + std::to_string(shape.count) + " x " +
                                 std::to_string(shape.rows) + "x" + std::to_string(shape.cols));
   }
   return g;
+}
+
+int ns_batch_launches(const NsBatchShape& shape) {
+  const NsBatchGeometry g = ns_batch_geometry(shape);
+  if (g.empty) return 0;
+  return g.gram_iteration ? ns_gram_launches(shape.steps) : ns_launches(shape.steps);
 }
 
 }  // namespace normuon::cuda

@@ -33,8 +33,9 @@
 namespace normuon::cuda {
 
 // The buffers of one iteration: X; the Gram matrix A; the s x s buffer that holds C = P(c A) and then
-// B; the GEMM products T (s x s) and U (X's layout).
-enum class NsOperand { x, gram, b, t, u };
+// B; the GEMM products T (s x s) and U (X's layout). Gram Newton-Schulz (ns_gram_plan.h) also uses the
+// s x s buffers Q, Z and a second product T2, and holds X in x or u.
+enum class NsOperand { x, gram, b, t, u, q, z, t2 };
 
 struct NsMatrixSpec {
   int64_t rows, cols, ld;  // column-major, as cuBLASLt reads it (before op)
@@ -65,6 +66,7 @@ inline int64_t ns_batch_stride(NsOperand o, int64_t x_stride, int64_t gram_strid
 template <typename P>
 struct NsBuffers {
   P x, gram, b, t, u;
+  P q{}, z{}, t2{};  // Gram Newton-Schulz only
 };
 
 template <typename P>
@@ -74,6 +76,9 @@ P ns_operand_pointer(NsOperand o, const NsBuffers<P>& buf) {
     case NsOperand::gram: return buf.gram;
     case NsOperand::b: return buf.b;
     case NsOperand::t: return buf.t;
+    case NsOperand::q: return buf.q;
+    case NsOperand::z: return buf.z;
+    case NsOperand::t2: return buf.t2;
     case NsOperand::u: break;
   }
   return buf.u;

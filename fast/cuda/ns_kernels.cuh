@@ -109,10 +109,11 @@ __global__ void __launch_bounds__(kNsThreads)
 }
 
 // Kernel 2: every block of a matrix re-sums that matrix's partials in the same fixed order (so all agree),
-// forms denom = P(norm + eps) or P(P(1.02 norm) + eps), and writes X = P(X / denom) over its slice.
+// forms denom = P(norm + eps) or P(P(1.02 norm) + eps), and writes X = P(X / denom) over its slice, into
+// `out` (x itself, or another X-shaped buffer: Gram Newton-Schulz starts where its last X = Q X ends).
 template <typename T>
 __global__ void __launch_bounds__(kNsThreads)
-    ns_normalise(T* __restrict__ x, NsSlicing sl, const double* __restrict__ partials, float eps, float safety,
+    ns_normalise(const T* x, T* out, NsSlicing sl, const double* __restrict__ partials, float eps, float safety,
                  int polar) {
   __shared__ float denom_shared;
   const SliceGroups my = slice_groups(sl);
@@ -132,7 +133,8 @@ __global__ void __launch_bounds__(kNsThreads)
   }
   __syncthreads();
   const float denom = denom_shared;
-  T* xm = x + my.matrix * sl.stride;
+  const T* xm = x + my.matrix * sl.stride;
+  T* om = out + my.matrix * sl.stride;  // may be xm: each element is read and written by one thread
   const int64_t n = sl.n;
   for (int64_t g = my.begin + threadIdx.x; g < my.end; g += kNsThreads) {
     const int64_t e = g * kNsVec;
@@ -141,9 +143,9 @@ __global__ void __launch_bounds__(kNsThreads)
       load8(xm + e, v);
 #pragma unroll
       for (int i = 0; i < kNsVec; ++i) v[i] = __fdiv_rn(v[i], denom);  // a true division, as the reference
-      store8(xm + e, v);  // stores round to bf16 (RNE) in bf16 mode: X = P(X / denom)
+      store8(om + e, v);  // stores round to bf16 (RNE) in bf16 mode: X = P(X / denom)
     } else {
-      for (int64_t i = e; i < n; ++i) store1(xm + i, __fdiv_rn(to_float(xm[i]), denom));
+      for (int64_t i = e; i < n; ++i) store1(om + i, __fdiv_rn(to_float(xm[i]), denom));
     }
   }
 }
@@ -188,8 +190,23 @@ __global__ void __launch_bounds__(kNsThreads)
 
 enum class NsGemm { gram, square, apply };  // an index: the order of the plan's GEMMs
 
-// Orthogonalises the `count` matrices of a batch in place in buf.x (buf: the typed buffers of
-// ns_gemm_plan.h). `partials` holds count * geometry.x.slices doubles.
+// X = P(X / P(||X|| + eps)) (Polar Express: P(P(1.02 ||X||) + eps)) of every matrix of buf.x, into `out`
+// (buf.x itself or buf.u): the two norm kernels. `partials` holds count * geometry.x.slices doubles.
+template <typename T, typename Launch>
+void normalise_batch(const Launch& launch, const NsBuffers<T*>& buf, T* out, const NsBatchShape& shape,
+                     const NsBatchGeometry& geometry, double* partials) {
+  const NsSlicing& xs = geometry.x;
+  const int x_blocks = static_cast<int>(shape.count * xs.slices);
+  const bool polar = shape.coefficients == NsCoefficients::polar_express;
+  launch(ns_norm_partials<T>, x_blocks, kNsThreads, static_cast<const T*>(buf.x), xs, partials);
+  launch(ns_normalise<T>, x_blocks, kNsThreads, static_cast<const T*>(buf.x), out, xs,
+         static_cast<const double*>(partials), static_cast<float>(shape.eps), static_cast<float>(kPolarExpressSafety),
+         polar ? 1 : 0);
+}
+
+// Orthogonalises the `count` matrices of a batch in place in buf.x with the standard iteration (buf: the
+// typed buffers of ns_gemm_plan.h). `partials` holds count * geometry.x.slices doubles. Gram Newton-Schulz:
+// run_gram_newton_schulz (ns_gram_kernels.cuh).
 template <typename T, typename Launch, typename Gemm>
 void run_newton_schulz(const Launch& launch, const Gemm& gemm, const NsBuffers<T*>& buf, const NsBatchShape& shape,
                        const NsBatchGeometry& geometry, double* partials) {
@@ -197,10 +214,7 @@ void run_newton_schulz(const Launch& launch, const Gemm& gemm, const NsBuffers<T
   const NsSlicing& gs = geometry.gram;
   const int x_blocks = static_cast<int>(shape.count * xs.slices);
   const int gram_blocks = static_cast<int>(shape.count * gs.slices);
-  const bool polar = shape.coefficients == NsCoefficients::polar_express;
-  launch(ns_norm_partials<T>, x_blocks, kNsThreads, static_cast<const T*>(buf.x), xs, partials);
-  launch(ns_normalise<T>, x_blocks, kNsThreads, buf.x, xs, static_cast<const double*>(partials),
-         static_cast<float>(shape.eps), static_cast<float>(kPolarExpressSafety), polar ? 1 : 0);
+  normalise_batch<T>(launch, buf, buf.x, shape, geometry, partials);
   const T* none = nullptr;
   const NsGemmPlan& plan = geometry.plan;
   for (int k = 0; k < shape.steps; ++k) {

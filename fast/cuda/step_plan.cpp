@@ -42,7 +42,7 @@ StepPlan StepPlan::build(const Layout& layout, const Options& options) {
     const NorMuonHyper& h = options.groups[batch.group].normuon;
     const int b = static_cast<int>(plan.batches.size());
     plan.batches.push_back({batch.rows, batch.cols, static_cast<int64_t>(batch.entries.size()), h.ns_precision,
-                            h.ns_coefficients, h.ns_steps, h.ns_eps});
+                            h.ns_coefficients, h.ns_steps, h.ns_eps, h.ns_algorithm});
     plan.batch_group.push_back(batch.group);
     for (size_t k = 0; k < batch.entries.size(); ++k) {
       batch_of_entry[batch.entries[k]] = b;
@@ -174,8 +174,7 @@ int64_t StepPlan::elementwise_launches() const {
 
 int64_t StepPlan::newton_schulz_launches() const {
   int64_t n = 0;
-  for (const auto& b : batches)
-    if (b.count > 0 && b.rows * b.cols > 0) n += ns_launches(b.steps);
+  for (const auto& b : batches) n += ns_batch_launches(b);
   return n;
 }
 

@@ -39,7 +39,8 @@ struct StepPlan {
 
   // Kernel launches of one step besides Newton-Schulz's own (empty passes launch nothing).
   int64_t elementwise_launches() const;
-  // Newton-Schulz launches of one step: ns_launches(ns_steps) = 2 + 6 * ns_steps per non-empty batch.
+  // Newton-Schulz launches of one step: per non-empty batch ns_launches(ns_steps) = 2 + 6 * ns_steps, or
+  // ns_gram_launches(ns_steps) for a Gram batch (ns_batch_launches).
   int64_t newton_schulz_launches() const;
 };
 

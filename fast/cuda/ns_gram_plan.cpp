@@ -1,0 +1,70 @@
+#include "ns_gram_plan.h"
+
+#include "normuon/ns_algorithm.h"
+
+namespace normuon::cuda {
+namespace {
+
+// The spec with X read from (and, for apply, written to) the other X buffer.
+NsOperand other_x(NsOperand o) { return o == NsOperand::x ? NsOperand::u : o == NsOperand::u ? NsOperand::x : o; }
+NsGemmSpec from_the_other_x(NsGemmSpec g) {
+  g.a.operand = other_x(g.a.operand);
+  g.b.operand = other_x(g.b.operand);
+  g.d.operand = other_x(g.d.operand);
+  return g;
+}
+
+// The square GEMM's layout (s x s, N,N, ld s) on other buffers.
+NsGemmSpec square(const NsGemmPlan& plan, NsOperand a, NsOperand b, NsOperand d) {
+  NsGemmSpec g = plan.square;
+  g.a.operand = a;
+  g.b.operand = b;
+  g.d.operand = d;
+  return g;
+}
+
+}  // namespace
+
+NsGramIteration ns_gram_iteration(int k, int steps) {
+  NsGramIteration it{};
+  it.restart = k > 0 && gram_restarts_before(k);
+  it.fresh = k == 0 || it.restart;
+  it.update_r = k + 1 < steps && !gram_restarts_before(k + 1);
+  return it;
+}
+
+int ns_gram_applies(int steps) {
+  int n = 1;
+  for (int k = 0; k < steps; ++k) n += ns_gram_iteration(k, steps).restart;
+  return n;
+}
+
+int ns_gram_launches(int steps) {
+  int n = 2 /* norms */ + 2 /* X X^T, mirror and C */ + 1 /* final X = Q X */;
+  for (int k = 0; k < steps; ++k) {
+    const NsGramIteration it = ns_gram_iteration(k, steps);
+    n += it.restart ? 3 : 0;                            // X = Q X, X X^T, mirror and C
+    n += 2;                                             // C R, the Z kernel
+    n += (it.fresh ? 0 : 1) + (it.update_r ? 1 : 0);    // Q Z, R Z
+    n += !it.fresh || it.update_r ? 1 : 0;              // the Q / RZ kernel
+    n += it.update_r ? 2 : 0;                           // Z RZ, the R kernel
+  }
+  return n;
+}
+
+NsGramPlan ns_gram_plan(const NsGemmPlan& plan) {
+  NsGramPlan g{};
+  g.gram_x = plan.gram;
+  g.gram_u = from_the_other_x(plan.gram);
+  g.c_r = plan.square;  // C (in the B buffer) times R (in the gram buffer), into T
+  g.q_z = square(plan, NsOperand::q, NsOperand::z, NsOperand::t);
+  g.r_z = square(plan, NsOperand::gram, NsOperand::z, NsOperand::t2);
+  g.z_rz = square(plan, NsOperand::z, NsOperand::b, NsOperand::t);
+  g.apply_x_to_u = plan.apply;  // the s x s operand is Q instead of B
+  for (NsMatrixSpec* m : {&g.apply_x_to_u.a, &g.apply_x_to_u.b})
+    if (m->operand == NsOperand::b) m->operand = NsOperand::q;
+  g.apply_u_to_x = from_the_other_x(g.apply_x_to_u);
+  return g;
+}
+
+}  // namespace normuon::cuda
