@@ -36,7 +36,7 @@ ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 ADAMW_PREFIXED = tuple("adamw_" + k for k in ADAMW_KEYS)  # AdamW values inside an "auto" group
 FIXED_FIELDS = ("reduce_axis",)  # it decides the shape of the NorMuon second moment (the layout)
 # The fast CUDA backend plans its Newton-Schulz GEMMs from these at construction (docs/fast-cuda.md).
-CUDA_FIXED_FIELDS = ("ns_precision", "ns_coefficients", "ns_steps", "ns_eps")
+CUDA_FIXED_FIELDS = ("ns_precision", "ns_coefficients", "ns_steps", "ns_eps", "ns_algorithm")
 
 _ENUMS = {
     "ns_coefficients": ("quintic", "polar_express"),
