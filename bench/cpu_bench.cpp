@@ -15,6 +15,7 @@
 #include "busy_process.h"
 #include "machine_info.h"
 #include "normuon/grad_gen.h"
+#include "normuon/ns_algorithm.h"
 #include "op_counter.h"
 #include "reference_backend.h"
 #include "streaming_triad.h"
@@ -100,15 +101,16 @@ CpuBenchResult run_cpu_bench(const Layout& layout, const Options& options, const
     }
     normuon_params += e.numel;
     // Every NorMuon matrix, every step: the bench never leaves a gradient out.
-    const double m = static_cast<double>(std::min(e.rows, e.cols)), n = static_cast<double>(std::max(e.rows, e.cols));
-    r.ns_flops += options.groups[e.group].normuon.ns_steps * (4 * m * m * n + 2 * m * m * m);
+    const NorMuonHyper& h = options.groups[e.group].normuon;
+    r.ns_flops += ns_standard_dense_flops(e.rows, e.cols, h.ns_steps);
+    r.ns_reference_flops += ns_dense_flops(h.ns_algorithm, e.rows, e.cols, h.ns_steps);
   }
   std::string ns_precisions;
   for (const auto& g : options.groups)
     if (g.algorithm == Algorithm::normuon)
-      ns_precisions += (ns_precisions.empty() ? "" : ", ") + g.name + ": " + to_string(g.normuon.ns_precision) +
-                       " (" + to_string(g.normuon.ns_coefficients) + ", " + std::to_string(g.normuon.ns_steps) +
-                       " steps)";
+      ns_precisions += (ns_precisions.empty() ? "" : ", ") + g.name + ": " + to_string(g.normuon.ns_algorithm) +
+                       " " + to_string(g.normuon.ns_precision) + " (" + to_string(g.normuon.ns_coefficients) + ", " +
+                       std::to_string(g.normuon.ns_steps) + " steps)";
 
   r.allocations_counted = allocation_counting_active();
   log.say("normuon bench: %s (%zu parameters, %s floats: %s on NorMuon in %zu shape buckets, %s on AdamW)\n",
@@ -202,6 +204,38 @@ CpuBenchResult run_cpu_bench(const Layout& layout, const Options& options, const
     }
     r.onednn_allocations = static_cast<double>(allocation_count() - allocs0);
     r.onednn_gemm_calls = probe->gemm_calls() - gemm0;
+
+    // Newton-Schulz alone, each algorithm, on the same batches: its time and what it computes.
+    auto pass = [&](const Options& o) {
+      for (size_t b = 0; b < probe_batches.size(); ++b) {
+        in.clear();
+        out.clear();
+        for (int e : probe_batches[b].entries) {
+          in.push_back(fast_state.grad(e));
+          out.push_back(fast_state.grad(e));
+        }
+        probe->run(static_cast<int>(b), in.data(), out.data(), o.groups[probe_batches[b].group].normuon);
+      }
+    };
+    for (NsAlgorithm algorithm : {NsAlgorithm::standard, NsAlgorithm::gram}) {
+      Options o = options;
+      for (auto& g : o.groups) g.normuon.ns_algorithm = algorithm;
+      CpuBenchResult::NsAlone alone;
+      alone.algorithm = to_string(algorithm);
+      pass(o);  // warm-up
+      for (int64_t i = 0; i < config.repeats; ++i) {
+        const double macs0 = probe->multiply_adds();
+        const auto t0 = Clock::now();
+        pass(o);
+        alone.ms.push_back(ms_between(t0, Clock::now()));
+        alone.actual_flops = 2 * (probe->multiply_adds() - macs0);
+      }
+      const bool as_the_step = std::all_of(options.groups.begin(), options.groups.end(), [&](const GroupOptions& g) {
+        return g.algorithm != Algorithm::normuon || g.normuon.ns_algorithm == algorithm;
+      });
+      if (as_the_step) r.ns_fast_flops = alone.actual_flops;
+      r.ns_alone.push_back(std::move(alone));
+    }
   }
 
   // Under contention: a busy process beside the run (a shared machine). The run's threads and one
@@ -334,10 +368,22 @@ void print_cpu_bench(const CpuBenchResult& r, Transcript& log) {
           "figure)\n",
           with_commas(r.adamw_params).c_str(), adamw_gbps.median, adamw_gbps.min, adamw_gbps.max, 100 * share.median,
           100 * share.min, 100 * share.max, 100 * s.adamw_share_stream.median);
-  if (r.ns_flops > 0)
-    log.say("  Newton-Schulz: %.2f GFLOP per step; fast %.1f GFLOP/s, reference %.1f GFLOP/s\n", r.ns_flops / 1e9,
-            ns_row.fast.median > 0 ? r.ns_flops / (ns_row.fast.median * 1e-3) / 1e9 : 0,
-            ns_row.reference.median > 0 ? r.ns_flops / (ns_row.reference.median * 1e-3) / 1e9 : 0);
+  if (r.ns_flops > 0) {
+    auto rate = [](double flops, double ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e9 : 0; };
+    log.say("  Newton-Schulz in the step: useful %.2f GFLOP per step (the full dense standard iteration); the "
+            "reference computes %.2f, fast %.2f\n"
+            "    fast %.1f GFLOP/s useful, %.1f actual; reference %.1f useful, %.1f actual\n",
+            r.ns_flops / 1e9, r.ns_reference_flops / 1e9, r.ns_fast_flops / 1e9, rate(r.ns_flops, ns_row.fast.median),
+            rate(r.ns_fast_flops, ns_row.fast.median), rate(r.ns_flops, ns_row.reference.median),
+            rate(r.ns_reference_flops, ns_row.reference.median));
+    for (const auto& alone : r.ns_alone) {
+      const Summary t = summarise(alone.ms);
+      log.say("  Newton-Schulz alone, ns_algorithm=%s (fast, the step's batches): %.1f ms [%.1f - %.1f], %.2f GFLOP "
+              "computed: %.1f GFLOP/s useful, %.1f actual\n",
+              alone.algorithm.c_str(), t.median, t.min, t.max, alone.actual_flops / 1e9, rate(r.ns_flops, t.median),
+              rate(alone.actual_flops, t.median));
+    }
+  }
   log.say("  after %lld steps the two states' parameters differ by at most %.3g (normuon compare checks them)\n",
           static_cast<long long>(r.steps), r.max_param_diff);
   log.say("  load average (1, 5, 15 min) before the run: %s; after: %s\n", r.load_before.c_str(),
@@ -404,6 +450,22 @@ void write_cpu_bench_csv(const CpuBenchResult& r, const std::string& path) {
         gflops(ns.reference.min), n);
     row("fast", "newton_schulz_throughput", "GFLOP/s", gflops(ns.fast.median), gflops(ns.fast.max),
         gflops(ns.fast.min), n);
+    // What each backend computes (the rows above count the useful, full standard iteration's FLOPs).
+    auto actual = [&](double flops, double ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e9 : 0; };
+    row("reference", "newton_schulz_actual_throughput", "GFLOP/s", actual(r.ns_reference_flops, ns.reference.median),
+        actual(r.ns_reference_flops, ns.reference.max), actual(r.ns_reference_flops, ns.reference.min), n);
+    row("fast", "newton_schulz_actual_throughput", "GFLOP/s", actual(r.ns_fast_flops, ns.fast.median),
+        actual(r.ns_fast_flops, ns.fast.max), actual(r.ns_fast_flops, ns.fast.min), n);
+    for (const auto& alone : r.ns_alone) {
+      const Summary t = summarise(alone.ms);
+      const std::string prefix = "ns_" + alone.algorithm + "_alone";
+      const std::string k = std::to_string(alone.ms.size());
+      row("fast", prefix, "ms", t.median, t.min, t.max, k);
+      row("fast", prefix + "_useful_throughput", "GFLOP/s", actual(r.ns_flops, t.median), actual(r.ns_flops, t.max),
+          actual(r.ns_flops, t.min), k);
+      row("fast", prefix + "_actual_throughput", "GFLOP/s", actual(alone.actual_flops, t.median),
+          actual(alone.actual_flops, t.max), actual(alone.actual_flops, t.min), k);
+    }
   }
   row("fast/reference", "whole_step_speedup", "x", s.speedup, s.speedup, s.speedup, n);
   if (s.contended.n > 0) {

@@ -39,7 +39,19 @@ struct CpuBenchResult {
   int64_t repeats = 0;
   int64_t steps = 0;  // steps each backend took: warm-up, measured and the counting step
   int64_t adamw_params = 0;
-  double ns_flops = 0;  // Newton-Schulz FLOPs per step
+  // Newton-Schulz FLOPs per step (2 per multiply-add). ns_flops is the "useful" count, the full dense
+  // standard iteration's, whatever either backend computes; the others are what each one computes with the
+  // run's ns_algorithm: the reference every product in full, the fast backend as its matmuls count them
+  // (symmetric products as lower-triangle panels: BatchedNewtonSchulz::multiply_adds).
+  double ns_flops = 0, ns_reference_flops = 0, ns_fast_flops = 0;
+  // Newton-Schulz alone on the fast backend's batches (outside the step, same threads), per algorithm:
+  // median of `repeats` passes after one warm-up pass, and the FLOPs one pass computes.
+  struct NsAlone {
+    std::string algorithm;
+    std::vector<double> ms;
+    double actual_flops = 0;
+  };
+  std::vector<NsAlone> ns_alone;
   std::vector<CpuStepSample> reference, fast;  // the measured steps
   std::vector<double> triad_ms;                // the triad's best time right after each measured fast step
   int64_t triad_floats = 0;

@@ -26,7 +26,9 @@ step (wall time, and CPU time of all threads), the median and [min - max] in mil
 backend and the ratio reference / fast; the work per step (reference: ATen operator calls; fast:
 elementwise passes and GEMM calls); malloc-family calls per step of each (and oneDNN's share of the fast
 backend's); the fused AdamW pass's bandwidth as a share of a streaming triad run right after every fast
-step; Newton-Schulz GFLOP/s; the load average; and two verdict lines: the whole-step speed-up against
+step; Newton-Schulz GFLOP/s, useful (the full standard iteration's FLOPs) and actual (what each
+backend computes), and the fast backend's Newton-Schulz alone with each ns_algorithm (standard, gram);
+the load average; and two verdict lines: the whole-step speed-up against
 the 3x bar and the AdamW bandwidth against the 60%-of-triad bar. Run it on an otherwise idle machine.
 
   --preset NAME | --manifest FILE   the model (default: preset tiny)

@@ -90,6 +90,18 @@ BOOST_AUTO_TEST_CASE(cpu_bench_measures_both_backends_on_tiny) {
   BOOST_TEST(r.aten_ops_top_level > 0);
   BOOST_TEST(r.aten_ops_dispatched >= r.aten_ops_top_level);
   BOOST_TEST(r.ns_flops > 0);
+  // Useful FLOPs are the dense standard iteration's; the reference computes them all (standard run), the
+  // fast backend only the symmetric products' lower triangles (tiny's matrices: 4 panels of 64).
+  BOOST_TEST(r.ns_reference_flops == r.ns_flops);
+  BOOST_TEST(r.ns_fast_flops > 0.6 * r.ns_flops);
+  BOOST_TEST(r.ns_fast_flops < 0.85 * r.ns_flops);
+  // Newton-Schulz alone, both algorithms: Gram computes less than the standard iteration.
+  BOOST_REQUIRE_EQUAL(r.ns_alone.size(), 2u);
+  BOOST_TEST(r.ns_alone[0].algorithm == "standard");
+  BOOST_TEST(r.ns_alone[1].algorithm == "gram");
+  BOOST_TEST(r.ns_alone[0].actual_flops == r.ns_fast_flops);
+  BOOST_TEST(r.ns_alone[1].actual_flops < 0.8 * r.ns_alone[0].actual_flops);
+  BOOST_TEST(r.ns_alone[1].ms.size() == static_cast<size_t>(r.repeats));
   BOOST_TEST(r.adamw_params > 0);
   // The interposition is linked into this test as into the tool: a step of the reference allocates.
   BOOST_TEST(r.allocations_counted);
@@ -111,6 +123,9 @@ BOOST_AUTO_TEST_CASE(cpu_bench_report_and_csv) {
   Transcript log(nullptr);
   print_cpu_bench(r, log);
   BOOST_TEST(contains(log.text(), "work per step:"));
+  BOOST_TEST(contains(log.text(), "Newton-Schulz in the step: useful "));
+  BOOST_TEST(contains(log.text(), "Newton-Schulz alone, ns_algorithm=standard"));
+  BOOST_TEST(contains(log.text(), "Newton-Schulz alone, ns_algorithm=gram"));
   BOOST_TEST(contains(log.text(), "  fast:      " + std::to_string(r.elementwise_passes) + " elementwise passes, " +
                                       std::to_string(r.gemm_calls) + " GEMM calls"));
   BOOST_TEST(!contains(log.text(), "not measured"));
@@ -140,10 +155,14 @@ BOOST_AUTO_TEST_CASE(cpu_bench_report_and_csv) {
                           "fast/gemm_calls", "machine/triad_traffic_bandwidth", "machine/triad_stream_bandwidth",
                           "fast/adamw_bandwidth", "fast/adamw_share_of_triad_traffic",
                           "reference/newton_schulz_throughput", "fast/newton_schulz_throughput",
+                          "reference/newton_schulz_actual_throughput", "fast/newton_schulz_actual_throughput",
+                          "fast/ns_standard_alone", "fast/ns_standard_alone_useful_throughput",
+                          "fast/ns_standard_alone_actual_throughput", "fast/ns_gram_alone",
+                          "fast/ns_gram_alone_useful_throughput", "fast/ns_gram_alone_actual_throughput",
                           "fast/reference/whole_step_speedup", "fast/whole_step_contended",
                           "fast_one_thread/whole_step_contended"})
     BOOST_TEST(rows.count(key) == 1u, key);
-  BOOST_TEST(lines.size() == 1 + 18 + 16);
+  BOOST_TEST(lines.size() == 1 + 18 + 24);
   BOOST_TEST(rows["fast/gemm_calls"][5] == std::to_string(r.gemm_calls));
   BOOST_TEST(rows["fast/elementwise_passes"][5] == std::to_string(r.elementwise_passes));
 }
