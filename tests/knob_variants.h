@@ -21,6 +21,8 @@ inline std::vector<KnobVariant> knob_variants() {
       {"normuon.weight_decay_mode=none", "normuon.weight_decay=0.1"},
       {"normuon.ns_coefficients=polar_express"},
       {"normuon.ns_precision=fp32"},
+      {"normuon.ns_algorithm=gram"},
+      {"normuon.ns_algorithm=gram", "normuon.ns_steps=8"},  // restarts before iterations 2 and 5
       {"normuon.eps_placement=clamp"},
       {"weight_decay=0.1"},
   };

@@ -34,9 +34,10 @@ struct Run {
   std::vector<StepReport> reports;
 };
 
-// Both backends from the same initial parameters, `steps` steps of the comparator.
+// Both backends from the same initial parameters, `steps` steps of the comparator; every tensor's record
+// is kept only when asked (`keep_records`).
 Run cross_check(const Layout& layout, const Options& options, CompareMode mode, int64_t steps,
-                Backend* candidate_override = nullptr) {
+                Backend* candidate_override = nullptr, bool keep_records = false) {
   FastCpuBackend fast(layout, options);
   ReferenceBackend reference;
   Backend& candidate = candidate_override ? *candidate_override : fast;
@@ -47,7 +48,7 @@ Run cross_check(const Layout& layout, const Options& options, CompareMode mode, 
   Run run;
   for (int64_t step = 1; step <= steps; ++step) {
     StepReport report = comparator.step(reference, ref_state, candidate, cand_state, step);
-    report.records.clear();  // keep the summaries only
+    if (!keep_records) report.records.clear();  // the summaries are enough
     run.reports.push_back(std::move(report));
   }
   run.summary = comparator.summary();
@@ -236,6 +237,30 @@ BOOST_AUTO_TEST_CASE(fast_matches_reference_on_tiny_for_every_knob) {
       log_summary("tiny " + label + ", 10 steps resync", run.summary);
       BOOST_TEST(run.summary.passed(), verdict_line(run.summary));
       check_exact_kinds(run.summary);
+    }
+  }
+}
+
+// docs/fast-cpu.md: with Gram Newton-Schulz, every non-square NorMuon matrix of tiny is the reference's bit
+// for bit (each element of every product is the same one dot product; square ones take the standard loop,
+// whose bf16 products may differ in the last bits).
+BOOST_AUTO_TEST_CASE(fast_gram_is_the_reference_bit_for_bit_on_non_square_matrices) {
+  for (const char* steps : {"normuon.ns_steps=5", "normuon.ns_steps=8"}) {
+    std::string label;
+    const Options options = test::options_with({"normuon.ns_algorithm=gram", steps}, label);
+    BOOST_TEST_CONTEXT(label) {
+      const Layout layout = Layout::build(preset_manifest("tiny"), options);
+      const Run run = cross_check(layout, options, CompareMode::resync, 3, nullptr, /*keep_records=*/true);
+      BOOST_TEST(run.summary.passed(), verdict_line(run.summary));
+      int64_t non_square = 0;
+      for (const auto& report : run.reports)
+        for (const auto& r : report.records) {
+          const LayoutEntry& e = layout.entries[static_cast<size_t>(r.entry)];
+          if (r.kind != TensorKind::normuon_param || e.rows == e.cols) continue;
+          ++non_square;
+          BOOST_TEST(r.error.bit_identical, r.name << " at step " << r.step << ": " << r.error.max_ulp << " ulp");
+        }
+      BOOST_TEST(non_square > 0);
     }
   }
 }
