@@ -2,6 +2,7 @@
 #include <boost/test/unit_test.hpp>
 
 #include <algorithm>
+#include <nlohmann/json.hpp>
 
 #include "normuon/options.h"
 
@@ -100,6 +101,25 @@ BOOST_AUTO_TEST_CASE(json_round_trip_is_lossless) {
   BOOST_TEST(!back.group("normuon").normuon.nesterov);
   BOOST_CHECK_THROW(Options::from_json("{not json"), std::invalid_argument);
   BOOST_CHECK_THROW(Options::from_json("{\"nonfinite\":\"error\"}"), std::invalid_argument);
+}
+
+// A hyper-parameter this build does not know (a later version's option, or a damaged file) is refused,
+// named, instead of being ignored: a run resumed without it would not be the run that was saved.
+BOOST_AUTO_TEST_CASE(from_json_refuses_unknown_fields) {
+  for (const char* group : {"normuon", "adamw"}) {
+    nlohmann::json j = nlohmann::json::parse(Options().to_json());
+    for (auto& g : j["groups"])
+      if (g["name"] == group) g["hyper"]["ns_schedule"] = "cubic";
+    try {
+      Options::from_json(j.dump());
+      BOOST_ERROR("an unknown field was accepted");
+    } catch (const std::invalid_argument& e) {
+      const std::string what = e.what();
+      BOOST_TEST(what.find(std::string("option '") + group + ".ns_schedule' is not a field of a " + group +
+                           " group") != std::string::npos, what);
+      BOOST_TEST(what.find("lr") != std::string::npos, what);
+    }
+  }
 }
 
 BOOST_AUTO_TEST_CASE(describe_lists_every_key) {

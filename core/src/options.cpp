@@ -335,6 +335,15 @@ Options Options::from_json(const std::string& text) {
       const Json& h = jg.at("hyper");
       if (!h.is_object()) throw std::invalid_argument("group '" + g.name + "': \"hyper\" is not a JSON object");
       const auto read_fields = [&](const auto& fields, auto& hyper) {
+        // A key this build does not know is refused: a later version's option (ignoring it would run
+        // something else than the file's run did) or a damaged file.
+        for (const auto& kv : h.items())
+          if (std::none_of(fields.begin(), fields.end(), [&](const auto& f) { return kv.key() == f.name; })) {
+            std::string known;
+            for (const auto& f : fields) known += (known.empty() ? "" : ", ") + std::string(f.name);
+            throw std::invalid_argument("option '" + g.name + "." + kv.key() + "' is not a field of a " +
+                                        enum_name(g.algorithm) + " group in this build (its fields: " + known + ")");
+          }
         for (const auto& f : fields) {
           const std::string key = g.name + "." + f.name;
           const auto it = h.find(f.name);

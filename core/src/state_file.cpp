@@ -38,7 +38,7 @@ constexpr uint64_t kMaxIoChunk = uint64_t{1} << 30;  // read()/write() cap a sin
 constexpr size_t kMaxListed = 8;                  // names listed in one error message
 
 // The metadata keys the format's `version` defines; any other key is a caller's
-// (StateFileHeader::extra_metadata). Version 2 added "entry_steps".
+// (StateFileHeader::extra_metadata). Version 2 added "entry_steps"; version 3 adds none.
 const std::set<std::string>& format_metadata_keys(int version = kStateFormatVersion) {
   static const std::set<std::string> v1{"format",      "format_version", "backend",     "layout_fingerprint",
                                         "created_utc", "options",        "group_names", "group_steps",
@@ -50,6 +50,16 @@ const std::set<std::string>& format_metadata_keys(int version = kStateFormatVers
   }();
   return version >= 2 ? v2 : v1;
 }
+
+}  // namespace
+
+int state_format_version_for(const Options& options) {
+  for (const auto& g : options.groups)
+    if (g.algorithm == Algorithm::normuon && g.normuon.ns_algorithm != NsAlgorithm::standard) return 3;
+  return 2;
+}
+
+namespace {
 
 [[noreturn]] void fail(const std::string& path, const std::string& what) {
   throw StateFileError("state file '" + path + "': " + what);
@@ -136,7 +146,7 @@ std::string header_text(const std::string& path, const std::vector<StateTensorRe
   json entry_steps = json::object();  // by parameter name (manifest names are unique)
   for (size_t e = 0; e < layout.entries.size(); ++e) entry_steps[layout.entries[e].name] = state.entry_steps[e];
   root["__metadata__"] = {{"format", kStateFormat},
-                          {"format_version", std::to_string(kStateFormatVersion)},
+                          {"format_version", std::to_string(state_format_version_for(options))},
                           {"backend", backend},
                           {"layout_fingerprint", layout.fingerprint_hex()},
                           {"created_utc", utc_now()},

@@ -17,9 +17,16 @@ namespace normuon {
 
 constexpr const char* kStateFormat = "normuon-state";
 // Version 2 adds each parameter's own step count (metadata "entry_steps"); version-1 files still load,
-// each parameter's count taken to be its group's counter. Saving always writes kStateFormatVersion.
-constexpr int kStateFormatVersion = 2;
+// each parameter's count taken to be its group's counter. Version 3 marks options that a version-2 reader
+// would misread: ns_algorithm=gram (a build without the knob ignores the key and would run the standard
+// loop). A file is written with the lowest version that holds it (state_format_version_for), so the files
+// of runs that use no such option still open in older builds.
+constexpr int kStateFormatVersion = 3;
 constexpr int kStateFormatOldestVersion = 1;
+
+// The format version a file saved with these options is written with: 3 when a group uses Gram
+// Newton-Schulz, else 2.
+int state_format_version_for(const Options& options);
 
 // Any reason a state file can't be loaded: the message says what is wrong and where.
 class StateFileError : public std::runtime_error {
