@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "normuon/grad_gen.h"
+#include "normuon/ns_algorithm.h"
 
 #if __has_include("fast_cuda_backend.h")  // on the include path only when the CUDA backend is built
 #define NORMUON_BENCH_HAVE_CUDA 1
@@ -46,6 +47,30 @@ CudaTraffic count_cuda_traffic(const Layout& layout, const Options& options, dou
     t.minimal += n * (grad_bytes + 8 + x + x + 8);
   }
   return t;
+}
+
+NsFlops count_ns_flops(const Layout& layout, const Options& options) {
+  NsFlops f;
+  for (const LayoutEntry& e : layout.entries) {
+    if (e.algorithm != Algorithm::normuon || e.numel == 0) continue;
+    const NorMuonHyper& h = options.groups[e.group].normuon;
+    f.useful += ns_standard_dense_flops(e.rows, e.cols, h.ns_steps);
+    f.actual += ns_dense_flops(h.ns_algorithm, e.rows, e.cols, h.ns_steps);
+  }
+  return f;
+}
+
+std::string ns_algorithm_of(const Options& options) {
+  std::string out;
+  for (const auto& g : options.groups) {
+    if (g.algorithm != Algorithm::normuon) continue;
+    const std::string name = to_string(g.normuon.ns_algorithm);
+    if (out.empty())
+      out = name;
+    else if (out != name)
+      return "mixed";
+  }
+  return out;
 }
 
 std::string cuda_bench_unavailable_reason(int device) {
@@ -108,11 +133,10 @@ CudaBenchResult run_cuda_bench(const Layout& layout, const Options& options, con
   // ---- header: model, device, software, run
   r.traffic = count_cuda_traffic(layout, options, grad_bytes);
   const CudaTraffic& traffic = r.traffic;
-  for (const LayoutEntry& e : layout.entries) {  // for the header only; the backend's own count is used below
-    if (e.algorithm != Algorithm::normuon || e.numel == 0) continue;
-    const double m = static_cast<double>(std::min(e.rows, e.cols)), n = static_cast<double>(std::max(e.rows, e.cols));
-    r.ns_flops_layout += options.groups[e.group].normuon.ns_steps * (4 * m * m * n + 2 * m * m * m);
-  }
+  const NsFlops ns_flops = count_ns_flops(layout, options);  // actual: the backend's own count is used below
+  r.ns_flops = ns_flops.useful;
+  r.ns_actual_flops_layout = ns_flops.actual;
+  r.ns_algorithm = ns_algorithm_of(options);
   int driver = 0, runtime = 0;
   NORMUON_CUDA_CHECK(cudaDriverGetVersion(&driver));
   NORMUON_CUDA_CHECK(cudaRuntimeGetVersion(&runtime));
@@ -127,9 +151,9 @@ CudaBenchResult run_cuda_bench(const Layout& layout, const Options& options, con
   r.date = utc_now("%Y-%m-%d %H:%M UTC");
   for (const auto& g : options.groups)
     if (g.algorithm == Algorithm::normuon)
-      r.ns_precisions += (r.ns_precisions.empty() ? "" : ", ") + g.name + ": " + to_string(g.normuon.ns_precision) +
-                         " (" + to_string(g.normuon.ns_coefficients) + ", " + std::to_string(g.normuon.ns_steps) +
-                         " steps)";
+      r.ns_precisions += (r.ns_precisions.empty() ? "" : ", ") + g.name + ": " + to_string(g.normuon.ns_algorithm) +
+                         " " + to_string(g.normuon.ns_precision) + " (" + to_string(g.normuon.ns_coefficients) + ", " +
+                         std::to_string(g.normuon.ns_steps) + " steps)";
   r.reference_reason = config.reference ? "" : "skipped (--no-reference)";
   if (r.reference_reason.empty()) {
     const std::string why = ReferenceBackend::unavailable_reason(ReferenceDevice::cuda);
@@ -175,7 +199,7 @@ CudaBenchResult run_cuda_bench(const Layout& layout, const Options& options, con
       }
     }
   }
-  r.ns_flops = fast.newton_schulz_flops();
+  r.ns_actual_flops = fast.newton_schulz_flops();
   if (!quiet) log.say("%s", fast.describe().c_str());
 
   // ---- 1. eager with per-phase timers

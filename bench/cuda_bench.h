@@ -43,6 +43,19 @@ struct CudaTraffic {
 };
 CudaTraffic count_cuda_traffic(const Layout& layout, const Options& options, double grad_bytes);
 
+// Newton-Schulz FLOPs per step (2 per multiply-add) from the layout, counted two ways (issue 15):
+// `useful`, the full dense standard iteration's (ns_standard_dense_flops), whatever the run computes, the
+// one scale on which the two algorithms compare; `actual`, what the run's ns_algorithm computes with every
+// product in full (ns_dense_flops: Gram's count for non-square matrices under gram), as fast-cuda does.
+struct NsFlops {
+  double useful = 0, actual = 0;
+};
+NsFlops count_ns_flops(const Layout& layout, const Options& options);
+
+// The NorMuon groups' ns_algorithm: "standard" or "gram" when they all agree, "mixed" when they differ,
+// "" when there is no NorMuon group. The per-algorithm verdicts need one algorithm for the whole run.
+std::string ns_algorithm_of(const Options& options);
+
 // What one run measured (raw samples) and what its header said.
 struct CudaBenchResult {
   std::string model, command, grad_dtype, date, device_name, software, ns_precisions;
@@ -50,8 +63,10 @@ struct CudaBenchResult {
   int64_t warmup = 0, repeats = 0, steps_per_sample = 0;
   size_t parameters = 0, buckets = 0;
   CudaTraffic traffic;
-  double ns_flops = 0;         // the backend's newton_schulz_flops()
-  double ns_flops_layout = 0;  // the same counted from the layout (they should agree)
+  std::string ns_algorithm;           // ns_algorithm_of(options)
+  double ns_flops = 0;                // useful FLOPs per step (count_ns_flops)
+  double ns_actual_flops = 0;         // actual FLOPs per step: the backend's newton_schulz_flops()
+  double ns_actual_flops_layout = 0;  // the same counted from the layout (they should agree)
   std::vector<PhaseTimes> fast_phases;     // 1. eager with per-phase timers
   std::vector<double> enqueue_us;          //    host time to enqueue each of those steps
   std::vector<double> eager_ms;            // 2. eager without timers, ms per step per sample
@@ -88,7 +103,8 @@ struct CudaBenchSummary {
   Summary enqueue_us, graph_launch_us, copy_gbps, gemm_tflops;
   std::vector<CudaPass> passes;  // momentum, normalisation, update, AdamW
   double pass_bytes = 0, pass_ms = 0, elementwise_gbps = 0, elementwise_share = 0;
-  double ns_ms = 0, ns_tflops = 0, ns_share = 0;
+  // Newton-Schulz's median time, and its rate and share of the bf16 GEMM rate in useful and actual FLOPs.
+  double ns_ms = 0, ns_tflops = 0, ns_share = 0, ns_actual_tflops = 0, ns_actual_share = 0;
   double bound_ns_ms = 0, bound_mem_ms = 0, bound_ms = 0, graph_ratio = 0, eager_ratio = 0;
   std::vector<CudaVerdict> verdicts;
   std::vector<CudaCsvRow> csv;
