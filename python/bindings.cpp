@@ -19,6 +19,7 @@
 #include "normuon/grad_gen.h"
 #include "normuon/layout.h"
 #include "normuon/manifest.h"
+#include "normuon/ns_algorithm.h"
 #include "normuon/options.h"
 #include "normuon/param_table.h"
 #include "normuon/state_file.h"
@@ -195,6 +196,18 @@ PYBIND11_MODULE(_C, m) {
         return "ParamSpec(" + p.name + ", [" + shape_to_string(p.shape) + "], " + to_string(p.dtype) + ", " +
                to_string(p.role) + ")";
       });
+
+  // The C++ count of one matrix's Newton-Schulz FLOPs, so that the Python side's own integer count (the
+  // distributed owners' cost) can be checked against it.
+  m.def(
+      "ns_dense_flops",
+      [](const std::string& algorithm, int64_t rows, int64_t cols, int steps) {
+        if (algorithm != "standard" && algorithm != "gram")
+          throw std::invalid_argument("unknown ns_algorithm '" + algorithm + "' (choose standard | gram)");
+        return ns_dense_flops(algorithm == "gram" ? NsAlgorithm::gram : NsAlgorithm::standard, rows, cols, steps);
+      },
+      py::arg("ns_algorithm"), py::arg("rows"), py::arg("cols"), py::arg("ns_steps"),
+      "FLOPs (2 per multiply-add) of orthogonalising one rows x cols matrix, every product in full");
 
   m.def("route", [](const ParamSpec& p) { return std::string(to_string(route(p))); }, py::arg("param"),
         "The spec's routing rule: 'normuon' or 'adamw' (ValueError: NorMuon forced on a non-2-D parameter)");

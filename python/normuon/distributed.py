@@ -14,17 +14,34 @@ import torch.distributed as dist
 
 from .optim import ADAMW_KEYS, NORMUON_FIELDS, NorMuonAdamW, NotCopyable, resolve_inputs
 from .routing import ROUTING_COLUMNS, routing_text
-from .reference import nonfinite_gradient
+from .reference import gram_restarts_before, nonfinite_gradient
 
 # Group keys that are bookkeeping, not hyper-parameters: never copied into the per-rank optimizer.
 _GROUP_BOOKKEEPING = ("params", "names", "name", "algorithm", "step")
 
 
-def newton_schulz_flops(rows, cols, ns_steps):
-    """Multiply-add FLOPs of one Newton-Schulz run on a rows x cols matrix (the wide orientation: a <= b):
-    per iteration X X^T (2a^2 b), (cA) A (2a^3) and B X (2a^2 b)."""
+def newton_schulz_flops(rows, cols, ns_steps, ns_algorithm="standard"):
+    """FLOPs (2 per multiply-add) of one Newton-Schulz run on a rows x cols matrix, every product in full:
+    ns_dense_flops of core/include/normuon/ns_algorithm.h (spec section 3.2), in integers so that every
+    rank computes the same owners. With a = min(rows, cols) <= b = max(rows, cols):
+    standard: per iteration X X^T (2a^2 b), (cA) A (2a^3) and B X (2a^2 b).
+    gram (rows != cols; a square matrix takes the standard iteration): R = X X^T and the final Q X; per
+    restart Q X and X X^T again; per iteration (cR) R, Q Z (after the first of a stretch), and R Z, Z (RZ)
+    unless the next iteration restarts or ends: 8a^2 b + 28a^3 for 5 iterations (restart before the third)."""
     a, b = min(rows, cols), max(rows, cols)
-    return ns_steps * (4 * a * a * b + 2 * a * a * a)
+    if ns_algorithm not in ("standard", "gram"):
+        raise ValueError(f"unknown ns_algorithm {ns_algorithm!r} (choose standard | gram)")
+    if ns_algorithm == "standard" or rows == cols:
+        return ns_steps * (4 * a * a * b + 2 * a * a * a)
+    aab, aaa = 2, 0  # products of a x a x b and of a x a x a multiply-adds
+    for k in range(ns_steps):
+        restart = k > 0 and gram_restarts_before(k)
+        if restart:
+            aab += 2
+        aaa += 1 if k == 0 or restart else 2
+        if k + 1 < ns_steps and not gram_restarts_before(k + 1):
+            aaa += 2
+    return 2 * (aab * a * a * b + aaa * a * a * a)
 
 
 def assign_owners(costs, world_size, loads=None):
@@ -107,7 +124,8 @@ class DistributedNorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             p.tensor = real.get(id(e.tensor), e.tensor)
             p.shape, p.dtype = e.shape, e.dtype
             if p.algorithm == "normuon":
-                p.cost = newton_schulz_flops(e.shape[0], e.shape[1], groups[p.group]["ns_steps"])
+                g = groups[p.group]
+                p.cost = newton_schulz_flops(e.shape[0], e.shape[1], g["ns_steps"], g["ns_algorithm"])
             else:
                 p.cost = p.tensor.numel()
             self._params.append(p)

@@ -366,6 +366,50 @@ def test_owner_assignment_rule():
         assert max(loads) <= 1.10 * sum(costs) / world
 
 
+def test_owner_cost_follows_ns_algorithm():
+    """The owners' cost is ns_dense_flops of core/include/normuon/ns_algorithm.h for either algorithm: the
+    formulas written out by hand (a = min side, b = max side; gram restarts before iterations 2, 5, ...),
+    and the C++ count itself where the native module is built."""
+    a, b = 256, 768
+    standard = {steps: steps * (4 * a * a * b + 2 * a ** 3) for steps in (1, 2, 3, 5, 8)}
+    gram = {1: 4 * a * a * b + 2 * a ** 3, 2: 4 * a * a * b + 10 * a ** 3, 3: 8 * a * a * b + 12 * a ** 3,
+            5: 8 * a * a * b + 28 * a ** 3, 8: 12 * a * a * b + 46 * a ** 3}
+    for steps in standard:
+        for rows, cols in ((a, b), (b, a)):
+            assert newton_schulz_flops(rows, cols, steps) == standard[steps]
+            assert newton_schulz_flops(rows, cols, steps, "standard") == standard[steps]
+            assert newton_schulz_flops(rows, cols, steps, "gram") == gram[steps], (rows, cols, steps)
+        # A square matrix takes the standard iteration under gram too.
+        assert newton_schulz_flops(a, a, steps, "gram") == steps * 6 * a ** 3
+    assert all(isinstance(newton_schulz_flops(97, 1000, s, "gram"), int) for s in range(1, 12))
+    with pytest.raises(ValueError, match="ns_algorithm"):
+        newton_schulz_flops(a, b, 5, "fast")
+    if normuon.native_available():
+        from normuon import _C
+        shapes = [(256, 768), (768, 256), (2048, 8192), (97, 1000), (1, 64), (512, 512)]
+        for algorithm in ("standard", "gram"):
+            for rows, cols in shapes:
+                for steps in range(1, 12):
+                    assert newton_schulz_flops(rows, cols, steps, algorithm) == _C.ns_dense_flops(
+                        algorithm, rows, cols, steps), (algorithm, rows, cols, steps)
+
+
+def test_owners_are_balanced_by_the_gram_cost():
+    """Under gram a wide matrix costs far less against a square one than under standard: balancing by the
+    standard count would overload the rank holding the square matrix and a wide one."""
+    shapes = [(512, 512), (256, 2048), (256, 2048), (256, 2048)]
+    gram = [newton_schulz_flops(r, c, 5, "gram") for r, c in shapes]
+    standard = [newton_schulz_flops(r, c, 5) for r, c in shapes]
+
+    def worst_gram_load(owners):
+        return max(sum(g for g, o in zip(gram, owners) if o == rank) for rank in range(2))
+
+    by_gram, loads = assign_owners(gram, 2)
+    by_standard, _ = assign_owners(standard, 2)
+    assert max(loads) == worst_gram_load(by_gram)
+    assert worst_gram_load(by_gram) < worst_gram_load(by_standard)
+
+
 def test_comm_device_follows_the_parameters(monkeypatch):
     """NCCL: the parameters' GPU, which must be the current device; Gloo (or the CPU half of a mixed group):
     the CPU. Checked without a GPU: torch.device objects need none, the current device is patched."""
@@ -416,6 +460,28 @@ def test_world_of_one(tmp_path):
     assert_same(after, want_after)
     assert (error, skip) == (want_error, want_skip) and "blocks.1.attn.weight" in error
     assert got["comm"]["collectives"] == 0 and all(r["owner"] in (0, "all") for r in got["owners"])
+
+
+def test_ownership_cost_uses_the_groups_ns_algorithm(tmp_path):
+    """Each matrix's cost in the ownership table is its group's Newton-Schulz count, gram included."""
+    require_native()
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method="file://" + str(tmp_path / "store"), rank=0, world_size=1)
+    try:
+        tables = {}
+        for algorithm in ("standard", "gram"):
+            model = make_model()
+            opt = DistributedNorMuonAdamW(model.named_parameters(), backend="fast", threads=1, ns_algorithm=algorithm)
+            shapes = dict(model.named_parameters())
+            tables[algorithm] = {r["name"]: r["cost"] for r in opt.ownership_table() if r["algorithm"] == "normuon"}
+            for name, cost in tables[algorithm].items():
+                rows, cols = shapes[name].shape
+                assert cost == newton_schulz_flops(rows, cols, 5, algorithm), name
+    finally:
+        dist.destroy_process_group()
+    assert tables["gram"].keys() == tables["standard"].keys()
+    assert any(tables["gram"][n] < tables["standard"][n] for n in tables["gram"])  # some matrix is not square
 
 
 def test_bad_parameters_get_the_single_process_errors(tmp_path):
