@@ -233,9 +233,13 @@ struct BatchedNewtonSchulz::Impl {
     p.panels = plan.per_matrix && plan.panels.size() > 1;
     p.mirror_full = mirrored && !p.panels;
     if (!p.panels) {
+      // A full product reads W as it is stored (W, not W^T) unless W is X itself (X X^T) or the spec makes
+      // every operand exactly symmetric (Gram's): the standard (cA) A must not rest on oneDNN's X X^T
+      // coming out bit-symmetric.
+      const bool read_transposed = S == W || mirrored;
       p.gemms.resize(1);
-      make_gemm(p.gemms[0], plan.per_matrix ? 1 : plan.count, plan.m, K, plan.m, true, bindings, {S}, {W}, {dst}, dt,
-                scratch_bytes);
+      make_gemm(p.gemms[0], plan.per_matrix ? 1 : plan.count, plan.m, K, plan.m, read_transposed, bindings, {S}, {W},
+                {dst}, dt, scratch_bytes);
       return;
     }
     p.gemms.resize(plan.panels.size());
