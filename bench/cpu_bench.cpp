@@ -183,29 +183,9 @@ CpuBenchResult run_cpu_bench(const Layout& layout, const Options& options, const
   // pass). The inputs are this step's gradients of the NorMuon matrices, orthogonalised in place: the
   // gradients are not used again.
   if (probe) {
-    int64_t gemm0 = 0;
-    uint64_t allocs0 = 0;
     std::vector<const float*> in;
     std::vector<float*> out;
-    for (int pass = 0; pass < 2; ++pass) {
-      if (pass == 1) {
-        gemm0 = probe->gemm_calls();
-        allocs0 = allocation_count();
-      }
-      for (size_t b = 0; b < probe_batches.size(); ++b) {
-        in.clear();
-        out.clear();
-        for (int e : probe_batches[b].entries) {
-          in.push_back(fast_state.grad(e));
-          out.push_back(fast_state.grad(e));
-        }
-        probe->run(static_cast<int>(b), in.data(), out.data(), options.groups[probe_batches[b].group].normuon);
-      }
-    }
-    r.onednn_allocations = static_cast<double>(allocation_count() - allocs0);
-    r.onednn_gemm_calls = probe->gemm_calls() - gemm0;
-
-    // Newton-Schulz alone, each algorithm, on the same batches: its time and what it computes.
+    // One Newton-Schulz pass over every batch with options `o`.
     auto pass = [&](const Options& o) {
       for (size_t b = 0; b < probe_batches.size(); ++b) {
         in.clear();
@@ -217,6 +197,14 @@ CpuBenchResult run_cpu_bench(const Layout& layout, const Options& options, const
         probe->run(static_cast<int>(b), in.data(), out.data(), o.groups[probe_batches[b].group].normuon);
       }
     };
+    pass(options);  // untimed
+    const int64_t gemm0 = probe->gemm_calls();
+    const uint64_t allocs0 = allocation_count();
+    pass(options);
+    r.onednn_allocations = static_cast<double>(allocation_count() - allocs0);
+    r.onednn_gemm_calls = probe->gemm_calls() - gemm0;
+
+    // Newton-Schulz alone, each algorithm, on the same batches: its time and what it computes.
     for (NsAlgorithm algorithm : {NsAlgorithm::standard, NsAlgorithm::gram}) {
       Options o = options;
       for (auto& g : o.groups) g.normuon.ns_algorithm = algorithm;
@@ -458,12 +446,12 @@ void write_cpu_bench_csv(const CpuBenchResult& r, const std::string& path) {
         actual(r.ns_fast_flops, ns.fast.max), actual(r.ns_fast_flops, ns.fast.min), n);
     for (const auto& alone : r.ns_alone) {
       const Summary t = summarise(alone.ms);
-      const std::string prefix = "ns_" + alone.algorithm + "_alone";
+      const std::string metric = "ns_" + alone.algorithm + "_alone";
       const std::string k = std::to_string(alone.ms.size());
-      row("fast", prefix, "ms", t.median, t.min, t.max, k);
-      row("fast", prefix + "_useful_throughput", "GFLOP/s", actual(r.ns_flops, t.median), actual(r.ns_flops, t.max),
+      row("fast", metric, "ms", t.median, t.min, t.max, k);
+      row("fast", metric + "_useful_throughput", "GFLOP/s", actual(r.ns_flops, t.median), actual(r.ns_flops, t.max),
           actual(r.ns_flops, t.min), k);
-      row("fast", prefix + "_actual_throughput", "GFLOP/s", actual(alone.actual_flops, t.median),
+      row("fast", metric + "_actual_throughput", "GFLOP/s", actual(alone.actual_flops, t.median),
           actual(alone.actual_flops, t.max), actual(alone.actual_flops, t.min), k);
     }
   }
