@@ -171,7 +171,7 @@ void EmulatedCudaBackend::enqueue_step(FlatState& state, const Options& options,
     const int64_t at = im.layout.entries[e].offset;
     im.operands[e] = cuda::EntryOperands{state.params.data() + at, params_bf16_.empty() ? nullptr : params_bf16_.data() + at,
                                          static_cast<const char*>(grads) + static_cast<size_t>(at) * grad_bytes,
-                                         im.config.grad_type, cuda::ElemType::bf16};
+                                         im.config.grad_type, cuda::ElemType::bf16, {}, {}, {}};  // dense
   }
   run(state.momentum.data(), state.row_var.data(), state.exp_avg.data(), state.exp_avg_sq.data(),
       state.has_grad.data(), state.group_steps.data(), state.entry_steps.data());

@@ -101,7 +101,7 @@ void StepOperands::bind(FlatState& state) {
   for (size_t e = 0; e < params.size(); ++e) {
     const int i = static_cast<int>(e);
     params[e] = ParamOperand{state.param(i), nullptr, DType::f32, state.has_grad[e] ? state.grad(i) : nullptr,
-                             DType::f32};
+                             DType::f32, {}, {}, {}};  // a flat state's tensors are dense
   }
   momentum = state.momentum.data();
   row_var = state.row_var.data();
