@@ -435,26 +435,30 @@ def test_needs_a_process_group():
         DistributedNorMuonAdamW(model.named_parameters())
 
 
-def test_world_of_one(tmp_path):
-    """One rank: no collectives at all, the single-process result."""
+@pytest.fixture
+def one_rank(tmp_path):
+    """A Gloo process group of one rank, in this process, for the test's duration."""
     require_native()
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     dist.init_process_group("gloo", init_method="file://" + str(tmp_path / "store"), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_world_of_one(one_rank):
+    """One rank: no collectives at all, the single-process result."""
     outcomes = []
-    try:
-        for distributed in (True, False):
-            model, opt, sched = build("fast_fp32_zero", distributed)
-            train(model, opt, sched, 1, STEPS)
-            got = record(model, opt)
-            poison_grads(model, "blocks.1.attn.weight")  # left to the local optimizer: same verdict
-            with pytest.raises(RuntimeError) as caught:
-                opt.step()
-            opt.nonfinite = "skip_step"
+    for distributed in (True, False):
+        model, opt, sched = build("fast_fp32_zero", distributed)
+        train(model, opt, sched, 1, STEPS)
+        got = record(model, opt)
+        poison_grads(model, "blocks.1.attn.weight")  # left to the local optimizer: same verdict
+        with pytest.raises(RuntimeError) as caught:
             opt.step()
-            outcomes.append((got, str(caught.value), opt.last_skip_reason, record(model, opt)))
-    finally:
-        dist.destroy_process_group()
+        opt.nonfinite = "skip_step"
+        opt.step()
+        outcomes.append((got, str(caught.value), opt.last_skip_reason, record(model, opt)))
     (got, error, skip, after), (want, want_error, want_skip, want_after) = outcomes
     assert_same(got, want)
     assert_same(after, want_after)
@@ -462,39 +466,25 @@ def test_world_of_one(tmp_path):
     assert got["comm"]["collectives"] == 0 and all(r["owner"] in (0, "all") for r in got["owners"])
 
 
-def test_ownership_cost_uses_the_groups_ns_algorithm(tmp_path):
+def test_ownership_cost_uses_the_groups_ns_algorithm(one_rank):
     """Each matrix's cost in the ownership table is its group's Newton-Schulz count, gram included."""
-    require_native()
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method="file://" + str(tmp_path / "store"), rank=0, world_size=1)
-    try:
-        tables = {}
-        for algorithm in ("standard", "gram"):
-            model = make_model()
-            opt = DistributedNorMuonAdamW(model.named_parameters(), backend="fast", threads=1, ns_algorithm=algorithm)
-            shapes = dict(model.named_parameters())
-            tables[algorithm] = {r["name"]: r["cost"] for r in opt.ownership_table() if r["algorithm"] == "normuon"}
-            for name, cost in tables[algorithm].items():
-                rows, cols = shapes[name].shape
-                assert cost == newton_schulz_flops(rows, cols, 5, algorithm), name
-    finally:
-        dist.destroy_process_group()
+    tables = {}
+    for algorithm in ("standard", "gram"):
+        model = make_model()
+        opt = DistributedNorMuonAdamW(model.named_parameters(), backend="fast", threads=1, ns_algorithm=algorithm)
+        shapes = dict(model.named_parameters())
+        tables[algorithm] = {r["name"]: r["cost"] for r in opt.ownership_table() if r["algorithm"] == "normuon"}
+        for name, cost in tables[algorithm].items():
+            rows, cols = shapes[name].shape
+            assert cost == newton_schulz_flops(rows, cols, 5, algorithm), name
     assert tables["gram"].keys() == tables["standard"].keys()
     assert any(tables["gram"][n] < tables["standard"][n] for n in tables["gram"])  # some matrix is not square
 
 
-def test_bad_parameters_get_the_single_process_errors(tmp_path):
+def test_bad_parameters_get_the_single_process_errors(one_rank):
     """The plan over stand-ins still reports what NorMuonAdamW reports."""
-    require_native()
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method="file://" + str(tmp_path / "store"), rank=0, world_size=1)
-    try:
-        for params, error, match in (([("w", 3)], TypeError, "not a torch.Tensor"),
-                                     ([{"names": ["w"]}], ValueError, "not a dict with 'params'"),
-                                     ([], ValueError, "empty parameter list")):
-            with pytest.raises(error, match=match):
-                DistributedNorMuonAdamW(params)
-    finally:
-        dist.destroy_process_group()
+    for params, error, match in (([("w", 3)], TypeError, "not a torch.Tensor"),
+                                 ([{"names": ["w"]}], ValueError, "not a dict with 'params'"),
+                                 ([], ValueError, "empty parameter list")):
+        with pytest.raises(error, match=match):
+            DistributedNorMuonAdamW(params)
