@@ -315,8 +315,8 @@ struct BatchedNewtonSchulz::Impl {
     T *Z = region<T>(kZ, s), *Q = region<T>(kQ, s), *RZ = region<T>(kRZ, s);
     product<T>(plan, plan.gram_r[prec], s);  // R = P(X X^T)
     for (int it = 0; it < h.ns_steps; ++it) {
-      const bool restart = it > 0 && gram_restarts_before(it);
-      if (restart) {
+      const NsGramIteration does = ns_gram_iteration(it, h.ns_steps);
+      if (does.restart) {
         product<T>(plan, plan.qx[prec], s);  // G = P(Q X)
         each(s, mn, [&](int64_t b, int64_t e) { copy_into(X, G, b, e); });
         product<T>(plan, plan.gram_r[prec], s);
@@ -326,7 +326,7 @@ struct BatchedNewtonSchulz::Impl {
       each(s, mm, [&](int64_t b, int64_t e) { scale_into(CA, A, static_cast<float>(t.c), b, e); });
       product<T>(plan, plan.gram_crr[prec], s);                                                         // G = P(CR R)
       each(s, mm, [&](int64_t b, int64_t e) { b_into(Z, A, G, static_cast<float>(t.b), b, e); });  // Z = P(P(bR) + G)
-      if (it == 0 || restart) {  // Q = P(Z + a I)
+      if (does.fresh) {  // Q = P(Z + a I)
         each(s, mm, [&](int64_t b, int64_t e) { copy_into(Q, Z, b, e); });
         each_matrix(s, [&](int64_t k) {
           T* q = Q + k * mm;
@@ -336,7 +336,7 @@ struct BatchedNewtonSchulz::Impl {
         product<T>(plan, plan.qz[prec], s);
         each(s, mm, [&](int64_t b, int64_t e) { x_update(Q, G, a, b, e); });
       }
-      if (it + 1 < h.ns_steps && !gram_restarts_before(it + 1)) {  // R = (Z + a I) R (Z + a I)
+      if (does.update_r) {  // R = (Z + a I) R (Z + a I)
         product<T>(plan, plan.rz[prec], s);
         each(s, mm, [&](int64_t b, int64_t e) { b_into(RZ, A, G, a, b, e); });  // RZ = P(P(a R) + P(R Z))
         product<T>(plan, plan.zrz[prec], s);

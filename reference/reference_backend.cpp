@@ -115,21 +115,21 @@ at::Tensor gram_iteration(at::Tensor X, const NorMuonHyper& h, const Round& P, c
   auto sym = [&lower](const at::Tensor& c) { return at::where(lower, c, c.t()); };
   at::Tensor R = sym(gemm(X, X.t())), Q;
   for (int k = 0; k < h.ns_steps; ++k) {
-    const bool restart = k > 0 && gram_restarts_before(k);
-    if (restart) {
+    const NsGramIteration does = ns_gram_iteration(k, h.ns_steps);
+    if (does.restart) {
       X = gemm(Q, X);
       R = sym(gemm(X, X.t()));
     }
     const NsTriple& co = ns_triple(h.ns_coefficients, k);
     const at::Tensor Z = P(P(co.b * R) + sym(gemm(P(co.c * R), R)));  // the standard B, on R
-    if (k == 0 || restart) {
+    if (does.fresh) {
       Q = Z.clone();
       Q.diagonal().add_(co.a);  // Q = Z + a I: only the diagonal changes (off it, Z + 0 would flip -0)
       Q = P(Q);
     } else {
       Q = P(P(co.a * Q) + sym(gemm(Q, Z)));  // Q (Z + a I)
     }
-    if (k + 1 < h.ns_steps && !gram_restarts_before(k + 1)) {  // R <- (Z + a I) R (Z + a I)
+    if (does.update_r) {  // R <- (Z + a I) R (Z + a I)
       const at::Tensor RZ = P(P(co.a * R) + sym(gemm(R, Z)));
       R = P(P(co.a * RZ) + sym(gemm(Z, RZ)));
     }

@@ -1,7 +1,5 @@
 #include "ns_gram_plan.h"
 
-#include "normuon/ns_algorithm.h"
-
 namespace normuon::cuda {
 namespace {
 
@@ -24,14 +22,6 @@ NsGemmSpec square(const NsGemmPlan& plan, NsOperand a, NsOperand b, NsOperand d)
 }
 
 }  // namespace
-
-NsGramIteration ns_gram_iteration(int k, int steps) {
-  NsGramIteration it{};
-  it.restart = k > 0 && gram_restarts_before(k);
-  it.fresh = k == 0 || it.restart;
-  it.update_r = k + 1 < steps && !gram_restarts_before(k + 1);
-  return it;
-}
 
 int ns_gram_applies(int steps) {
   int n = 1;

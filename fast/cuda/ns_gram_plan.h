@@ -1,6 +1,7 @@
 // Gram Newton-Schulz on the fast CUDA backend (docs/spec.md section 3.2), the host side: which GEMMs a
 // run makes and on which buffers, and what each iteration does (restart, fresh Q, R updated). The run
-// itself (ns_gram_kernels.cuh) and its launch count both follow from ns_gram_iteration, so they agree.
+// itself (ns_gram_kernels.cuh) and its launch count both follow from ns_gram_iteration (ns_algorithm.h, shared
+// with every backend), so they agree.
 // Plain C++ (no CUDA), so tests check it on any machine.
 //
 // The spec's loop on the wide s x l matrix X, with the buffers that hold each value (P rounds to the
@@ -25,17 +26,10 @@
 // every X = Q X (cuBLASLt cannot write over an input); u has x's stride, so the layouts are the same.
 #pragma once
 
+#include "normuon/ns_algorithm.h"
 #include "ns_gemm_plan.h"
 
 namespace normuon::cuda {
-
-// What iteration k (0-based) of an ns_steps run does.
-struct NsGramIteration {
-  bool restart;   // X = Q X and R = sym(X X^T) first
-  bool fresh;     // Q = P(Z + a I) (k = 0 or a restart), else Q = P(P(a Q) + sym(Q Z))
-  bool update_r;  // R = (Z + a I) R (Z + a I) for the next iteration (not the last, nor before a restart)
-};
-NsGramIteration ns_gram_iteration(int k, int steps);
 
 // The X = Q X GEMMs of a run: one per restart and the final one.
 int ns_gram_applies(int steps);

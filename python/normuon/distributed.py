@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .optim import ADAMW_KEYS, NORMUON_FIELDS, NorMuonAdamW, NotCopyable, resolve_inputs
 from .routing import ROUTING_COLUMNS, routing_text
-from .reference import gram_restarts_before, nonfinite_gradient
+from .reference import gram_iteration, nonfinite_gradient
 
 # Group keys that are bookkeeping, not hyper-parameters: never copied into the per-rank optimizer.
 _GROUP_BOOKKEEPING = ("params", "names", "name", "algorithm", "step")
@@ -35,12 +35,9 @@ def newton_schulz_flops(rows, cols, ns_steps, ns_algorithm="standard"):
         return ns_steps * (4 * a * a * b + 2 * a * a * a)
     aab, aaa = 2, 0  # products of a x a x b and of a x a x a multiply-adds
     for k in range(ns_steps):
-        restart = k > 0 and gram_restarts_before(k)
-        if restart:
-            aab += 2
-        aaa += 1 if k == 0 or restart else 2
-        if k + 1 < ns_steps and not gram_restarts_before(k + 1):
-            aaa += 2
+        restart, fresh, update_r = gram_iteration(k, ns_steps)
+        aab += 2 if restart else 0
+        aaa += (1 if fresh else 2) + (2 if update_r else 0)
     return 2 * (aab * a * a * b + aaa * a * a * a)
 
 

@@ -75,6 +75,14 @@ def gram_restarts_before(k):
     return k >= 2 and (k - 2) % 3 == 0
 
 
+def gram_iteration(k, steps):
+    """What iteration k of a Gram run does, (restart, fresh, update_r), as ns_gram_iteration in
+    core/include/normuon/ns_algorithm.h: X = Q X and R = sym(X X^T) first; Q = P(Z + a I) (else Q (Z + a I));
+    R = (Z + a I) R (Z + a I) for the next iteration."""
+    restart = k > 0 and gram_restarts_before(k)
+    return restart, k == 0 or restart, k + 1 < steps and not gram_restarts_before(k + 1)
+
+
 def _gram_iteration(X, h, P, gemm):
     """Gram Newton-Schulz (spec section 3.2) on the normalised wide X (m < n): R = X X^T, Q collects the
     polynomial, X <- Q X only at a restart and at the end. Every m x m product keeps its lower triangle
@@ -87,19 +95,19 @@ def _gram_iteration(X, h, P, gemm):
 
     R, Q = sym(gemm(X, X.t())), None
     for k in range(h["ns_steps"]):
-        restart = k > 0 and gram_restarts_before(k)
+        restart, fresh, update_r = gram_iteration(k, h["ns_steps"])
         if restart:
             X = gemm(Q, X)
             R = sym(gemm(X, X.t()))
         a, b, c = ns_triple(h, k)
         Z = P(P(b * R) + sym(gemm(P(c * R), R)))
-        if k == 0 or restart:
+        if fresh:
             Q = Z.clone()
             Q.diagonal().add_(a)  # Z + a I: only the diagonal changes
             Q = P(Q)
         else:
             Q = P(P(a * Q) + sym(gemm(Q, Z)))
-        if k + 1 < h["ns_steps"] and not gram_restarts_before(k + 1):
+        if update_r:
             RZ = P(P(a * R) + sym(gemm(R, Z)))
             R = P(P(a * RZ) + sym(gemm(Z, RZ)))
     return gemm(Q, X)

@@ -19,6 +19,18 @@ constexpr bool ns_uses_gram(NsAlgorithm algorithm, int64_t rows, int64_t cols) {
 // quintic schedule lets Q grow (a^k on the null space of X) or collect rounding for long.
 constexpr bool gram_restarts_before(int iteration) { return iteration >= 2 && (iteration - 2) % 3 == 0; }
 
+// What iteration k (0-based) of an ns_steps Gram run does: every backend's loop and the counts below
+// follow it.
+struct NsGramIteration {
+  bool restart;   // X = Q X and R = sym(X X^T) first
+  bool fresh;     // Q = P(Z + a I) (k = 0 or a restart), else Q = P(P(a Q) + sym(Q Z))
+  bool update_r;  // R = (Z + a I) R (Z + a I) for the next iteration (not the last, nor before a restart)
+};
+constexpr NsGramIteration ns_gram_iteration(int k, int steps) {
+  const bool restart = k > 0 && gram_restarts_before(k);
+  return {restart, k == 0 || restart, k + 1 < steps && !gram_restarts_before(k + 1)};
+}
+
 // FLOPs (2 per multiply-add) of orthogonalising one matrix, m = min(rows, cols), n = max(rows, cols).
 // The full dense standard iteration: X X^T, (cA) A and B X, every product computed in full. This is the
 // "useful" count: the work the standard algorithm defines, whatever a backend actually computes.
@@ -35,10 +47,10 @@ constexpr double ns_gram_dense_flops(int64_t rows, int64_t cols, int steps) {
   const double m = static_cast<double>(rows < cols ? rows : cols), n = static_cast<double>(rows < cols ? cols : rows);
   double mmn = 2, mmm = 0;  // products of m x m x n and m x m x m multiply-adds
   for (int k = 0; k < steps; ++k) {
-    const bool fresh = k == 0 || gram_restarts_before(k);
-    if (k > 0 && gram_restarts_before(k)) mmn += 2;
-    mmm += fresh ? 1 : 2;
-    if (k + 1 < steps && !gram_restarts_before(k + 1)) mmm += 2;
+    const NsGramIteration it = ns_gram_iteration(k, steps);
+    if (it.restart) mmn += 2;
+    mmm += it.fresh ? 1 : 2;
+    if (it.update_r) mmm += 2;
   }
   return 2 * (mmn * m * m * n + mmm * m * m * m);
 }
