@@ -3,12 +3,7 @@
 #include <chrono>
 #include <cmath>
 
-// One clone per x86-64 level, picked at load time: AVX-512 where present, never assumed.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define NORMUON_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define NORMUON_MULTIVERSION
-#endif
+#include "multiversion.h"
 
 namespace normuon::fast {
 namespace {

@@ -13,6 +13,7 @@
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include "cpu_kernels.h"
+#include "ns_elementwise.h"
 #include "normuon/ns_algorithm.h"
 #include "normuon/ns_coefficients.h"
 #include "symmetric_panels.h"
@@ -20,29 +21,6 @@
 
 namespace normuon::fast {
 namespace {
-
-// Storage of the working precision: fp32 as float, bf16 as its upper 16 bits. Storing rounds (= P).
-using Bf16 = uint16_t;
-inline float load(float x) { return x; }
-inline float load(Bf16 b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline void store(float& d, float x) { d = x; }
-inline void store(Bf16& d, float x) {
-  const float r = round_bf16(x);
-  uint32_t u;
-  std::memcpy(&u, &r, sizeof u);
-  d = static_cast<Bf16>(u >> 16);
-}
-template <typename T>
-inline float P(float x) {
-  T t;
-  store(t, x);
-  return load(t);
-}
 
 struct Aligned {
   void* ptr = nullptr;
@@ -119,48 +97,22 @@ struct Site {
 // X = P(U) in the wide orientation, then X = P(X / P(||X|| + eps)), for one matrix.
 template <typename T>
 void load_normalised(const BatchPlan& plan, const float* u, T* xk, const NorMuonHyper& h) {
-  const int64_t m = plan.m, n = plan.n, mn = m * n;
-  if (plan.tall) {
-    for (int64_t i = 0; i < n; ++i)  // u is n x m as stored
-      for (int64_t j = 0; j < m; ++j) store(xk[j * n + i], u[i * m + j]);
-  } else {
-    for (int64_t i = 0; i < mn; ++i) store(xk[i], u[i]);
-  }
-  double sq = 0;
-  for (int64_t i = 0; i < mn; ++i) sq += static_cast<double>(load(xk[i])) * load(xk[i]);
-  const float norm = P<T>(static_cast<float>(std::sqrt(sq)));
+  const int64_t m = plan.m, n = plan.n;
+  ns_load(u, xk, plan.tall ? n : m, plan.tall ? m : n, plan.tall);  // u is n x m as stored when tall
+  const float norm = ns_round<T>(static_cast<float>(std::sqrt(ns_sum_squares(xk, m * n))));
   const float ns_eps = static_cast<float>(h.ns_eps);
   const float d = h.ns_coefficients == NsCoefficients::quintic
-                      ? P<T>(norm + ns_eps)
-                      : P<T>(P<T>(norm * static_cast<float>(kPolarExpressSafety)) + ns_eps);
-  for (int64_t i = 0; i < mn; ++i) store(xk[i], load(xk[i]) / d);
+                      ? ns_round<T>(norm + ns_eps)
+                      : ns_round<T>(ns_round<T>(norm * static_cast<float>(kPolarExpressSafety)) + ns_eps);
+  ns_divide(xk, d, m * n);
 }
 
 // O back to fp32, stored orientation, for one matrix.
 template <typename T>
 void store_output(const BatchPlan& plan, const T* xk, float* o) {
-  const int64_t m = plan.m, n = plan.n, mn = m * n;
-  if (plan.tall) {
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < m; ++j) o[i * m + j] = load(xk[j * n + i]);
-  } else {
-    for (int64_t i = 0; i < mn; ++i) o[i] = load(xk[i]);
-  }
+  ns_store(xk, o, plan.m, plan.n, plan.tall);
 }
 
-// The elementwise steps between the products; elements [begin, end) of the operands.
-template <typename T>
-void scale_into(T* CA, const T* A, float c, int64_t begin, int64_t end) {  // CA = P(c A)
-  for (int64_t i = begin; i < end; ++i) store(CA[i], c * load(A[i]));
-}
-template <typename T>
-void b_into(T* CA, const T* A, const T* G, float b, int64_t begin, int64_t end) {  // B = P(P(b A) + G)
-  for (int64_t i = begin; i < end; ++i) store(CA[i], P<T>(b * load(A[i])) + load(G[i]));
-}
-template <typename T>
-void x_update(T* X, const T* G, float a, int64_t begin, int64_t end) {  // X = P(P(a X) + G)
-  for (int64_t i = begin; i < end; ++i) store(X[i], P<T>(a * load(X[i])) + load(G[i]));
-}
 template <typename T>
 void copy_into(T* D, const T* S, int64_t begin, int64_t end) {  // D = S (values already in P)
   std::memcpy(D + begin, S + begin, static_cast<size_t>(end - begin) * sizeof(T));
@@ -303,11 +255,13 @@ struct BatchedNewtonSchulz::Impl {
       for (int it = 0; it < h.ns_steps; ++it) {
         const NsTriple& t = ns_triple(h.ns_coefficients, it);
         product<T>(plan, plan.gram[prec], s);  // A = P(X X^T)
-        each(s, mm, [&](int64_t b, int64_t e) { scale_into(CA, A, static_cast<float>(t.c), b, e); });
+        each(s, mm, [&](int64_t b, int64_t e) { ns_scale(CA + b, A + b, static_cast<float>(t.c), e - b); });
         product<T>(plan, plan.square[prec], s);  // G = P(CA A)
-        each(s, mm, [&](int64_t b, int64_t e) { b_into(CA, A, G, static_cast<float>(t.b), b, e); });
+        each(s, mm, [&](int64_t b, int64_t e) { ns_scaled_add(CA + b, A + b, G + b, static_cast<float>(t.b), e - b); });
         product<T>(plan, plan.apply[prec], s);  // G = P(B X)
-        each(s, mn, [&](int64_t b, int64_t e) { x_update(X, G, static_cast<float>(t.a), b, e); });
+        each(s, mn, [&](int64_t b, int64_t e) {
+          ns_scaled_add_in_place(X + b, G + b, static_cast<float>(t.a), e - b);
+        });
       }
       return kX;
     }
@@ -323,24 +277,28 @@ struct BatchedNewtonSchulz::Impl {
       }
       const NsTriple& t = ns_triple(h.ns_coefficients, it);
       const float a = static_cast<float>(t.a);
-      each(s, mm, [&](int64_t b, int64_t e) { scale_into(CA, A, static_cast<float>(t.c), b, e); });
-      product<T>(plan, plan.gram_crr[prec], s);                                                         // G = P(CR R)
-      each(s, mm, [&](int64_t b, int64_t e) { b_into(Z, A, G, static_cast<float>(t.b), b, e); });  // Z = P(P(bR) + G)
+      each(s, mm, [&](int64_t b, int64_t e) { ns_scale(CA + b, A + b, static_cast<float>(t.c), e - b); });
+      product<T>(plan, plan.gram_crr[prec], s);  // G = P(CR R)
+      each(s, mm, [&](int64_t b, int64_t e) {  // Z = P(P(bR) + G)
+        ns_scaled_add(Z + b, A + b, G + b, static_cast<float>(t.b), e - b);
+      });
       if (does.fresh) {  // Q = P(Z + a I)
         each(s, mm, [&](int64_t b, int64_t e) { copy_into(Q, Z, b, e); });
         each_matrix(s, [&](int64_t k) {
           T* q = Q + k * mm;
-          for (int64_t i = 0; i < m; ++i) store(q[i * m + i], load(q[i * m + i]) + a);
+          for (int64_t i = 0; i < m; ++i) ns_round_into(q[i * m + i], ns_widen(q[i * m + i]) + a);
         });
       } else {  // Q = P(P(a Q) + P(Q Z))
         product<T>(plan, plan.qz[prec], s);
-        each(s, mm, [&](int64_t b, int64_t e) { x_update(Q, G, a, b, e); });
+        each(s, mm, [&](int64_t b, int64_t e) { ns_scaled_add_in_place(Q + b, G + b, a, e - b); });
       }
       if (does.update_r) {  // R = (Z + a I) R (Z + a I)
         product<T>(plan, plan.rz[prec], s);
-        each(s, mm, [&](int64_t b, int64_t e) { b_into(RZ, A, G, a, b, e); });  // RZ = P(P(a R) + P(R Z))
+        // RZ = P(P(a R) + P(R Z))
+        each(s, mm, [&](int64_t b, int64_t e) { ns_scaled_add(RZ + b, A + b, G + b, a, e - b); });
         product<T>(plan, plan.zrz[prec], s);
-        each(s, mm, [&](int64_t b, int64_t e) { b_into(A, RZ, G, a, b, e); });  // R = P(P(a RZ) + P(Z RZ))
+        // R = P(P(a RZ) + P(Z RZ))
+        each(s, mm, [&](int64_t b, int64_t e) { ns_scaled_add(A + b, RZ + b, G + b, a, e - b); });
       }
     }
     product<T>(plan, plan.qx[prec], s);  // G = P(Q X)
