@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,9 @@ struct CpuBenchConfig {
   int threads = 0;             // of both backends and the triad; 0: fast::default_threads()
   uint64_t seed = 1234;        // the gradient generator's
   bool quiet = false;          // no per-step progress and no description of the fast backend's batches
+  // When set, the fast backend runs this Newton-Schulz algorithm in every NorMuon group and the reference
+  // keeps the options' own: Gram Newton-Schulz against the official (standard) iteration, side by side.
+  std::optional<NsAlgorithm> fast_ns_algorithm;
 };
 
 struct CpuStepSample {
@@ -36,6 +40,7 @@ struct CpuStepSample {
 struct CpuBenchResult {
   std::string model;
   int threads = 0;  // as resolved: never 0
+  std::string reference_ns, fast_ns;  // each backend's Newton-Schulz algorithm(s), e.g. "standard"; "" unused
   int64_t repeats = 0;
   int64_t steps = 0;  // steps each backend took: warm-up, measured and the counting step
   int64_t adamw_params = 0;
@@ -64,6 +69,7 @@ struct CpuBenchResult {
   double onednn_allocations = std::numeric_limits<double>::quiet_NaN();
   int64_t onednn_gemm_calls = 0;
   double max_param_diff = 0;  // between the two states after the run (`normuon compare` checks them)
+  bool same_algorithms() const { return reference_ns == fast_ns; }
   // The fast step with a busy process beside it (one spinning process): with the run's threads, and
   // with one thread under the same contention; `repeats` steps each, after the quiet ones.
   std::vector<double> contended_ms, contended_one_thread_ms;

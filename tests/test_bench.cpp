@@ -113,6 +113,8 @@ BOOST_AUTO_TEST_CASE(cpu_bench_measures_both_backends_on_tiny) {
   // Same state, same gradients, two steps: the two backends still agree.
   BOOST_TEST(std::isfinite(r.max_param_diff));
   BOOST_TEST(r.max_param_diff < 1e-3);
+  BOOST_TEST(r.reference_ns == "standard");
+  BOOST_TEST(r.fast_ns == "standard");
 
   const CpuBenchSummary s = summarise_cpu_bench(r);
   BOOST_REQUIRE_EQUAL(s.rows.size(), 9u);
@@ -120,6 +122,36 @@ BOOST_AUTO_TEST_CASE(cpu_bench_measures_both_backends_on_tiny) {
   BOOST_TEST(s.whole_step().csv_name == "whole_step");
   BOOST_TEST(s.whole_step().fast.median == r.fast[0].wall_ms);
   BOOST_TEST(s.speedup == r.reference[0].wall_ms / r.fast[0].wall_ms);
+}
+
+// --fast-ns-algorithm gram: the fast backend runs Gram, the reference the official iteration.
+BOOST_AUTO_TEST_CASE(cpu_bench_times_fast_gram_against_the_reference_standard) {
+  const Options options;
+  const Layout layout = Layout::build(preset_manifest("tiny"), options);
+  CpuBenchConfig config;
+  config.warmup = 0;
+  config.repeats = 1;
+  config.quiet = true;
+  config.fast_ns_algorithm = NsAlgorithm::gram;
+  Transcript log(nullptr);  // the run's header lines, then the report
+  const CpuBenchResult r = run_cpu_bench(layout, options, config, log);
+  BOOST_TEST(r.reference_ns == "standard");
+  BOOST_TEST(r.fast_ns == "gram");
+  BOOST_TEST(!r.same_algorithms());
+  BOOST_TEST(r.ns_reference_flops == r.ns_flops);  // the reference computes the full standard iteration
+  BOOST_REQUIRE_EQUAL(r.ns_alone.size(), 2u);
+  BOOST_TEST(r.ns_fast_flops == r.ns_alone[1].actual_flops);  // the step's fast FLOPs are Gram's
+  BOOST_TEST(r.gemm_calls != tiny_run().gemm_calls);
+  // Different algorithms: the states part, but not far (both orthogonalise the same momentum).
+  BOOST_TEST(r.max_param_diff > tiny_run().max_param_diff);
+  BOOST_TEST(r.max_param_diff < 0.1);
+
+  print_cpu_bench(r, log);
+  BOOST_TEST(contains(log.text(), "; the fast backend runs gram instead\n"));
+  BOOST_TEST(contains(log.text(), "whole step: fast (ns_algorithm gram) is "));
+  BOOST_TEST(contains(log.text(), "faster than the reference (ns_algorithm standard) (bar 2.5x: "));
+  BOOST_TEST(contains(log.text(), "different Newton-Schulz algorithms: not comparable"));
+  BOOST_TEST(!contains(log.text(), "(bar 3x"));
 }
 
 BOOST_AUTO_TEST_CASE(cpu_bench_report_and_csv) {

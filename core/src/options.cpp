@@ -397,5 +397,6 @@ const char* to_string(WeightDecayMode e) { return enum_name(e); }
 const char* to_string(EpsPlacement e) { return enum_name(e); }
 const char* to_string(NonFinitePolicy e) { return enum_name(e); }
 Algorithm parse_algorithm(const std::string& text) { return parse_enum<Algorithm>("algorithm", text); }
+NsAlgorithm parse_ns_algorithm(const std::string& text) { return parse_enum<NsAlgorithm>("ns_algorithm", text); }
 
 }  // namespace normuon

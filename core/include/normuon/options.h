@@ -110,6 +110,7 @@ const char* to_string(WeightDecayMode);
 const char* to_string(EpsPlacement);
 const char* to_string(NonFinitePolicy);
 Algorithm parse_algorithm(const std::string&);
+NsAlgorithm parse_ns_algorithm(const std::string&);  // "standard" | "gram"; throws listing them
 
 // Every settable key with its current value, one "key=value" per entry (for --help and logs).
 std::vector<std::string> describe(const Options&);
