@@ -60,6 +60,9 @@ def parse_args(argv):
                    help="preset name(s), comma-separated (`normuon presets`); one table each (default gpt2-124m)")
     p.add_argument("--peers", default=",".join(PEER_NAMES), help="comma-separated peers (default: all)")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
+    p.add_argument("--threads", type=int,
+                   help="--device cpu: the threads of every peer, torch's (torch.set_num_threads) and the fused "
+                        "backend's, the same for all (default: one per processor this process may use)")
     p.add_argument("--param-dtype", choices=("f32", "bf16"),
                    help="parameter and gradient dtype (default: the preset's: f32 for tiny and gpt2-124m, bf16 "
                         "for the others)")
@@ -102,6 +105,10 @@ def parse_args(argv):
         p.error(f"--device {args.device}: {error}")
     if args.device.type not in ("cpu", "cuda"):
         p.error(f"--device {args.device}: choose cuda, cuda:N or cpu")
+    if args.threads is not None and (args.threads < 1 or args.device.type != "cpu"):
+        p.error("--threads: a count >= 1, for --device cpu only")
+    if args.device.type == "cpu" and args.threads is None:
+        args.threads = len(os.sched_getaffinity(0))
     if args.device.type == "cuda":
         if not torch.cuda.is_available():
             p.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); use --device cpu")
@@ -176,11 +183,14 @@ def main(argv=None):
     command = shlex.join([os.path.basename(sys.executable), os.path.relpath(os.path.abspath(__file__), REPO),
                           *(sys.argv[1:] if argv is None else argv)])
     where = machine(args.device)
+    if args.device.type == "cpu":  # every peer on the same threads
+        torch.set_num_threads(args.threads)
+        where += f", {args.threads} threads for every peer"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"device {where}; torch {torch.__version__}; Python {platform.python_version()}; "
               f"normuon {normuon.__version__} (_C: {'yes' if normuon.native_available() else 'no'}); {date}")
     log(header)
-    ctx = Context(device=args.device, official_path=args.official_normuon)
+    ctx = Context(device=args.device, official_path=args.official_normuon, threads=args.threads or 0)
     measure.warm_up_device(args.device)
     rows = []
     commit = git_commit()

@@ -26,6 +26,7 @@ class Skip(Exception):
 class Context:
     device: torch.device
     official_path: str
+    threads: int = 0  # CPU: the fused backend's threads (0: its default); torch's are set by the caller
 
 
 @dataclass
@@ -112,8 +113,8 @@ def _prepare_emerging(ctx):
                   "eps_placement=clamp); fp32 parameters only (its newton_schulz refuses other dtypes)"]
 
 
-def _normuon_kwargs(model, backend):
-    return dict(lr=NORMUON_HP["lr"], momentum=NORMUON_HP["momentum"], beta2=NORMUON_HP["beta2"],
+def _normuon_kwargs(model, backend, threads=0):
+    return dict(threads=threads, lr=NORMUON_HP["lr"], momentum=NORMUON_HP["momentum"], beta2=NORMUON_HP["beta2"],
                 weight_decay=NORMUON_HP["weight_decay"], adamw_lr=ADAMW_HP["lr"], adamw_betas=ADAMW_HP["betas"],
                 adamw_eps=ADAMW_HP["eps"], adamw_weight_decay=ADAMW_HP["weight_decay"],
                 roles={s.name: s.role for s in model.specs}, backend=backend)
@@ -125,7 +126,7 @@ def _prepare_normuon(backend):
             raise Skip(f"normuon._C does not import ({normuon.native_error()}); build it and set PYTHONPATH")
 
         def make(model):
-            opt = normuon.NorMuonAdamW(model.named(), **_normuon_kwargs(model, backend))
+            opt = normuon.NorMuonAdamW(model.named(), **_normuon_kwargs(model, backend, ctx.threads))
             return opt.step, [f"backend {opt.backend}"]
         return make, []
     return prepare

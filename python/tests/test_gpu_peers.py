@@ -31,7 +31,7 @@ def smoke(tmp_path_factory):
     require_native()
     out = tmp_path_factory.mktemp("gpu_peers")
     done = run("--device", "cpu", "--preset", "tiny", "--steps", 1, "--warmup", 0, "--profile-steps", 1,
-               "--peers", ",".join(PEERS), "--official-normuon", out / "no-such-normuon.py",
+               "--threads", 1, "--peers", ",".join(PEERS), "--official-normuon", out / "no-such-normuon.py",
                "--csv", out / "peers.csv", "--markdown", out / "peers.md")
     assert done.returncode == 0, done.stdout + done.stderr
     with open(out / "peers.csv", newline="") as f:
@@ -57,6 +57,7 @@ def test_a_row_per_requested_peer(smoke):
         assert by[peer]["status"] in ("ok", "skipped", "failed")
         assert (by[peer]["status"] == "ok") != bool(by[peer]["reason"]), by[peer]
     assert "command:" in markdown and "--preset tiny" in markdown and "What the columns count" in markdown
+    assert "1 threads for every peer" in done.stdout and "1 threads for every peer" in markdown
 
 
 def test_a_missing_peer_is_skipped_with_the_reason(smoke):
@@ -71,7 +72,8 @@ def test_a_missing_peer_is_skipped_with_the_reason(smoke):
 
 @pytest.mark.parametrize("args, word", [(["--preset", "no-such-preset"], "no-such-preset"),
                                         (["--peers", "fused-py,no-such-peer"], "no-such-peer"),
-                                        (["--steps", "0"], "--steps")])
+                                        (["--steps", "0"], "--steps"),
+                                        (["--threads", "0"], "--threads")])
 def test_bad_arguments_exit_2_and_write_nothing(tmp_path, args, word):
     done = run("--device", "cpu", "--preset", "tiny", *args, "--csv", tmp_path / "x.csv",
                "--markdown", tmp_path / "x.md")
