@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 
 #include "multiversion.h"
 
@@ -56,35 +57,20 @@ void adamw(float* p, const float* g, float* m, float* v, int64_t n, const AdamWS
 }
 
 NORMUON_MULTIVERSION
-void round_to_precision(const float* in, float* out, int64_t n, bool bf16) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = P(in[i], bf16);
-}
-
-void transpose_round(const float* in, float* out, int64_t rows, int64_t cols, bool bf16) {
-  constexpr int64_t kBlock = 32;  // cache blocking: both sides touch whole lines
-  for (int64_t i0 = 0; i0 < rows; i0 += kBlock)
-    for (int64_t j0 = 0; j0 < cols; j0 += kBlock)
-      for (int64_t i = i0; i < std::min(rows, i0 + kBlock); ++i)
-        for (int64_t j = j0; j < std::min(cols, j0 + kBlock); ++j) out[j * rows + i] = P(in[i * cols + j], bf16);
-}
-
-NORMUON_MULTIVERSION
 void divide_round(float* x, int64_t n, float d, bool bf16) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) x[i] = P(x[i] / d, bf16);
 }
 
 NORMUON_MULTIVERSION
-void scale_round(const float* in, float* out, int64_t n, float c, bool bf16) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = P(c * in[i], bf16);
-}
-
-NORMUON_MULTIVERSION
-void scale_add_round(const float* x, const float* y, float* out, int64_t n, float a, bool bf16) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = P(P(a * x[i], bf16) + P(y[i], bf16), bf16);
+bool all_finite(const float* x, int64_t n) {
+  uint32_t nonfinite = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, x + i, sizeof u);
+    nonfinite |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);  // exponent all ones: Inf or NaN
+  }
+  return nonfinite == 0;
 }
 
 NORMUON_MULTIVERSION

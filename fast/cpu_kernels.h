@@ -37,12 +37,11 @@ struct AdamWScalars {
 };
 void adamw(float* p, const float* g, float* m, float* v, int64_t n, const AdamWScalars& s);
 
-// Newton-Schulz elementwise steps; `bf16` rounds every result to bf16 (the working precision P).
-void round_to_precision(const float* in, float* out, int64_t n, bool bf16);                  // out = P(in)
-void transpose_round(const float* in, float* out, int64_t rows, int64_t cols, bool bf16);    // out = P(in^T)
-void divide_round(float* x, int64_t n, float d, bool bf16);                                  // x = P(x / d)
-void scale_round(const float* in, float* out, int64_t n, float c, bool bf16);               // out = P(c*in)
-void scale_add_round(const float* x, const float* y, float* out, int64_t n, float a, bool bf16);  // P(P(a*x) + P(y))
+// x = P(x / d); `bf16` rounds every result to bf16, else fp32.
+void divide_round(float* x, int64_t n, float d, bool bf16);
+
+// No NaN or Inf among x[0, n): the whole range is read (no early exit), so the loop vectorises.
+bool all_finite(const float* x, int64_t n);
 
 // NorMuon after Newton-Schulz, for one rows x cols matrix (O as stored): statistics, second moment,
 // normalisation, re-norm, shape factor, weight decay and the step. Sequential reductions in double:

@@ -1,5 +1,6 @@
 #include "fast_cpu_backend.h"
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <sstream>
@@ -21,6 +22,13 @@ constexpr int64_t kChunk = 1 << 15;  // floats per multi-tensor work item: 128 K
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
 
+// Some NorMuon group runs Gram Newton-Schulz.
+bool asks_for_gram(const Options& options) {
+  for (const auto& g : options.groups)
+    if (g.algorithm == Algorithm::normuon && g.normuon.ns_algorithm == NsAlgorithm::gram) return true;
+  return false;
+}
+
 }  // namespace
 
 std::string FastCpuBackend::unsupported_reason(const Layout& layout, const Options& options) {
@@ -32,14 +40,15 @@ FastCpuBackend::FastCpuBackend(const Layout& layout, const Options& options, int
   const std::string reason = unsupported_reason(layout, options);
   if (!reason.empty()) throw std::invalid_argument("fast-cpu backend: " + reason);
   batches_ = newton_schulz_batches(layout);
-  std::vector<fast::NsBatchShape> shapes;
   size_t ns_matrices = 0;
   for (const auto& b : batches_) {
-    shapes.push_back({b.rows, b.cols, static_cast<int64_t>(b.entries.size())});
+    ns_shapes_.push_back({b.rows, b.cols, static_cast<int64_t>(b.entries.size())});
     ns_matrices += b.entries.size();
   }
   pool_ = std::make_unique<fast::WorkPool>(threads_);
-  ns_ = std::make_unique<fast::BatchedNewtonSchulz>(shapes, *pool_);
+  // Gram's products and buffers only when the options ask for it (run() adds them if later ones do).
+  ns_ = std::make_unique<fast::BatchedNewtonSchulz>(ns_shapes_, *pool_, fast::NsSplit::automatic,
+                                                    asks_for_gram(options));
   // Chunk tables for the multi-tensor passes, built once.
   for (int i = 0; i < static_cast<int>(layout.entries.size()); ++i) {
     const LayoutEntry& e = layout.entries[i];
@@ -104,12 +113,13 @@ StepResult FastCpuBackend::run(const Options& options) {
   StepOperands& ops = operands_;
   fast::WorkPool& pool = *pool_;
   const auto t_start = Clock::now();
+  // Options that turn Gram Newton-Schulz on after construction: this step builds its products and
+  // buffers (the one step that allocates), the standard ones again with them.
+  if (!ns_->with_gram() && asks_for_gram(options))
+    ns_ = std::make_unique<fast::BatchedNewtonSchulz>(ns_shapes_, pool, fast::NsSplit::automatic, true);
   times_ = PhaseTimes{};
   counters_ = FastStepCounters{};
   const int64_t gemm_calls_before = ns_->gemm_calls();
-
-  if (auto skipped = begin_step(ops, options)) return *skipped;
-  ++counters_.elementwise_passes;  // the gradient scan
 
   // A chunk of a gradient as fp32: in place when it is fp32, else widened into this thread's scratch;
   // divided by a gradient scaler's scale there too (g / scale, as torch's fused AdamW unscales).
@@ -123,6 +133,25 @@ StepResult FastCpuBackend::run(const Options& options) {
     if (grad_scale) fast::divide_round(scratch, n, *grad_scale, /*bf16=*/false);
     return scratch;
   };
+
+  // NaN/Inf: every gradient in one parallel pass; only a step that has one is scanned again, in order,
+  // by the prologue, which names the first as every backend does. (Under a gradient scaler the caller
+  // checks the gradients.)
+  bool finite = false;
+  if (!grad_scale) {
+    const int64_t nn = static_cast<int64_t>(normuon_chunks_.size());
+    std::atomic<bool> found{false};
+    pool.run(nn + static_cast<int64_t>(adamw_chunks_.size()), [&](int64_t c, int slot) {
+      const Chunk& chunk = c < nn ? normuon_chunks_[c] : adamw_chunks_[c - nn];
+      const ParamOperand& op = ops.params[chunk.entry];
+      if (!op.grad || found.load(std::memory_order_relaxed)) return;
+      if (!fast::all_finite(grad_chunk(op, chunk.begin, chunk.size, slot), chunk.size))
+        found.store(true, std::memory_order_relaxed);
+    });
+    finite = !found.load();
+  }
+  if (auto skipped = begin_step(ops, options, finite)) return *skipped;
+  ++counters_.elementwise_passes;  // the gradient scan
   // A bf16 / fp16 parameter follows its master, rounded, while the values are in cache.
   auto write_low = [](const ParamOperand& op, int64_t begin, int64_t n) {
     if (op.low) narrow_rows(op.master + begin, op.low, op.low_dtype, op.low_runs, begin, n);

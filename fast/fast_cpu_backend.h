@@ -4,7 +4,9 @@
 // or, in table mode, the caller's own tensors (bf16 / fp16 gradients widened a chunk at a time, bf16 /
 // fp16 parameters written back rounded while the chunk is in cache). Everything it needs
 // is allocated in the constructor; a step allocates nothing of its own (oneDNN's execute() allocates a few
-// small blocks of its own per GEMM call: tests/test_fast_cpu.cpp measures both).
+// small blocks of its own per GEMM call: tests/test_fast_cpu.cpp measures both). Gram Newton-Schulz's
+// buffers are made only for options that ask for it: the first step whose options turn it on later makes
+// them, once.
 #pragma once
 
 #include <memory>
@@ -16,6 +18,7 @@
 
 namespace normuon::fast {
 class BatchedNewtonSchulz;
+struct NsBatchShape;
 class WorkPool;
 struct NsWork;
 }
@@ -64,6 +67,7 @@ class FastCpuBackend : public Backend {
   };
   const Layout& layout_;
   std::vector<NsBatch> batches_;
+  std::vector<fast::NsBatchShape> ns_shapes_;  // of batches_, for BatchedNewtonSchulz
   std::vector<Chunk> normuon_chunks_, adamw_chunks_;
   std::vector<float> update_;           // Nesterov blend, then Newton-Schulz output (normuon_floats)
   std::vector<double> col_sums_;        // per thread: max cols

@@ -121,10 +121,11 @@ void copy_into(T* D, const T* S, int64_t begin, int64_t end) {  // D = S (values
 }  // namespace
 
 struct BatchedNewtonSchulz::Impl {
-  Impl(WorkPool& p, int team) : pool(p), team_threads(team) {}
+  Impl(WorkPool& p, int team, bool gram) : pool(p), team_threads(team), with_gram(gram) {}
   void build(const std::vector<NsBatchShape>& batches, NsSplit split);  // plans, workspace, primitives
   WorkPool& pool;
   int team_threads;  // oneDNN's (OpenMP) threads for a batch that is not shared out per matrix
+  bool with_gram;    // Gram's products and buffers are built
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   std::vector<dnnl::stream> streams;  // per pool slot
   std::vector<BatchPlan> plans;
@@ -361,19 +362,21 @@ struct BatchedNewtonSchulz::Impl {
   }
 };
 
-BatchedNewtonSchulz::BatchedNewtonSchulz(const std::vector<NsBatchShape>& batches)
-    : own_pool_(std::make_unique<WorkPool>(1)), impl_(new Impl(*own_pool_, omp_get_max_threads())) {
+BatchedNewtonSchulz::BatchedNewtonSchulz(const std::vector<NsBatchShape>& batches, bool with_gram)
+    : own_pool_(std::make_unique<WorkPool>(1)), impl_(new Impl(*own_pool_, omp_get_max_threads(), with_gram)) {
   impl_->build(batches, NsSplit::batched);
 }
 
-BatchedNewtonSchulz::BatchedNewtonSchulz(const std::vector<NsBatchShape>& batches, WorkPool& pool, NsSplit split)
-    : impl_(new Impl(pool, pool.threads())) {
+BatchedNewtonSchulz::BatchedNewtonSchulz(const std::vector<NsBatchShape>& batches, WorkPool& pool, NsSplit split,
+                                         bool with_gram)
+    : impl_(new Impl(pool, pool.threads(), with_gram)) {
   impl_->build(batches, split);
 }
 
 void BatchedNewtonSchulz::Impl::build(const std::vector<NsBatchShape>& batches, NsSplit split) {
   const int slots = pool.threads();
   int64_t max_mn = 1, max_mm = 1, max_panels = 1, batched_mn = 1, batched_mm = 1;
+  bool gram_runs = false;  // some batch would run Gram's iteration (square ones never do)
   for (const auto& b : batches) {
     BatchPlan plan;
     plan.m = std::min(b.rows, b.cols);
@@ -385,6 +388,7 @@ void BatchedNewtonSchulz::Impl::build(const std::vector<NsBatchShape>& batches, 
     max_mn = std::max(max_mn, plan.m * plan.n);
     max_mm = std::max(max_mm, plan.m * plan.m);
     max_panels = std::max(max_panels, symmetric_panel_floats(plan.panels, plan.m));
+    gram_runs = gram_runs || (with_gram && ns_uses_gram(NsAlgorithm::gram, plan.m, plan.n));
     if (!plan.per_matrix) {
       batched_mn = std::max(batched_mn, plan.count * plan.m * plan.n);
       batched_mm = std::max(batched_mm, plan.count * plan.m * plan.m);
@@ -395,8 +399,9 @@ void BatchedNewtonSchulz::Impl::build(const std::vector<NsBatchShape>& batches, 
   auto aligned = [](int64_t floats) { return (floats + 15) / 16 * 16; };
   for (int b = 0; b < kBuffers; ++b) {
     const bool mn_sized = b == kX || b == kG;  // G holds m x n and m x m results
-    stride[b] = aligned(b == kPanels ? max_panels : mn_sized ? max_mn : max_mm);
-    const int64_t batched = b == kPanels ? 1 : mn_sized ? batched_mn : batched_mm;
+    const bool gram_only = b == kZ || b == kQ || b == kRZ;
+    stride[b] = gram_only && !gram_runs ? 0 : aligned(b == kPanels ? max_panels : mn_sized ? max_mn : max_mm);
+    const int64_t batched = b == kPanels || (gram_only && !gram_runs) ? 1 : mn_sized ? batched_mn : batched_mm;
     buffers[b] = std::make_unique<Aligned>(std::max(slots * stride[b], batched) * sizeof(float));
   }
   size_t scratch_bytes = 0;
@@ -413,7 +418,7 @@ void BatchedNewtonSchulz::Impl::build(const std::vector<NsBatchShape>& batches, 
       make_symmetric(plan.gram[prec], plan, kX, kX, n, kA, false, bindings, dt, scratch_bytes);
       make_symmetric(plan.square[prec], plan, kCA, kA, m, kG, false, bindings, dt, scratch_bytes);
       make_dense(plan.apply[prec], plan, kCA, kX, kG, bindings, dt, scratch_bytes);
-      if (!gram) continue;  // square: always the standard iteration
+      if (!gram || !with_gram) continue;  // square: always the standard iteration
       make_symmetric(plan.gram_r[prec], plan, kX, kX, n, kA, true, bindings, dt, scratch_bytes);
       make_symmetric(plan.gram_crr[prec], plan, kCA, kA, m, kG, true, bindings, dt, scratch_bytes);
       make_symmetric(plan.qz[prec], plan, kQ, kZ, m, kG, true, bindings, dt, scratch_bytes);
@@ -464,7 +469,9 @@ void BatchedNewtonSchulz::run(const NsWork* work, int n) {
     if (h.ns_coefficients == NsCoefficients::polar_express && h.ns_steps > kPolarExpressSteps)
       throw std::invalid_argument("ns_steps=" + std::to_string(h.ns_steps) +
                                   " but the Polar Express schedule has 5 coefficient triples");
-    im.plans.at(static_cast<size_t>(work[i].batch));
+    const BatchPlan& plan = im.plans.at(static_cast<size_t>(work[i].batch));
+    if (!im.with_gram && ns_uses_gram(h.ns_algorithm, plan.m, plan.n))
+      throw std::logic_error("BatchedNewtonSchulz: ns_algorithm=gram on one built without Gram (with_gram = false)");
   }
   im.run_per_matrix(work, n);
   for (int i = 0; i < n; ++i) {
@@ -478,6 +485,7 @@ void BatchedNewtonSchulz::run(const NsWork* work, int n) {
 }
 
 bool BatchedNewtonSchulz::per_matrix(int b) const { return impl_->plans.at(static_cast<size_t>(b)).per_matrix; }
+bool BatchedNewtonSchulz::with_gram() const { return impl_->with_gram; }
 
 std::string BatchedNewtonSchulz::gemm_implementation(int b, NsPrecision p) const {
   const BatchPlan& plan = impl_->plans.at(static_cast<size_t>(b));

@@ -10,7 +10,8 @@
 // computed in full (brgemm takes no sub-matrix of a batch), the standard iteration's as it comes, Gram's
 // with its lower triangle mirrored (docs/spec.md's sym). brgemm kernels, bf16 where the CPU has AVX512_BF16, chosen by
 // oneDNN at run time. Primitives, memory objects and the workspace are made once, in the constructor, for
-// both precisions and both algorithms; a step allocates nothing of its own.
+// both precisions and the standard iteration, and Gram's when asked for (with_gram: its products and three
+// more m x m buffers); a step allocates nothing of its own.
 #pragma once
 
 #include <cstdint>
@@ -44,9 +45,11 @@ struct NsWork {
 class BatchedNewtonSchulz {
  public:
   // The pool must outlive this object; run() is called from the thread that calls the pool's run().
-  BatchedNewtonSchulz(const std::vector<NsBatchShape>& batches, WorkPool& pool, NsSplit split = NsSplit::automatic);
+  // with_gram = false: the standard iteration only (a Gram run throws std::logic_error), less memory.
+  BatchedNewtonSchulz(const std::vector<NsBatchShape>& batches, WorkPool& pool, NsSplit split = NsSplit::automatic,
+                      bool with_gram = true);
   // Without a pool: every batch on oneDNN's threads, as many as this thread's OpenMP count now.
-  explicit BatchedNewtonSchulz(const std::vector<NsBatchShape>& batches);
+  explicit BatchedNewtonSchulz(const std::vector<NsBatchShape>& batches, bool with_gram = true);
   ~BatchedNewtonSchulz();
   BatchedNewtonSchulz(const BatchedNewtonSchulz&) = delete;
   BatchedNewtonSchulz& operator=(const BatchedNewtonSchulz&) = delete;
@@ -63,6 +66,7 @@ class BatchedNewtonSchulz {
   double multiply_adds() const;   // of those executions (the FLOPs actually computed are twice this)
   int64_t workspace_bytes() const;                     // its buffers and oneDNN's scratchpads
   bool per_matrix(int b) const;                        // batch b is shared out a matrix at a time
+  bool with_gram() const;                              // built for Gram Newton-Schulz too
   std::string gemm_implementation(int b, NsPrecision p) const;  // e.g. "brg:avx512_core_bf16"
 
  private:

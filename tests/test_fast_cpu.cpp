@@ -4,11 +4,13 @@
 #define BOOST_TEST_MODULE fast_cpu
 #include <boost/test/unit_test.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -143,6 +145,36 @@ BOOST_AUTO_TEST_CASE(no_allocation_of_its_own_in_a_step) {
   }
 }
 
+BOOST_AUTO_TEST_CASE(gram_buffers_are_made_only_when_asked_for) {
+  Options gram_options = with("ns_algorithm=gram");
+  Run later(preset_manifest("tiny"), with("")), built(preset_manifest("tiny"), gram_options);
+  const int64_t standard_bytes = later.backend.workspace_bytes(), gram_bytes = built.backend.workspace_bytes();
+  // tiny's matrices are 64 x 256 (or its transpose) at most: Z, Q and RZ are 64 x 64 fp32 per thread.
+  BOOST_TEST(gram_bytes - standard_bytes >= 3 * 64 * 64 * 4 * later.backend.threads());
+  // Both step the standard iteration, then Gram: the backend built without it makes its buffers at the
+  // step that first asks, and gives what the one built with them gives.
+  later.options = built.options = with("");
+  later.steps(1, 2);
+  built.steps(1, 2);
+  BOOST_TEST(later.backend.workspace_bytes() == standard_bytes);
+  later.options = built.options = gram_options;
+  later.steps(3, 4);
+  built.steps(3, 4);
+  BOOST_TEST(later.backend.workspace_bytes() == gram_bytes);
+  BOOST_TEST(same_bits(later.state.params.data(), built.state.params.data(), later.layout.param_floats));
+  BOOST_TEST(later.state.same_optimizer_state(built.state));
+
+  // Built without Gram, a Newton-Schulz asked for it says so; a square batch never runs it.
+  std::vector<float> buf(8 * 16, 0.5f);
+  const float* in[1] = {buf.data()};
+  float* out[1] = {buf.data()};
+  NorMuonHyper h;
+  h.ns_algorithm = NsAlgorithm::gram;
+  fast::BatchedNewtonSchulz wide({{8, 16, 1}}, false), square({{8, 8, 1}}, false);
+  BOOST_CHECK_THROW(wide.run(0, in, out, h), std::logic_error);
+  BOOST_CHECK_NO_THROW(square.run(0, in, out, h));
+}
+
 BOOST_AUTO_TEST_CASE(nonfinite_gradients_change_nothing) {
   Run run(preset_manifest("tiny"), with(""));
   run.steps(1, 1);
@@ -158,6 +190,36 @@ BOOST_AUTO_TEST_CASE(nonfinite_gradients_change_nothing) {
   Options skip = run.options;
   skip.set("nonfinite=skip_step");
   BOOST_TEST(run.backend.step(run.state, skip).skipped);
+  BOOST_TEST(run.state.same_optimizer_state(before));
+}
+
+BOOST_AUTO_TEST_CASE(the_first_nonfinite_gradient_in_layout_order_is_named) {
+  // The parallel scan meets NaN/Inf in any order (NorMuon chunks first); the message names the first in
+  // the layout's order, element included, as the reference's prologue does.
+  Run run(preset_manifest("tiny"), with(""), 2);
+  run.gen.fill_gradients(run.state, 1);
+  int adamw_entry = -1, normuon_entry = -1;
+  for (int e = 0; e < static_cast<int>(run.layout.entries.size()); ++e) {
+    const bool adamw = run.layout.entries[e].algorithm == Algorithm::adamw;
+    if (adamw && adamw_entry < 0) adamw_entry = e;
+    if (!adamw && normuon_entry < 0) normuon_entry = e;
+  }
+  BOOST_REQUIRE(adamw_entry >= 0 && normuon_entry >= 0);
+  const int64_t last = run.layout.entries[adamw_entry].numel - 1;  // in its last chunk
+  run.state.grad(adamw_entry)[last] = std::numeric_limits<float>::quiet_NaN();
+  run.state.grad(normuon_entry)[3] = -std::numeric_limits<float>::infinity();
+  const int first = std::min(adamw_entry, normuon_entry);
+  const std::string where = first == adamw_entry ? "nan at element " + std::to_string(last) : "-inf at element 3";
+  const std::string want = "gradient of '" + run.layout.entries[first].name + "' holds " + where;
+  const FlatState before = run.state;
+  BOOST_CHECK_EXCEPTION(run.backend.step(run.state, run.options), std::runtime_error, [&](const std::runtime_error& x) {
+    BOOST_TEST_MESSAGE(x.what());
+    return std::string(x.what()).find(want) != std::string::npos;
+  });
+  BOOST_TEST(run.state.same_optimizer_state(before));
+  // Only the AdamW one left: found too, though no NorMuon chunk has one.
+  run.state.grad(normuon_entry)[3] = 0.0f;
+  BOOST_CHECK_THROW(run.backend.step(run.state, run.options), std::runtime_error);
   BOOST_TEST(run.state.same_optimizer_state(before));
 }
 

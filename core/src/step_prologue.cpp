@@ -10,13 +10,13 @@
 
 namespace normuon {
 
-std::optional<StepResult> begin_step(StepOperands& ops, const Options& options) {
+std::optional<StepResult> begin_step(StepOperands& ops, const Options& options, bool gradients_checked) {
   const Layout& layout = *ops.layout;
   if (options.groups.size() != layout.group_names.size())
     throw std::invalid_argument("the options define " + std::to_string(options.groups.size()) +
                                 " groups but the layout was built with " + std::to_string(layout.group_names.size()));
   float chunk[256];
-  for (size_t e = 0; e < layout.entries.size() && !ops.grad_scale; ++e) {
+  for (size_t e = 0; e < layout.entries.size() && !ops.grad_scale && !gradients_checked; ++e) {
     const ParamOperand& op = ops.params[e];
     if (!op.grad) continue;
     const int64_t numel = layout.entries[e].numel;

@@ -18,8 +18,10 @@ namespace normuon {
 // naming the parameter, element and step; otherwise advances the group steps and the entry steps of the
 // parameters with a gradient, and returns nullopt.
 std::optional<StepResult> begin_step(FlatState& state, const Options& options);
-// The same over operands (either mode): each gradient is scanned in its own dtype.
-std::optional<StepResult> begin_step(StepOperands& operands, const Options& options);
+// The same over operands (either mode): each gradient is scanned in its own dtype. gradients_checked:
+// the caller has found no NaN/Inf in any gradient with a faster scan of its own (the fast CPU backend's
+// parallel one), so this one is skipped; where the caller found one, this scan names the first.
+std::optional<StepResult> begin_step(StepOperands& operands, const Options& options, bool gradients_checked = false);
 
 // A step that found a NaN/Inf gradient, in the words every backend uses: parameter, value, element and
 // the step number the step would have had. Throws std::runtime_error under nonfinite=error; returns the
