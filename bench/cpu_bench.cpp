@@ -125,6 +125,8 @@ CpuBenchResult run_cpu_bench(const Layout& layout, const Options& options, const
     const NorMuonHyper& h = options.groups[e.group].normuon;
     r.ns_flops += ns_standard_dense_flops(e.rows, e.cols, h.ns_steps);
     r.ns_reference_flops += ns_dense_flops(h.ns_algorithm, e.rows, e.cols, h.ns_steps);
+    r.reference_gram_matrices += ns_uses_gram(h.ns_algorithm, e.rows, e.cols);
+    r.fast_gram_matrices += ns_uses_gram(fast_options.groups[e.group].normuon.ns_algorithm, e.rows, e.cols);
   }
   std::string ns_precisions;
   for (const auto& g : options.groups)
@@ -489,6 +491,11 @@ void write_cpu_bench_csv(const CpuBenchResult& r, const std::string& path) {
     }
   }
   row("fast/reference", "whole_step_speedup", "x", s.speedup, s.speedup, s.speedup, n);
+  // Which iteration each backend ran (--fast-ns-algorithm): its NorMuon matrices on Gram Newton-Schulz.
+  const double ref_gram = static_cast<double>(r.reference_gram_matrices);
+  const double fast_gram = static_cast<double>(r.fast_gram_matrices);
+  row("reference", "ns_gram_matrices", "count", ref_gram, ref_gram, ref_gram, "1");
+  row("fast", "ns_gram_matrices", "count", fast_gram, fast_gram, fast_gram, "1");
   if (s.contended.n > 0) {
     row("fast", "whole_step_contended", "ms", s.contended.median, s.contended.min, s.contended.max, n);
     row("fast_one_thread", "whole_step_contended", "ms", s.contended_one_thread.median, s.contended_one_thread.min,

@@ -41,6 +41,7 @@ struct CpuBenchResult {
   std::string model;
   int threads = 0;  // as resolved: never 0
   std::string reference_ns, fast_ns;  // each backend's Newton-Schulz algorithm(s), e.g. "standard"; "" unused
+  int64_t reference_gram_matrices = 0, fast_gram_matrices = 0;  // NorMuon matrices that run Gram's iteration
   int64_t repeats = 0;
   int64_t steps = 0;  // steps each backend took: warm-up, measured and the counting step
   int64_t adamw_params = 0;

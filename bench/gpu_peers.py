@@ -62,7 +62,8 @@ def parse_args(argv):
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
     p.add_argument("--threads", type=int,
                    help="--device cpu: the threads of every peer, torch's (torch.set_num_threads) and the fused "
-                        "backend's, the same for all (default: one per processor this process may use)")
+                        "backend's, the same for all (default: the fused backend's own default, the processors "
+                        "this process may use within its CPU quota)")
     p.add_argument("--param-dtype", choices=("f32", "bf16"),
                    help="parameter and gradient dtype (default: the preset's: f32 for tiny and gpt2-124m, bf16 "
                         "for the others)")
@@ -108,7 +109,7 @@ def parse_args(argv):
     if args.threads is not None and (args.threads < 1 or args.device.type != "cpu"):
         p.error("--threads: a count >= 1, for --device cpu only")
     if args.device.type == "cpu" and args.threads is None:
-        args.threads = len(os.sched_getaffinity(0))
+        args.threads = default_cpu_threads()
     if args.device.type == "cuda":
         if not torch.cuda.is_available():
             p.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); use --device cpu")
@@ -126,6 +127,15 @@ def parse_args(argv):
         except ManifestError as error:
             p.error(f"--preset {preset}: {error}")
     return args
+
+
+def default_cpu_threads():
+    """The fused CPU backend's default (affinity mask and cgroup quota), else the affinity mask."""
+    if normuon.native_available():
+        from normuon import _C
+        if hasattr(_C, "default_threads"):
+            return _C.default_threads()
+    return len(os.sched_getaffinity(0))
 
 
 def log_to_stderr():

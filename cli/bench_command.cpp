@@ -36,7 +36,8 @@ Run it on an otherwise idle machine.
   --threads N      threads of BOTH backends and of the triad (at::set_num_threads for the reference,
                    the fast backend's OpenMP team); default: one per processor this process
                    may use (its affinity mask), within its cgroup CPU quota
-  --set KEY=VALUE  hyper-parameters and knobs, as for `normuon run` (the same for both backends)
+  --set KEY=VALUE  hyper-parameters and knobs, as for `normuon run` (the same for both backends, but
+                   for --fast-ns-algorithm)
   --fast-ns-algorithm standard|gram
                    the fast backend alone runs this Newton-Schulz algorithm; the reference keeps --set's
                    (default standard). `--fast-ns-algorithm gram` times Gram Newton-Schulz against the
@@ -73,7 +74,13 @@ int bench_command(const Argv& argv) {
   if (!apply_sets(a, options)) return 0;
   const Layout layout = Layout::build(manifest, options);
   config.seed = static_cast<uint64_t>(a.get_int("seed", 1234));
-  if (a.has("fast-ns-algorithm")) config.fast_ns_algorithm = parse_ns_algorithm(a.get("fast-ns-algorithm", ""));
+  if (a.has("fast-ns-algorithm")) {
+    try {
+      config.fast_ns_algorithm = parse_ns_algorithm(a.get("fast-ns-algorithm", ""));
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(std::string("--fast-ns-algorithm: ") + e.what());
+    }
+  }
 
   bench::Transcript console;
   const bench::CpuBenchResult result = bench::run_cpu_bench(layout, options, config, console);

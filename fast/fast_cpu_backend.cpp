@@ -8,6 +8,7 @@
 
 #include "cpu_kernels.h"
 #include "normuon/low_precision.h"
+#include "normuon/ns_algorithm.h"
 #include "normuon/row_runs.h"
 #include "normuon/step_prologue.h"
 #include "newton_schulz.h"
@@ -22,10 +23,10 @@ constexpr int64_t kChunk = 1 << 15;  // floats per multi-tensor work item: 128 K
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
 
-// Some NorMuon group runs Gram Newton-Schulz.
-bool asks_for_gram(const Options& options) {
-  for (const auto& g : options.groups)
-    if (g.algorithm == Algorithm::normuon && g.normuon.ns_algorithm == NsAlgorithm::gram) return true;
+// Some batch would run Gram Newton-Schulz under these options (square ones never do).
+bool asks_for_gram(const std::vector<NsBatch>& batches, const Options& options) {
+  for (const auto& b : batches)
+    if (ns_uses_gram(options.groups.at(static_cast<size_t>(b.group)).normuon.ns_algorithm, b.rows, b.cols)) return true;
   return false;
 }
 
@@ -48,7 +49,7 @@ FastCpuBackend::FastCpuBackend(const Layout& layout, const Options& options, int
   pool_ = std::make_unique<fast::WorkPool>(threads_);
   // Gram's products and buffers only when the options ask for it (run() adds them if later ones do).
   ns_ = std::make_unique<fast::BatchedNewtonSchulz>(ns_shapes_, *pool_, fast::NsSplit::automatic,
-                                                    asks_for_gram(options));
+                                                    asks_for_gram(batches_, options));
   // Chunk tables for the multi-tensor passes, built once.
   for (int i = 0; i < static_cast<int>(layout.entries.size()); ++i) {
     const LayoutEntry& e = layout.entries[i];
@@ -114,9 +115,12 @@ StepResult FastCpuBackend::run(const Options& options) {
   fast::WorkPool& pool = *pool_;
   const auto t_start = Clock::now();
   // Options that turn Gram Newton-Schulz on after construction: this step builds its products and
-  // buffers (the one step that allocates), the standard ones again with them.
-  if (!ns_->with_gram() && asks_for_gram(options))
+  // buffers (the one step that allocates), the standard ones again with them; the old set goes first,
+  // so that the two are never held at once.
+  if (!ns_->with_gram() && asks_for_gram(batches_, options)) {
+    ns_.reset();
     ns_ = std::make_unique<fast::BatchedNewtonSchulz>(ns_shapes_, pool, fast::NsSplit::automatic, true);
+  }
   times_ = PhaseTimes{};
   counters_ = FastStepCounters{};
   const int64_t gemm_calls_before = ns_->gemm_calls();

@@ -27,7 +27,9 @@ inline void ns_round_into(Bf16& d, float x) {
   const float r = round_bf16(x);
   uint32_t u;
   std::memcpy(&u, &r, sizeof u);
-  d = static_cast<Bf16>(u >> 16);
+  // NaN becomes torch's bf16 NaN: its upper half alone would be Inf for a NaN whose payload bits are all
+  // in the lower half.
+  d = (u & 0x7fffffffu) > 0x7f800000u ? Bf16{0x7fc0} : static_cast<Bf16>(u >> 16);
 }
 template <typename T>
 inline float ns_round(float x) {  // P(x) in T's precision
@@ -36,10 +38,10 @@ inline float ns_round(float x) {  // P(x) in T's precision
   return ns_widen(t);
 }
 
-// X = P(U), or P(U)^T when `transpose` (U rows x cols as stored, X then cols x rows).
+// X = P(U), or P(U)^T when `transpose` (U rows x cols as stored, X then cols x rows); U and X apart.
 void ns_load(const float* u, float* x, int64_t rows, int64_t cols, bool transpose);
 void ns_load(const float* u, Bf16* x, int64_t rows, int64_t cols, bool transpose);
-// O = X, or X^T when `transpose` (X rows x cols, O then cols x rows).
+// O = X, or X^T when `transpose` (X rows x cols, O then cols x rows). Neither overlaps the other.
 void ns_store(const float* x, float* o, int64_t rows, int64_t cols, bool transpose);
 void ns_store(const Bf16* x, float* o, int64_t rows, int64_t cols, bool transpose);
 
@@ -50,7 +52,7 @@ double ns_sum_squares(const Bf16* x, int64_t n);
 // x = P(x / d)
 void ns_divide(float* x, float d, int64_t n);
 void ns_divide(Bf16* x, float d, int64_t n);
-// d = P(c a)
+// d = P(c a); d is not a.
 void ns_scale(float* d, const float* a, float c, int64_t n);
 void ns_scale(Bf16* d, const Bf16* a, float c, int64_t n);
 // d = P(P(s a) + g); d is neither a nor g.

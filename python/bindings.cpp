@@ -13,6 +13,7 @@
 
 #ifdef NORMUON_HAVE_FAST_CPU
 #include "fast_cpu_backend.h"
+#include "thread_budget.h"
 #endif
 #include "normuon/backend.h"
 #include "normuon/flat_state.h"
@@ -355,6 +356,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("reason", &StepResult::reason);
 
 #ifdef NORMUON_HAVE_FAST_CPU  // a build without oneDNN has none; optim.py then refuses CPU parameters on "fast"
+  m.def("default_threads", &fast::default_threads,
+        "The fast CPU backend's threads for threads=0: the processors this process may use (affinity mask), "
+        "within its cgroup CPU quota");
   py::class_<FastCpuBackend>(m, "FastCpuBackend", "The fused multi-threaded CPU backend (docs/fast-cpu.md)")
       .def(py::init<const Layout&, const Options&, int>(), py::arg("layout"), py::arg("options"),
            py::arg("threads") = 0, py::keep_alive<1, 2>())

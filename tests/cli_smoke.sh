@@ -34,7 +34,7 @@ expect_output "normuon.ns_algorithm=gram$" "$tool" inspect "$dir/g.safetensors"
 expect_output "resumed from" "$tool" run --steps 1 --quiet --load "$dir/g.safetensors" --set ns_algorithm=gram
 expect_error "'ns_algorithm': unknown value 'foo' (choose standard | gram)" "$tool" run --steps 1 --set ns_algorithm=foo --save "$dir/foo.safetensors"
 test ! -e "$dir/foo.safetensors" || { echo "a refused option wrote a state file"; exit 1; }
-expect_error "'ns_algorithm': unknown value 'fast' (choose standard | gram)" "$tool" bench --fast-ns-algorithm fast --csv "$dir/bench.csv"
+expect_error "--fast-ns-algorithm: option 'ns_algorithm': unknown value 'fast' (choose standard | gram)" "$tool" bench --fast-ns-algorithm fast --csv "$dir/bench.csv"
 test ! -e "$dir/bench.csv" || { echo "a refused bench option wrote its CSV"; exit 1; }
 "$tool" manifest --preset tiny --out "$dir/m.csv"
 expect_output "on NorMuon in 4 shape buckets" "$tool" layout --manifest "$dir/m.csv"

@@ -141,6 +141,8 @@ BOOST_AUTO_TEST_CASE(cpu_bench_times_fast_gram_against_the_reference_standard) {
   BOOST_TEST(r.ns_reference_flops == r.ns_flops);  // the reference computes the full standard iteration
   BOOST_REQUIRE_EQUAL(r.ns_alone.size(), 2u);
   BOOST_TEST(r.ns_fast_flops == r.ns_alone[1].actual_flops);  // the step's fast FLOPs are Gram's
+  BOOST_TEST(r.reference_gram_matrices == 0);
+  BOOST_TEST(r.fast_gram_matrices > 0);
   BOOST_TEST(r.gemm_calls != tiny_run().gemm_calls);
   // Different algorithms: the states part, but not far (both orthogonalise the same momentum).
   BOOST_TEST(r.max_param_diff > tiny_run().max_param_diff);
@@ -196,9 +198,11 @@ BOOST_AUTO_TEST_CASE(cpu_bench_report_and_csv) {
                           "fast/ns_standard_alone_actual_throughput", "fast/ns_gram_alone",
                           "fast/ns_gram_alone_useful_throughput", "fast/ns_gram_alone_actual_throughput",
                           "fast/reference/whole_step_speedup", "fast/whole_step_contended",
+                          "reference/ns_gram_matrices", "fast/ns_gram_matrices",
                           "fast_one_thread/whole_step_contended"})
     BOOST_TEST(rows.count(key) == 1u, key);
-  BOOST_TEST(lines.size() == 1 + 18 + 24);
+  BOOST_TEST(lines.size() == 1 + 18 + 26);
+  BOOST_TEST(rows["fast/ns_gram_matrices"][5] == "0");
   BOOST_TEST(rows["fast/gemm_calls"][5] == std::to_string(r.gemm_calls));
   BOOST_TEST(rows["fast/elementwise_passes"][5] == std::to_string(r.elementwise_passes));
 }

@@ -87,6 +87,28 @@ Options with(const std::string& assignment) {
   return o;
 }
 
+// What one oneDNN execute() allocates inside the library, measured on a batch of our own.
+long onednn_allocations_per_gemm() {
+  fast::BatchedNewtonSchulz ns({{8, 16, 2}});
+  std::vector<float> buf(2 * 8 * 16, 0.5f);
+  const float* in[2] = {buf.data(), buf.data() + 128};
+  float* out[2] = {buf.data(), buf.data() + 128};
+  NorMuonHyper h;
+  ns.run(0, in, out, h);
+  const long before_probe = g_mallocs.load();
+  const int64_t probe_calls_before = ns.gemm_calls();
+  ns.run(0, in, out, h);
+  return (g_mallocs.load() - before_probe) / (ns.gemm_calls() - probe_calls_before);
+}
+
+// The allocations of one step of `run` beyond oneDNN's own (per_gemm per GEMM call).
+long allocations_of_its_own(Run& run, int64_t step, long per_gemm) {
+  run.gen.fill_gradients(run.state, step);
+  const long before = g_mallocs.load();
+  run.backend.step(run.state, run.options);
+  return g_mallocs.load() - before - run.backend.counters().gemm_calls * per_gemm;
+}
+
 }  // namespace
 
 BOOST_AUTO_TEST_CASE(two_runs_are_bitwise_identical) {
@@ -115,17 +137,7 @@ BOOST_AUTO_TEST_CASE(a_step_does_not_depend_on_the_thread_count) {
 BOOST_AUTO_TEST_CASE(no_allocation_of_its_own_in_a_step) {
   Run run(preset_manifest("tiny"), with(""));
   run.steps(1, 2);  // the first steps may warm up OpenMP and oneDNN
-  // What one oneDNN execute() allocates inside the library, measured on a batch of our own.
-  fast::BatchedNewtonSchulz ns({{8, 16, 2}});
-  std::vector<float> buf(2 * 8 * 16, 0.5f);
-  const float* in[2] = {buf.data(), buf.data() + 128};
-  float* out[2] = {buf.data(), buf.data() + 128};
-  NorMuonHyper h;
-  ns.run(0, in, out, h);
-  const long before_probe = g_mallocs.load();
-  const int64_t probe_calls_before = ns.gemm_calls();
-  ns.run(0, in, out, h);
-  const long per_gemm = (g_mallocs.load() - before_probe) / (ns.gemm_calls() - probe_calls_before);
+  const long per_gemm = onednn_allocations_per_gemm();
   BOOST_TEST_MESSAGE("oneDNN allocates " << per_gemm << " blocks per execute()");
 
   for (int64_t s = 3; s <= 5; ++s) {
@@ -163,6 +175,10 @@ BOOST_AUTO_TEST_CASE(gram_buffers_are_made_only_when_asked_for) {
   BOOST_TEST(later.backend.workspace_bytes() == gram_bytes);
   BOOST_TEST(same_bits(later.state.params.data(), built.state.params.data(), later.layout.param_floats));
   BOOST_TEST(later.state.same_optimizer_state(built.state));
+  // Made once: the Gram steps after it allocate nothing of their own, on either backend.
+  const long per_gemm = onednn_allocations_per_gemm();
+  BOOST_TEST(allocations_of_its_own(later, 5, per_gemm) == 0);
+  BOOST_TEST(allocations_of_its_own(built, 5, per_gemm) == 0);
 
   // Built without Gram, a Newton-Schulz asked for it says so; a square batch never runs it.
   std::vector<float> buf(8 * 16, 0.5f);

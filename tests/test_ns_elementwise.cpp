@@ -1,6 +1,8 @@
 // Newton-Schulz's vectorised elementwise passes (fast/ns_elementwise.h) against the scalar formulas of
 // docs/spec.md section 3.2, bit for bit, in both working precisions: rounding ties, signed zeros, tiny
-// and huge values, NaN, lengths that leave a vector tail, and transposes that leave partial tiles.
+// and huge values, NaN, lengths that leave a vector tail, and transposes that leave partial tiles. The
+// library runs the clone of this CPU's ISA level; the same loops built here for the baseline and (where
+// the CPU has it) x86-64-v3 must give the same bits.
 #define BOOST_TEST_MODULE ns_elementwise
 #include <boost/test/unit_test.hpp>
 
@@ -11,6 +13,7 @@
 #include <vector>
 
 #include "ns_elementwise.h"
+#include "ns_elementwise_loops.h"
 
 using namespace normuon::fast;
 
@@ -27,10 +30,11 @@ float from_bits(uint32_t u) {
   return x;
 }
 
-// bf16 by round-to-nearest-even on the bits, written out here independently of the library's helper.
+// bf16 as torch rounds (c10::BFloat16), written out here independently of the library's helper:
+// nearest even, every NaN the quiet 0x7fc0.
 Bf16 to_bf16(float x) {
   const uint32_t u = bits(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<Bf16>(u >> 16);  // NaN: the upper half
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
   const uint32_t lower = u & 0xffffu, upper = u >> 16;
   const bool up = lower > 0x8000u || (lower == 0x8000u && (upper & 1u));
   return static_cast<Bf16>(upper + (up ? 1u : 0u));
@@ -107,11 +111,18 @@ BOOST_AUTO_TEST_CASE(divide_and_sum_squares) {
     want += static_cast<double>(v[i]) * v[i];
     want_b += static_cast<double>(from_bf16(vb[i])) * from_bf16(vb[i]);
   }
-  // A fixed order of its own: within double rounding of the plain sum, and the same on every call.
+  // The documented order: eight interleaved partial sums (element i into sum i mod 8), added in turn.
+  double lanes[8] = {}, lanes_b[8] = {};
+  for (size_t i = 0; i < n; ++i) {
+    lanes[i % 8] += static_cast<double>(v[i]) * v[i];
+    lanes_b[i % 8] += static_cast<double>(from_bf16(vb[i])) * from_bf16(vb[i]);
+  }
+  double ordered = 0, ordered_b = 0;
+  for (int k = 0; k < 8; ++k) ordered += lanes[k], ordered_b += lanes_b[k];
   const double got = ns_sum_squares(v.data(), static_cast<int64_t>(n));
-  BOOST_TEST(std::fabs(got - want) <= 1e-12 * want);
-  BOOST_TEST(std::fabs(ns_sum_squares(vb.data(), static_cast<int64_t>(n)) - want_b) <= 1e-12 * want_b);
-  BOOST_TEST(got == ns_sum_squares(v.data(), static_cast<int64_t>(n)));
+  BOOST_TEST(got == ordered);
+  BOOST_TEST(ns_sum_squares(vb.data(), static_cast<int64_t>(n)) == ordered_b);
+  BOOST_TEST(std::fabs(got - want) <= 1e-12 * want);  // and within double rounding of the plain sum
 
   std::vector<float> x = v;
   std::vector<Bf16> xb = vb;
@@ -149,4 +160,124 @@ BOOST_AUTO_TEST_CASE(load_and_store_transpose_in_tiles) {
       }
     }
   }
+}
+
+BOOST_AUTO_TEST_CASE(a_nan_stays_a_nan_in_bf16) {
+  // A NaN whose payload is all in the lower half: its upper half alone would be +Inf.
+  const float low_nan = from_bits(0x7f800001u), neg_nan = from_bits(0xff800003u);
+  const float u[4] = {low_nan, 1.0f, neg_nan, -2.0f};
+  Bf16 x[4];
+  ns_load(u, x, 1, 4, false);
+  BOOST_TEST(x[0] == 0x7fc0);
+  BOOST_TEST(x[2] == 0x7fc0);
+  BOOST_TEST(from_bf16(x[1]) == 1.0f);
+  Bf16 d[4];
+  ns_scale(d, x, 2.0f, 4);
+  BOOST_TEST(std::isnan(from_bf16(d[0])));
+  BOOST_TEST(from_bf16(d[3]) == -4.0f);
+}
+
+// The loops of the library, built in this file for the baseline ISA and for x86-64-v3 (where supported).
+namespace {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define NORMUON_TEST_V3 1
+#define V3 __attribute__((target("arch=x86-64-v3")))
+#else
+#define V3
+#endif
+
+template <typename T>
+struct Outputs {
+  std::vector<T> loaded, transposed, scaled, added, in_place, divided;
+  std::vector<float> stored;
+  double squares = 0;
+  bool operator==(const Outputs& o) const {
+    return loaded == o.loaded && transposed == o.transposed && scaled == o.scaled && added == o.added &&
+           in_place == o.in_place && divided == o.divided &&
+           std::memcmp(stored.data(), o.stored.data(), stored.size() * sizeof(float)) == 0 && squares == o.squares;
+  }
+};
+
+constexpr int64_t kRows = 45, kCols = 77;  // partial tiles and vector tails
+
+template <typename T, typename Loops>
+Outputs<T> run_all(const std::vector<float>& u, Loops loops) {
+  const int64_t n = kRows * kCols;
+  Outputs<T> o;
+  o.loaded.resize(n);
+  o.transposed.resize(n);
+  o.stored.resize(n);
+  loops.load(u.data(), o.loaded.data(), false);
+  loops.load(u.data(), o.transposed.data(), true);
+  loops.store(o.transposed.data(), o.stored.data());
+  o.scaled.resize(n);
+  loops.scale(o.scaled.data(), o.loaded.data(), -4.775f, n);
+  o.added.resize(n);
+  loops.scaled_add(o.added.data(), o.loaded.data(), o.scaled.data(), 3.4445f, n);
+  o.in_place = o.loaded;
+  loops.scaled_add_in_place(o.in_place.data(), o.scaled.data(), 2.0315f, n);
+  o.divided = o.loaded;
+  loops.divide(o.divided.data(), 7.3f, n);
+  o.squares = loops.sum_squares(o.loaded.data(), n);
+  return o;
+}
+
+// One set of loops per ISA: the library's dispatch, and the templates compiled here.
+template <typename T>
+struct Library {
+  void load(const float* u, T* x, bool t) { ns_load(u, x, kRows, kCols, t); }
+  void store(const T* x, float* o) { ns_store(x, o, kCols, kRows, true); }
+  void scale(T* d, const T* a, float c, int64_t n) { ns_scale(d, a, c, n); }
+  void scaled_add(T* d, const T* a, const T* g, float s, int64_t n) { ns_scaled_add(d, a, g, s, n); }
+  void scaled_add_in_place(T* x, const T* g, float s, int64_t n) { ns_scaled_add_in_place(x, g, s, n); }
+  void divide(T* x, float d, int64_t n) { ns_divide(x, d, n); }
+  double sum_squares(const T* x, int64_t n) { return ns_sum_squares(x, n); }
+};
+template <typename T>
+struct Baseline {
+  void load(const float* u, T* x, bool t) { ns_loops::load_into(u, x, kRows, kCols, t); }
+  void store(const T* x, float* o) { ns_loops::store_from(x, o, kCols, kRows, true); }
+  void scale(T* d, const T* a, float c, int64_t n) { ns_loops::scale(d, a, c, n); }
+  void scaled_add(T* d, const T* a, const T* g, float s, int64_t n) { ns_loops::scaled_add(d, a, g, s, n); }
+  void scaled_add_in_place(T* x, const T* g, float s, int64_t n) { ns_loops::scaled_add_in_place(x, g, s, n); }
+  void divide(T* x, float d, int64_t n) { ns_loops::divide(x, d, n); }
+  double sum_squares(const T* x, int64_t n) { return ns_loops::sum_squares(x, n); }
+};
+template <typename T>
+struct AtV3 {
+  V3 void load(const float* u, T* x, bool t) { ns_loops::load_into(u, x, kRows, kCols, t); }
+  V3 void store(const T* x, float* o) { ns_loops::store_from(x, o, kCols, kRows, true); }
+  V3 void scale(T* d, const T* a, float c, int64_t n) { ns_loops::scale(d, a, c, n); }
+  V3 void scaled_add(T* d, const T* a, const T* g, float s, int64_t n) { ns_loops::scaled_add(d, a, g, s, n); }
+  V3 void scaled_add_in_place(T* x, const T* g, float s, int64_t n) { ns_loops::scaled_add_in_place(x, g, s, n); }
+  V3 void divide(T* x, float d, int64_t n) { ns_loops::divide(x, d, n); }
+  V3 double sum_squares(const T* x, int64_t n) { return ns_loops::sum_squares(x, n); }
+};
+
+bool cpu_has_v3() {
+#ifdef NORMUON_TEST_V3
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2");
+#else
+  return false;
+#endif
+}
+
+template <typename T>
+void check_every_level() {
+  std::vector<float> u = probe_values(static_cast<size_t>(kRows * kCols), 5);
+  for (float& x : u)
+    if (!std::isfinite(x) || std::fabs(x) > 1e30f) x = 0.25f;  // finite sums and products
+  const Outputs<T> library = run_all<T>(u, Library<T>{}), baseline = run_all<T>(u, Baseline<T>{});
+  BOOST_TEST((library == baseline), "the library's clone against the baseline build");
+  if (cpu_has_v3()) {
+    const Outputs<T> v3 = run_all<T>(u, AtV3<T>{});
+    BOOST_TEST((library == v3), "the library's clone against the x86-64-v3 build");
+  }
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(every_isa_level_gives_the_same_bits) {
+  check_every_level<float>();
+  check_every_level<Bf16>();
 }
