@@ -6,31 +6,19 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 
-#include "cpu_kernels.h"
+#include "normuon/low_precision.h"
 
 namespace normuon::fast {
 
 using Bf16 = uint16_t;
 
-// One element of the working copy: widening is exact, rounding into it is P.
+// One element of the working copy: widening is exact, rounding into it is P (bf16: low_precision.h's,
+// torch's rounding, every NaN 0x7fc0).
 inline float ns_widen(float x) { return x; }
-inline float ns_widen(Bf16 b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+inline float ns_widen(Bf16 b) { return bf16_to_float(b); }
 inline void ns_round_into(float& d, float x) { d = x; }
-inline void ns_round_into(Bf16& d, float x) {
-  const float r = round_bf16(x);
-  uint32_t u;
-  std::memcpy(&u, &r, sizeof u);
-  // NaN becomes torch's bf16 NaN: its upper half alone would be Inf for a NaN whose payload bits are all
-  // in the lower half.
-  d = (u & 0x7fffffffu) > 0x7f800000u ? Bf16{0x7fc0} : static_cast<Bf16>(u >> 16);
-}
+inline void ns_round_into(Bf16& d, float x) { d = float_to_bf16(x); }
 template <typename T>
 inline float ns_round(float x) {  // P(x) in T's precision
   T t;

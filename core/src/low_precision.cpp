@@ -8,21 +8,6 @@ namespace {
 // The compiler's IEEE binary16 (GCC >= 12, Clang): its conversions round to nearest even.
 using Half = _Float16;
 
-float bf16_to_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-uint16_t float_to_bf16(float f) {  // as c10::BFloat16: round to nearest even, every NaN the quiet 0x7fc0
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 }  // namespace
 
 size_t dtype_bytes(DType dtype) { return dtype == DType::f32 ? 4 : 2; }
