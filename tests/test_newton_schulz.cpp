@@ -25,31 +25,44 @@ namespace {
 // Two batches of random matrices, one wide and one tall, as stored.
 const std::vector<NsBatchShape> kShapes = {{24, 40, 5}, {48, 16, 3}};
 
+// Random matrices of the given batch shapes (normal values from `seed`), their pointer tables and outputs.
 struct Batches {
+  std::vector<NsBatchShape> shapes;
   std::vector<std::vector<float>> in, out;  // per batch, the matrices one after another
   std::vector<std::vector<const float*>> in_ptr;
   std::vector<std::vector<float*>> out_ptr;
-  Batches() {
-    std::mt19937 rng(7);
+  // ill_conditioned: rows (as stored) scaled by 2^0 .. 2^-12, a spread of singular values as a
+  // momentum with near-dead neurons has.
+  explicit Batches(const std::vector<NsBatchShape>& batch_shapes = kShapes, unsigned seed = 7,
+                   bool ill_conditioned = false)
+      : shapes(batch_shapes) {
+    std::mt19937 rng(seed);
     std::normal_distribution<float> normal;
-    for (const auto& s : kShapes) {
+    for (const auto& s : shapes) {
       in.emplace_back(static_cast<size_t>(s.rows * s.cols * s.count));
-      for (float& v : in.back()) v = normal(rng);
+      for (size_t i = 0; i < in.back().size(); ++i) {
+        const int64_t row = static_cast<int64_t>(i) / s.cols % s.rows;
+        in.back()[i] = normal(rng) * (ill_conditioned ? std::ldexp(1.0f, -static_cast<int>(12 * row / s.rows)) : 1.0f);
+      }
       out.emplace_back(in.back().size(), 0.0f);
     }
-    for (size_t b = 0; b < kShapes.size(); ++b) {
+    for (size_t b = 0; b < shapes.size(); ++b) {
       in_ptr.emplace_back();
       out_ptr.emplace_back();
-      for (int64_t k = 0; k < kShapes[b].count; ++k) {
-        in_ptr[b].push_back(in[b].data() + k * kShapes[b].rows * kShapes[b].cols);
-        out_ptr[b].push_back(out[b].data() + k * kShapes[b].rows * kShapes[b].cols);
+      for (int64_t k = 0; k < shapes[b].count; ++k) {
+        in_ptr[b].push_back(in[b].data() + k * shapes[b].rows * shapes[b].cols);
+        out_ptr[b].push_back(out[b].data() + k * shapes[b].rows * shapes[b].cols);
       }
     }
   }
-  std::vector<NsWork> work(const NorMuonHyper& h) {
+  Batches(const Batches&) = delete;  // the pointer tables point into this object's own vectors
+  Batches& operator=(const Batches&) = delete;
+  // Every batch in one run of `ns`.
+  void run(BatchedNewtonSchulz& ns, const NorMuonHyper& h) {
     std::vector<NsWork> w;
-    for (size_t b = 0; b < kShapes.size(); ++b) w.push_back({static_cast<int>(b), in_ptr[b].data(), out_ptr[b].data(), &h});
-    return w;
+    for (size_t b = 0; b < shapes.size(); ++b)
+      w.push_back({static_cast<int>(b), in_ptr[b].data(), out_ptr[b].data(), &h});
+    ns.run(w.data(), static_cast<int>(w.size()));
   }
 };
 
@@ -71,15 +84,13 @@ BOOST_AUTO_TEST_CASE(a_matrix_does_not_depend_on_the_thread_count) {
     Batches one;
     WorkPool pool1(1);
     BatchedNewtonSchulz ns1(kShapes, pool1, NsSplit::per_matrix);
-    auto w1 = one.work(h);
-    ns1.run(w1.data(), static_cast<int>(w1.size()));
+    one.run(ns1, h);
     for (int threads : {2, 3, 4}) {
       Batches many;
       WorkPool pool(threads);
       BatchedNewtonSchulz ns(kShapes, pool, NsSplit::per_matrix);
       for (int repeat = 0; repeat < 3; ++repeat) {  // matrices land on other threads each time
-        auto w = many.work(h);
-        ns.run(w.data(), static_cast<int>(w.size()));
+        many.run(ns, h);
         for (size_t b = 0; b < kShapes.size(); ++b) BOOST_TEST(same_bits(many.out[b], one.out[b]), threads << " threads");
       }
     }
@@ -91,8 +102,7 @@ BOOST_AUTO_TEST_CASE(one_run_of_several_batches_is_the_batches_one_by_one) {
   WorkPool pool(2);
   BatchedNewtonSchulz ns(kShapes, pool);
   Batches together, apart;
-  auto w = together.work(h);
-  ns.run(w.data(), static_cast<int>(w.size()));
+  together.run(ns, h);
   for (size_t b = 0; b < kShapes.size(); ++b)
     ns.run(static_cast<int>(b), apart.in_ptr[b].data(), apart.out_ptr[b].data(), h);
   for (size_t b = 0; b < kShapes.size(); ++b) BOOST_TEST(same_bits(together.out[b], apart.out[b]));
@@ -105,8 +115,7 @@ BOOST_AUTO_TEST_CASE(the_automatic_split_and_the_gemm_count) {
   BOOST_TEST(!ns.per_matrix(1));  // 3: the whole batch on oneDNN's threads
   Batches x;
   const NorMuonHyper h = hyper(NsPrecision::bf16);
-  auto w = x.work(h);
-  ns.run(w.data(), static_cast<int>(w.size()));
+  x.run(ns, h);
   BOOST_TEST(ns.gemm_calls() == (5 + 1) * 3 * h.ns_steps);
 }
 
@@ -116,9 +125,8 @@ BOOST_AUTO_TEST_CASE(per_matrix_and_whole_batch_agree_within_rounding) {
     WorkPool pool(2);
     BatchedNewtonSchulz per_matrix(kShapes, pool, NsSplit::per_matrix), batched(kShapes, pool, NsSplit::batched);
     Batches a, b;
-    auto wa = a.work(h), wb = b.work(h);
-    per_matrix.run(wa.data(), static_cast<int>(wa.size()));
-    batched.run(wb.data(), static_cast<int>(wb.size()));
+    a.run(per_matrix, h);
+    b.run(batched, h);
     // Entries of an orthogonalised matrix are O(1 / sqrt(n)); the paths differ only in the GEMMs'
     // blocking, which reorders fp32 sums (then rounded to bf16 where the working precision is bf16).
     const double tolerance = p == NsPrecision::bf16 ? 0.05 : 1e-4;
@@ -141,37 +149,8 @@ namespace {
 // (m = 130: 64, 64, 2), each with more matrices than the tests' pools have threads.
 const std::vector<NsBatchShape> kPanelShapes = {{160, 416, 5}, {300, 130, 5}};
 
-struct PanelBatches {
-  std::vector<std::vector<float>> in, out;
-  std::vector<std::vector<const float*>> in_ptr;
-  std::vector<std::vector<float*>> out_ptr;
-  // ill_conditioned: rows (as stored) scaled by 2^0 .. 2^-12, a spread of singular values as a
-  // momentum with near-dead neurons has.
-  explicit PanelBatches(bool ill_conditioned = false) {
-    std::mt19937 rng(11);
-    std::normal_distribution<float> normal;
-    for (const auto& s : kPanelShapes) {
-      in.emplace_back(static_cast<size_t>(s.rows * s.cols * s.count));
-      for (size_t i = 0; i < in.back().size(); ++i) {
-        const int64_t row = static_cast<int64_t>(i) / s.cols % s.rows;
-        in.back()[i] = normal(rng) * (ill_conditioned ? std::ldexp(1.0f, -static_cast<int>(12 * row / s.rows)) : 1.0f);
-      }
-      out.emplace_back(in.back().size(), 0.0f);
-    }
-    for (size_t b = 0; b < kPanelShapes.size(); ++b) {
-      in_ptr.emplace_back();
-      out_ptr.emplace_back();
-      for (int64_t k = 0; k < kPanelShapes[b].count; ++k) {
-        in_ptr[b].push_back(in[b].data() + k * kPanelShapes[b].rows * kPanelShapes[b].cols);
-        out_ptr[b].push_back(out[b].data() + k * kPanelShapes[b].rows * kPanelShapes[b].cols);
-      }
-    }
-  }
-  void run(BatchedNewtonSchulz& ns, const NorMuonHyper& h) {
-    std::vector<NsWork> w;
-    for (size_t b = 0; b < kPanelShapes.size(); ++b) w.push_back({static_cast<int>(b), in_ptr[b].data(), out_ptr[b].data(), &h});
-    ns.run(w.data(), static_cast<int>(w.size()));
-  }
+struct PanelBatches : Batches {
+  explicit PanelBatches(bool ill_conditioned = false) : Batches(kPanelShapes, 11, ill_conditioned) {}
 };
 
 NorMuonHyper hyper(NsPrecision p, NsAlgorithm a, int steps = 5) {
