@@ -55,7 +55,7 @@ NsFlops count_ns_flops(const Layout& layout, const Options& options) {
     if (e.algorithm != Algorithm::normuon || e.numel == 0) continue;
     const NorMuonHyper& h = options.groups[e.group].normuon;
     f.useful += ns_standard_dense_flops(e.rows, e.cols, h.ns_steps);
-    f.actual += ns_dense_flops(h.ns_algorithm, e.rows, e.cols, h.ns_steps);
+    f.dense += ns_dense_flops(h.ns_algorithm, e.rows, e.cols, h.ns_steps);
   }
   return f;
 }
@@ -133,9 +133,9 @@ CudaBenchResult run_cuda_bench(const Layout& layout, const Options& options, con
   // ---- header: model, device, software, run
   r.traffic = count_cuda_traffic(layout, options, grad_bytes);
   const CudaTraffic& traffic = r.traffic;
-  const NsFlops ns_flops = count_ns_flops(layout, options);  // actual: the backend's own count is used below
+  const NsFlops ns_flops = count_ns_flops(layout, options);  // actual: the backend's own count, below
   r.ns_flops = ns_flops.useful;
-  r.ns_actual_flops_layout = ns_flops.actual;
+  r.ns_dense_flops = ns_flops.dense;
   r.ns_algorithm = ns_algorithm_of(options);
   int driver = 0, runtime = 0;
   NORMUON_CUDA_CHECK(cudaDriverGetVersion(&driver));
@@ -179,6 +179,7 @@ CudaBenchResult run_cuda_bench(const Layout& layout, const Options& options, con
   FastCudaConfig fast_config;
   fast_config.device = dev;
   fast_config.grad_type = bf16_grads ? cuda::ElemType::bf16 : cuda::ElemType::f32;
+  fast_config.ns_panel_width = config.ns_panel_width;
   const GradientGenerator generator{config.seed, 0};
   FastCudaBackend fast(layout, options, fast_config);
   cuda::DeviceFlatState& ds = fast.device_state();

@@ -28,6 +28,7 @@ struct CudaBenchConfig {
   int64_t steps_per_sample = 10; // steps between the two events of one whole-step sample, >= 1
   int64_t copy_mib = 1024;       // the copy-bandwidth buffer (two are allocated)
   int64_t gemm_size = 8192;      // the square bf16 GEMM of the rate measurement
+  int64_t ns_panel_width = 0;    // FastCudaConfig::ns_panel_width: 0 the backend's choice
   std::string grad_dtype = "f32";  // "f32" or "bf16": the dtype fast-cuda reads gradients in
   uint64_t seed = 1234;
   bool reference = true;  // false: skip the reference-cuda measurements
@@ -45,10 +46,11 @@ CudaTraffic count_cuda_traffic(const Layout& layout, const Options& options, dou
 
 // Newton-Schulz FLOPs per step (2 per multiply-add) from the layout, counted two ways (issue 15):
 // `useful`, the full dense standard iteration's (ns_standard_dense_flops), whatever the run computes, the
-// one scale on which the two algorithms compare; `actual`, what the run's ns_algorithm computes with every
-// product in full (ns_dense_flops: Gram's count for non-square matrices under gram), as fast-cuda does.
+// one scale on which the two algorithms compare; `dense`, what the run's ns_algorithm computes with every
+// product in full (ns_dense_flops: Gram's count for non-square matrices under gram). fast-cuda computes
+// less: its symmetric products as their lower panels (the backend's own count, newton_schulz_flops()).
 struct NsFlops {
-  double useful = 0, actual = 0;
+  double useful = 0, dense = 0;
 };
 NsFlops count_ns_flops(const Layout& layout, const Options& options);
 
@@ -66,7 +68,7 @@ struct CudaBenchResult {
   std::string ns_algorithm;           // ns_algorithm_of(options)
   double ns_flops = 0;                // useful FLOPs per step (count_ns_flops)
   double ns_actual_flops = 0;         // actual FLOPs per step: the backend's newton_schulz_flops()
-  double ns_actual_flops_layout = 0;  // the same counted from the layout (they should agree)
+  double ns_dense_flops = 0;          // the same algorithm with every product in full (count_ns_flops)
   std::vector<PhaseTimes> fast_phases;     // 1. eager with per-phase timers
   std::vector<double> enqueue_us;          //    host time to enqueue each of those steps
   std::vector<double> eager_ms;            // 2. eager without timers, ms per step per sample

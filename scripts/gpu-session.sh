@@ -14,6 +14,10 @@ Runs on a GPU machine, one phase after another, each bounded by its share of --b
             the Python module with a private libstdc++)
   tests     scripts/gpu-test.sh --skip-build (the CUDA CTest suites, test_cuda.py, compare, golden)
   bench     scripts/gpu-bench.sh --skip-build over --bench-presets
+  ns        normuon bench-cuda on gpt-1.3b, ns_algorithm standard and gram, each with the backend's
+            panels and with full products (--ns-panel-width 1048576): Newton-Schulz's rates against
+            the GEMM rate (issue 15's bars) and what the symmetric panels save, side by side
+            (not in the default list: --phases build,ns)
   peers     bench/gpu_peers.py over --peer-presets (needs .official/normuon.py and, for the emerging
             peer, .whl/emerging_optimizers-*.whl)
   megatron  bench/megatron_gpt.py --optimizers adam,normuon (needs .whl/megatron_core-*.whl)
@@ -87,6 +91,13 @@ wants tests && phase tests 150 scripts/gpu-test.sh --skip-build --report "$out/g
   --step-timeout 90 --ctest-regex "fast_cuda|reference_cuda|cuda_plan|ns_gemm|simt"
 wants bench && phase bench 240 scripts/gpu-bench.sh --skip-build --build-dir build-gpu --presets "$bench_presets" \
   --results "$out"
+if wants ns; then  # four runs in one phase, each its own report (gpu-ns-<algorithm>-<panels>.md)
+  phase ns 240 bash -c 'for a in standard gram; do for w in 0 1048576; do
+      p=$([ "$w" = 0 ] && echo panels || echo full)
+      build-gpu/normuon bench-cuda --preset gpt-1.3b --set ns_algorithm=$a --ns-panel-width $w --no-reference \
+        --warmup 2 --repeats 5 --markdown "$1/gpu-ns-$a-$p.md" --csv "$1/gpu-ns-$a-$p.csv" || exit 1
+    done; done' ns "$out"
+fi
 wants peers && phase peers 200 env PYTHONPATH="build-gpu/python:${PYTHONPATH:-}" python3 bench/gpu_peers.py \
   --cli build-gpu/normuon --preset "$peer_presets" --profile-steps 1 --markdown "$out/peers.md" --csv "$out/peers.csv"
 wants megatron && phase megatron 200 env PYTHONPATH="build-gpu/python:${PYTHONPATH:-}" python3 bench/megatron_gpt.py \

@@ -1,7 +1,6 @@
 // First: the CUDA builtins for the host compiler, then the device code of the fused step itself.
 #include "simt.h"
-#include "ns_kernels.cuh"
-#include "ns_gram_kernels.cuh"
+#include "ns_run.cuh"
 #include "step_kernels.cuh"
 
 #include "emulated_cuda_backend.h"
@@ -85,11 +84,15 @@ int64_t run_batch_as(NsBatch& b, NsWorkspace& w) {
   const cuda::NsBuffers<LtBuffer<T>> whole{b.x.as<T>(),    w.gram.as<T>(), w.bmat.as<T>(), w.tmat.as<T>(),
                                            w.umat.as<T>(), w.qmat.as<T>(), w.zmat.as<T>(), w.t2mat.as<T>()};
   int64_t gemms = 0;
-  auto gemm = [&](cuda::ns_device::NsGemm which, const cuda::NsGemmSpec& spec) {
-    // The run hands each GEMM the layout planned for `which`; only its operands may differ.
-    const cuda::NsGemmSpec& planned = which == cuda::ns_device::NsGemm::gram     ? g.plan.gram
-                                      : which == cuda::ns_device::NsGemm::square ? g.plan.square
-                                                                                 : g.plan.apply;
+  auto gemm = [&](cuda::ns_device::NsGemm which, int part, const cuda::NsGemmSpec& spec) {
+    // The run hands each GEMM the layout planned for `which` and `part` (newton_schulz_cuda.cu plans one
+    // per panel of a symmetric product); only its operands may differ.
+    using cuda::ns_device::NsGemm;
+    const cuda::NsGemmSpec& full = which == NsGemm::gram ? g.plan.gram : which == NsGemm::square ? g.plan.square : g.plan.apply;
+    const bool symmetric = which != NsGemm::apply;
+    const size_t parts = symmetric ? g.panels.size() : 1;
+    if (part < 0 || static_cast<size_t>(part) >= parts) throw LayoutError("a GEMM part that was not planned");
+    const cuda::NsGemmSpec planned = symmetric ? cuda::ns_panel_gemm(full, g.panels[static_cast<size_t>(part)]) : full;
     if (!same_layout(spec, planned)) throw LayoutError("a GEMM on another layout than the one planned for it");
     lt_matmul<float>(spec, whole, b.shape.count, g.x.stride, g.gram.stride);
     ++gemms;
@@ -128,7 +131,10 @@ struct EmulatedCudaBackend::Impl {
 
   Impl(const Layout& l, const Options& options, Config c)
       : layout(l), config(c), plan(cuda::StepPlan::build(l, options)) {
-    for (const cuda::NsBatchShape& shape : plan.batches) batches.push_back(make_batch(shape));
+    for (cuda::NsBatchShape& shape : plan.batches) {
+      shape.panel_width = config.ns_panel_width;  // as FastCudaBackend passes it on
+      batches.push_back(make_batch(shape));
+    }
     ns.size_for(batches);
     // Each matrix reads and writes its slot of its batch's buffers (as FastCudaBackend points them).
     for (size_t m = 0; m < plan.matrices.size(); ++m) {

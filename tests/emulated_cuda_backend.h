@@ -1,5 +1,5 @@
 // The fused CUDA step on the host, for the tests of machines without a GPU: the device code of fast/cuda
-// (step_kernels.cuh, ns_kernels.cuh) runs on the SIMT emulator (tests/simt), the Newton-Schulz
+// (step_kernels.cuh, ns_kernels.cuh, ns_sym_kernels.cuh, ns_run.cuh) runs on the SIMT emulator (tests/simt), the Newton-Schulz
 // GEMMs run through the cuBLASLt emulation (lt_matmul_emulation.h) on the layouts of the plan, the
 // tables come from StepPlan and the Newton-Schulz buffers from ns_batch_geometry, and the launches
 // come from the backend's own run_step and run_newton_schulz. The device buffers are the FlatState's own (kernels write into
@@ -29,6 +29,7 @@ class EmulatedCudaBackend : public Backend {
   struct Config {
     cuda::ElemType grad_type = cuda::ElemType::f32;  // bf16: gradients are rounded to bf16 before the step
     bool bf16_params = false;                         // keep a bf16 copy of the parameters (params_bf16())
+    int64_t ns_panel_width = 0;                       // as FastCudaConfig's
   };
 
   EmulatedCudaBackend(const Layout& layout, const Options& options, Config config);

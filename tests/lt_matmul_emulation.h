@@ -35,14 +35,16 @@ inline void require(bool ok, const std::string& what) {
   if (!ok) throw LayoutError(what);
 }
 
-// One layout as cuBLASLt is told it: sane sizes, batch entries that do not overlap, inside the buffer.
+// One layout as cuBLASLt is told it, at its offset into each matrix (a panel's corner): sane sizes,
+// inside its own matrix (so batch entries do not overlap), inside the buffer.
 inline void check_layout(const char* name, const cuda::NsMatrixSpec& m, int64_t stride, int64_t count,
                          int64_t buffer_size) {
   const std::string n = name;
   require(m.rows >= 1 && m.cols >= 1, n + ": empty matrix");
   require(m.ld >= m.rows, n + ": ld < rows");
-  const int64_t extent = m.ld * (m.cols - 1) + m.rows;
-  require(extent <= stride, n + ": batch entries overlap (extent > stride)");
+  require(m.offset >= 0, n + ": negative offset");
+  const int64_t extent = m.offset + m.ld * (m.cols - 1) + m.rows;
+  require(extent <= stride, n + ": batch entries overlap (offset + extent > stride)");
   require((count - 1) * stride + extent <= buffer_size, n + ": past the end of its buffer");
 }
 
@@ -65,11 +67,12 @@ T store(Acc x) {
 }  // namespace lt_detail
 
 // Whether `g` runs on the cuBLASLt plan made for `planned` (newton_schulz_cuda.cu plans a layout once and
-// runs it on other operands): the same transposes, sizes, leading dimensions and batch strides.
+// runs it on other operands): the same transposes, sizes, leading dimensions, batch strides and offsets
+// (the alignment cuBLASLt's algorithm was chosen for).
 inline bool same_layout(const cuda::NsGemmSpec& g, const cuda::NsGemmSpec& planned) {
   auto same = [](const cuda::NsMatrixSpec& m, const cuda::NsMatrixSpec& p) {
     const bool x_shaped = cuda::ns_batch_stride(m.operand, 1, 0) == 1, planned_x_shaped = cuda::ns_batch_stride(p.operand, 1, 0) == 1;
-    return m.rows == p.rows && m.cols == p.cols && m.ld == p.ld && x_shaped == planned_x_shaped;
+    return m.rows == p.rows && m.cols == p.cols && m.ld == p.ld && m.offset == p.offset && x_shaped == planned_x_shaped;
   };
   return g.trans_a == planned.trans_a && g.trans_b == planned.trans_b && same(g.a, planned.a) && same(g.b, planned.b) &&
          same(g.d, planned.d);
@@ -98,9 +101,9 @@ void lt_matmul(const cuda::NsGemmSpec& g, const cuda::NsBuffers<LtBuffer<T>>& bu
   require(p.d.data != p.a.data && p.d.data != p.b.data, "D overwrites an input of the same GEMM");
 
   for (int64_t q = 0; q < count; ++q) {
-    const T* a = p.a.data + q * sa;
-    const T* b = p.b.data + q * sb;
-    T* d = p.d.data + q * sd;
+    const T* a = p.a.data + q * sa + g.a.offset;
+    const T* b = p.b.data + q * sb + g.b.offset;
+    T* d = p.d.data + q * sd + g.d.offset;
     for (int64_t j = 0; j < n; ++j)
       for (int64_t i = 0; i < m; ++i) {
         Acc sum = 0;

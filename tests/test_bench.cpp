@@ -233,7 +233,7 @@ BOOST_AUTO_TEST_CASE(cuda_bench_report_on_made_up_samples) {
   r.traffic.adamw = 3e9;
   r.traffic.minimal = 6e9;
   r.ns_algorithm = "standard";
-  r.ns_flops = r.ns_actual_flops = r.ns_actual_flops_layout = 50e12;
+  r.ns_flops = r.ns_actual_flops = r.ns_dense_flops = 50e12;
   for (int i = 0; i < 3; ++i) {
     r.fast_phases.push_back({4, 100, 1, 2, 3, 111});  // ms
     r.eager_ms.push_back(120);
@@ -299,7 +299,7 @@ BOOST_AUTO_TEST_CASE(cuda_bench_report_on_a_made_up_gram_run) {
   r.repeats = 1;
   r.ns_algorithm = "gram";
   r.ns_flops = 65e12;
-  r.ns_actual_flops = r.ns_actual_flops_layout = 36e12;
+  r.ns_actual_flops = r.ns_dense_flops = 36e12;
   r.traffic.minimal = 6e9;
   r.fast_phases.push_back({4, 100, 1, 2, 3, 111});  // ms: Newton-Schulz 100
   r.eager_ms.push_back(120);
@@ -379,7 +379,7 @@ BOOST_AUTO_TEST_CASE(cuda_bench_counts_newton_schulz_flops_both_ways) {
       const NsFlops f = count_ns_flops(layout, options);
       const double m = static_cast<double>(std::min(c.rows, c.cols)), n = static_cast<double>(std::max(c.rows, c.cols));
       BOOST_TEST(f.useful == standard(m, n, c.steps), c.rows << "x" << c.cols << " " << algorithm);
-      BOOST_TEST(f.actual == (std::string(algorithm) == "gram" ? c.gram : f.useful),
+      BOOST_TEST(f.dense == (std::string(algorithm) == "gram" ? c.gram : f.useful),
                  c.rows << "x" << c.cols << " " << algorithm);
       BOOST_TEST(ns_algorithm_of(options) == algorithm);
     }
@@ -395,5 +395,5 @@ BOOST_AUTO_TEST_CASE(cuda_bench_counts_newton_schulz_flops_both_ways) {
   options.set("ns_algorithm", "gram");
   const NsFlops f = count_ns_flops(Layout::build(manifest, options), options);
   BOOST_TEST(f.useful == standard(256, 1024, 5) + standard(96, 640, 5));
-  BOOST_TEST(f.actual == 8.0 * 256 * 256 * 1024 + 28.0 * 256 * 256 * 256 + 8.0 * 96 * 96 * 640 + 28.0 * 96 * 96 * 96);
+  BOOST_TEST(f.dense == 8.0 * 256 * 256 * 1024 + 28.0 * 256 * 256 * 256 + 8.0 * 96 * 96 * 640 + 28.0 * 96 * 96 * 96);
 }

@@ -20,6 +20,7 @@
 #include "cuda_device.h"
 #include "fast_cuda_backend.h"
 #include "normuon/layout.h"
+#include "normuon/ns_algorithm.h"
 #include "normuon/presets.h"
 #include "selector.h"
 #include "ns_batch_geometry.h"
@@ -215,15 +216,19 @@ void check_plan(const Layout& layout, const Options& options, const StepPlan& pl
       check_cover(stats[k], plan.matrices[k].stat_len, "statistics of matrix " + std::to_string(k), stat_problems);
     BOOST_TEST(stat_problems.none(), stat_problems.str());
 
-    // ---- launches: the Newton-Schulz ones are 2 + 6 * ns_steps per batch that has work, or Gram's count
-    // for a non-square Gram batch; every batch carries its group's algorithm
+    // ---- launches: the Newton-Schulz ones are 2 + (4 + 2 p) * ns_steps per batch that has work (p: the
+    // panels of its symmetric products), or Gram's count for a non-square Gram batch; every batch carries
+    // its group's algorithm
     int64_t ns = 0;
     for (size_t b = 0; b < plan.batches.size(); ++b) {
       const cuda::NsBatchShape& shape = plan.batches[b];
       BOOST_TEST((shape.algorithm == options.groups[static_cast<size_t>(plan.batch_group[b])].normuon.ns_algorithm));
       const bool gram = shape.algorithm == NsAlgorithm::gram && shape.rows != shape.cols;
-      if (shape.count > 0 && shape.rows * shape.cols > 0)
-        ns += gram ? cuda::ns_gram_launches(shape.steps) : 2 + 6 * shape.steps;
+      if (shape.count > 0 && shape.rows * shape.cols > 0) {
+        const int p = static_cast<int>(
+            cuda::ns_panels(std::min(shape.rows, shape.cols), shape.count, shape.panel_width).size());
+        ns += gram ? cuda::ns_gram_launches(shape.steps, p) : 2 + (4 + 2 * p) * shape.steps;
+      }
     }
     BOOST_TEST(plan.newton_schulz_launches() == ns);
     BOOST_TEST(plan.elementwise_launches() >= 1);
@@ -232,6 +237,13 @@ void check_plan(const Layout& layout, const Options& options, const StepPlan& pl
 }
 
 int64_t launches(const StepPlan& plan) { return plan.elementwise_launches() + plan.newton_schulz_launches(); }
+
+// The plan with every symmetric product computed in `width`-wide panels (s or more: in full).
+StepPlan with_panel_width(StepPlan plan, int64_t width) {
+  for (cuda::NsBatchShape& shape : plan.batches) shape.panel_width = width;
+  return plan;
+}
+constexpr int64_t kFullProducts = int64_t{1} << 40;  // a panel width past any s
 
 }  // namespace
 
@@ -293,6 +305,41 @@ BOOST_AUTO_TEST_CASE(gram_launches_follow_the_spec_loop) {
   BOOST_TEST(cuda::ns_batch_launches(shape) == 2);
   shape.count = 0;
   BOOST_TEST(cuda::ns_batch_launches(shape) == 0);
+}
+
+// In panels, each symmetric product is one GEMM per panel: the standard iteration's X X^T and C A, and
+// every Gram product but Q X (2 X X^T and 14 s x s products in 5 steps); the kernels stay as they are.
+BOOST_AUTO_TEST_CASE(symmetric_products_launch_one_gemm_per_panel) {
+  for (const int p : {1, 2, 4, 8}) {
+    BOOST_TEST(cuda::ns_launches(5, p) == 2 + 6 * 5 + 2 * 5 * (p - 1), p);
+    BOOST_TEST(cuda::ns_gram_launches(5, p) == 35 + (2 + 14) * (p - 1), p);
+  }
+  cuda::NsBatchShape shape{64, 192, 3, NsPrecision::bf16, NsCoefficients::quintic, 5, 1e-7, NsAlgorithm::gram};
+  shape.panel_width = 16;  // 4 panels of s = 64
+  BOOST_TEST(cuda::ns_batch_launches(shape) == 35 + 16 * 3);
+  shape.algorithm = NsAlgorithm::standard;
+  BOOST_TEST(cuda::ns_batch_launches(shape) == 2 + 5 * (4 + 2 * 4));
+  shape.panel_width = 64;  // one panel: the full products
+  BOOST_TEST(cuda::ns_batch_launches(shape) == 2 + 6 * 5);
+}
+
+// FLOPs one run computes: its symmetric products as their panels. Full products (one panel) are the dense
+// counts of normuon/ns_algorithm.h; p panels of width w cost sum over panels of (s - c0) w k.
+BOOST_AUTO_TEST_CASE(batch_flops_count_the_panels) {
+  for (const NsAlgorithm algorithm : {NsAlgorithm::standard, NsAlgorithm::gram}) {
+    cuda::NsBatchShape shape{64, 192, 3, NsPrecision::bf16, NsCoefficients::quintic, 5, 1e-7, algorithm};
+    const double s = 64, l = 192;
+    shape.panel_width = 64;
+    BOOST_TEST(cuda::ns_batch_flops(shape) == 3 * ns_dense_flops(algorithm, 64, 192, 5));
+    shape.panel_width = 32;  // two panels: (64 * 32 + 32 * 32) / (64 * 64) = 3/4 of each symmetric product
+    const double sym = 0.75;
+    const double want = algorithm == NsAlgorithm::standard
+                            ? 5 * (sym * s * s * l + sym * s * s * s + s * s * l)
+                            : 2 * sym * s * s * l + 2 * s * s * l + 14 * sym * s * s * s;
+    BOOST_TEST(cuda::ns_batch_flops(shape) == 2 * 3 * want);
+  }
+  cuda::NsBatchShape empty{0, 192, 3};
+  BOOST_TEST(cuda::ns_batch_flops(empty) == 0);
 }
 
 BOOST_AUTO_TEST_CASE(plan_of_odd_shapes_and_groups) {
@@ -428,12 +475,24 @@ BOOST_AUTO_TEST_CASE(launches_grow_with_shape_buckets_not_parameters) {
     const Layout large = Layout::build(first_layers(preset, all), options);
     BOOST_REQUIRE(large.entries.size() > small.entries.size());
     BOOST_TEST(small.buckets.size() == large.buckets.size(), preset);
-    const StepPlan ps = StepPlan::build(small, options), pl = StepPlan::build(large, options);
+    // With a fixed panel width (here: full products), the count is the same.
+    const StepPlan ps = with_panel_width(StepPlan::build(small, options), kFullProducts);
+    const StepPlan pl = with_panel_width(StepPlan::build(large, options), kFullProducts);
     check_plan(small, options, ps, preset + " " + std::to_string(few) + " layers");
     BOOST_TEST(ps.elementwise_launches() == pl.elementwise_launches(), preset);
     BOOST_TEST(ps.newton_schulz_launches() == pl.newton_schulz_launches(), preset);
     BOOST_TEST(launches(ps) == launches(pl), preset);
     BOOST_TEST(pl.matrices.size() > ps.matrices.size(), preset);
+    // The backend's own choice splits a larger batch into more panels, at most 8 per product: the
+    // standard count with 8 panels bounds it, whatever the layers.
+    const StepPlan auto_large = StepPlan::build(large, options);
+    check_plan(large, options, auto_large, preset + " " + std::to_string(all) + " layers, panels left to the backend");
+    // By hand: gpt2-124m's batches of 12 768-wide matrices keep full products (4 x 32); gpt-1.3b's four
+    // batches of 24 2048-wide ones take 4 panels of 512: 2 + 5 * (4 + 2 * 4) = 62 each.
+    if (preset == "gpt2-124m") BOOST_TEST(auto_large.newton_schulz_launches() == 4 * 32);
+    if (preset == "gpt-1.3b") BOOST_TEST(auto_large.newton_schulz_launches() == 4 * 62);
+    BOOST_TEST(auto_large.newton_schulz_launches() <= static_cast<int64_t>(pl.batches.size()) * cuda::ns_launches(5, 8),
+               preset);
   }
   // With the fp32 knob and polar_express the count follows ns_steps, still not the parameters.
   Options polar;

@@ -128,12 +128,13 @@ FlatState run_cuda(const Layout& layout, const Options& options, int64_t steps, 
 }
 
 // The launches one step issues, counted from the layout and the options alone (not from StepPlan or the
-// backend): per (shape bucket, group) batch of matrices with elements, 2 + 6 * ns_steps (norms, scaling,
-// three matmuls and three elementwise kernels an iteration), or Gram's count (ns_gram_plan.h, checked
-// against a hand count in test_cuda_plan) for a non-square bucket of a group with ns_algorithm=gram; one launch for the step counters, one for the NaN/Inf scan when any
+// backend): per (shape bucket, group) batch of matrices with elements, 2 + (4 + 2p) * ns_steps (norms,
+// scaling, p panel GEMMs for each of the two symmetric products, B X and three elementwise kernels an
+// iteration; p from ns_panels, checked against hand counts in test_cuda_plan), or Gram's count
+// (ns_gram_plan.h, likewise) for a non-square bucket of a group with ns_algorithm=gram; one launch for the step counters, one for the NaN/Inf scan when any
 // parameter has elements, four (momentum, statistics, finalize, update) when a NorMuon matrix has
 // elements, one when an AdamW parameter has elements. Resetting the status word is a memset, no launch.
-int64_t expected_launches(const Layout& layout, const Options& options) {
+int64_t expected_launches(const Layout& layout, const Options& options, int64_t panel_width = 0) {
   bool any_elements = false, normuon_elements = false, adamw_elements = false;
   for (const LayoutEntry& e : layout.entries) {
     if (e.numel == 0) continue;
@@ -150,8 +151,12 @@ int64_t expected_launches(const Layout& layout, const Options& options) {
     for (int e : bucket.entries) groups.insert(layout.entries[e].group);
     for (int g : groups) {
       const NorMuonHyper& h = options.groups[static_cast<size_t>(g)].normuon;
-      n += h.ns_algorithm == NsAlgorithm::gram && bucket.rows != bucket.cols ? cuda::ns_gram_launches(h.ns_steps)
-                                                                              : 2 + 6 * static_cast<int64_t>(h.ns_steps);
+      int64_t count = 0;  // the batch: the bucket's matrices in this group
+      for (int e : bucket.entries) count += layout.entries[e].group == g;
+      const int p = static_cast<int>(cuda::ns_panels(std::min(bucket.rows, bucket.cols), count, panel_width).size());
+      n += h.ns_algorithm == NsAlgorithm::gram && bucket.rows != bucket.cols
+               ? cuda::ns_gram_launches(h.ns_steps, p)
+               : 2 + (4 + 2 * p) * static_cast<int64_t>(h.ns_steps);
     }
   }
   return n;
@@ -190,18 +195,23 @@ struct UserStream {
 
 BOOST_AUTO_TEST_CASE(launches_per_step_follow_the_layout) {
   // The last case gives the two NorMuon groups different ns_steps, with a bucket ("tall") in both.
-  for (const std::string variant : {"tiny", "odd shapes", "odd shapes, ns_steps 2 and 3", "tiny gram"}) {
+  // The panelled variants compute the symmetric products in 5-column panels (several per product).
+  for (const std::string variant : {"tiny", "odd shapes", "odd shapes, ns_steps 2 and 3", "tiny gram",
+                                    "odd shapes, 5-column panels", "tiny gram, 5-column panels"}) {
     BOOST_TEST_CONTEXT(variant) {
       const bool odd = variant.rfind("odd", 0) == 0;
-      Options options = odd ? odd_options() : with(variant == "tiny gram" ? "normuon.ns_algorithm=gram" : "");
+      const bool gram = variant.rfind("tiny gram", 0) == 0;
+      Options options = odd ? odd_options() : with(gram ? "normuon.ns_algorithm=gram" : "");
       if (variant == "odd shapes, ns_steps 2 and 3") {
         options.set("normuon.ns_steps=2");
         options.set("fp32.ns_steps=3");
       }
+      FastCudaConfig config;
+      if (variant.find("panels") != std::string::npos) config.ns_panel_width = 5;
       const Layout layout = Layout::build(odd ? odd_manifest() : preset_manifest("tiny"), options);
-      FastCudaBackend backend(layout, options);
+      FastCudaBackend backend(layout, options, config);
       BOOST_TEST_MESSAGE(backend.describe());
-      BOOST_TEST(backend.launches_per_step() == expected_launches(layout, options));
+      BOOST_TEST(backend.launches_per_step() == expected_launches(layout, options, config.ns_panel_width));
       BOOST_TEST(backend.newton_schulz_flops() > 0.0);
       BOOST_TEST(backend.name() == "fast-cuda");
       BOOST_TEST(!backend.has_graph());
@@ -247,8 +257,8 @@ namespace {
 
 // The comparator over `steps` steps: reference-cpu against fast-cuda from the same initial parameters.
 RunSummary cross_check(const Layout& layout, const Options& options, CompareMode mode, int64_t steps,
-                       const GradientGenerator& gen = kGenerator) {
-  FastCudaBackend candidate(layout, options);
+                       const GradientGenerator& gen = kGenerator, const FastCudaConfig& config = {}) {
+  FastCudaBackend candidate(layout, options, config);
   ReferenceBackend reference;
   FlatState ref_state(layout), cand_state(layout);
   gen.fill_params(ref_state);
@@ -316,6 +326,30 @@ BOOST_AUTO_TEST_CASE(matches_reference_on_odd_shapes_and_groups) {
     BOOST_TEST_CONTEXT(to_string(mode)) {
       const RunSummary s = cross_check(layout, options, mode, 10);
       log_summary(std::string("odd shapes, 10 steps ") + to_string(mode), s);
+      BOOST_TEST(s.passed(), verdict_line(s));
+    }
+  }
+}
+
+// Symmetric products in narrow panels on cuBLASLt, both algorithms, against the reference: 8 columns
+// (offsets of 16 or 32 bytes into a matrix) and 7 (offsets down to 2 bytes in bf16), so each panel's GEMM
+// runs on an algorithm planned for the alignment it has.
+BOOST_AUTO_TEST_CASE(narrow_panels_match_reference_in_both_algorithms) {
+  for (const int64_t width : {int64_t{8}, int64_t{7}})
+  for (const NsAlgorithm algorithm : {NsAlgorithm::standard, NsAlgorithm::gram}) {
+    FastCudaConfig narrow;
+    narrow.ns_panel_width = width;
+    Options options = odd_options();
+    for (GroupOptions& g : options.groups) g.normuon.ns_algorithm = algorithm;
+    const Layout layout = Layout::build(odd_manifest(), options);
+    BOOST_TEST_CONTEXT(to_string(algorithm) << ", " << width << "-column panels") {
+      // More GEMMs (one per panel), fewer FLOPs than the full products of the same layout.
+      const FastCudaBackend full(layout, options), panels(layout, options, narrow);
+      BOOST_TEST(panels.launches_per_step() > full.launches_per_step());
+      BOOST_TEST(panels.newton_schulz_flops() < full.newton_schulz_flops());
+      const RunSummary s = cross_check(layout, options, CompareMode::resync, 10, kGenerator, narrow);
+      log_summary(std::string("odd shapes, ") + to_string(algorithm) + ", " + std::to_string(width) +
+                      "-column panels, 10 steps resync", s);
       BOOST_TEST(s.passed(), verdict_line(s));
     }
   }
@@ -486,7 +520,7 @@ namespace {
 // The cuBLASLt choices of the Newton-Schulz GEMMs as describe() reports them (algorithm, tile, split-K,
 // reduction), without the wave counts and workspace sizes that depend on the batch size.
 std::string gemm_choices(const std::string& describe) {
-  static const std::regex gemm(R"((gram|square|apply)\[algo=-?\d+ tile=\d+ splitk=-?\d+ red=\d+)");
+  static const std::regex gemm(R"(((?:gram|square)\d*|apply)\[algo=-?\d+ tile=\d+ splitk=-?\d+ red=\d+)");
   std::string out;
   for (auto it = std::sregex_iterator(describe.begin(), describe.end(), gemm); it != std::sregex_iterator(); ++it)
     out += it->str() + "] ";

@@ -51,7 +51,8 @@ void combine(std::vector<double>& dst, const std::vector<double>& src, const std
       dst[static_cast<size_t>(e)] = coef * src[static_cast<size_t>(e)] + (add ? (*add)[static_cast<size_t>(e)] : 0.0);
 }
 
-// kSteps iterations through the plan, in the order of run_newton_schulz (ns_kernels.cuh); X in place.
+// kSteps iterations through the plan's full GEMMs, in the order of run_newton_schulz (ns_run.cuh); X in
+// place.
 std::vector<double> run_plan(const NsGemmPlan& plan, const std::vector<double>& input, int64_t x_stride,
                              int64_t gram_stride) {
   std::vector<double> x = input, u(input.size(), kNaN);
@@ -224,7 +225,7 @@ BOOST_AUTO_TEST_CASE(wrong_plans_are_detected) {
 // Gram Newton-Schulz's GEMMs (ns_gram_plan.h) run on the three layouts planned for the standard iteration
 // (newton_schulz_cuda.cu plans each once), on the buffers the loop names; X = Q X writes the other X
 // buffer, never its own input. Their values are checked bit for bit against the spec's loop in
-// test_cuda_emulated (gram_batches_equal_the_spec_loop_bit_for_bit).
+// test_cuda_emulated (batches_equal_the_spec_loop_bit_for_bit).
 BOOST_AUTO_TEST_CASE(gram_plan_reuses_the_layouts_on_its_own_operands) {
   using O = NsOperand;
   auto operands = [](const NsGemmSpec& g) { return std::vector<O>{g.a.operand, g.b.operand, g.d.operand}; };
@@ -249,4 +250,98 @@ BOOST_AUTO_TEST_CASE(gram_plan_reuses_the_layouts_on_its_own_operands) {
       BOOST_TEST((operands(g.apply_u_to_x) == u_to_x));
     }
   }
+}
+
+// The lower panels of a symmetric product (ns_panel_gemm) compute exactly its lower triangle: every
+// element (i, j), i >= j, equal to the full GEMM's (the same dot product, summed in the same order), the
+// part of the diagonal blocks above the diagonal as the full GEMM has it too, and nothing else written
+// (NaN stays NaN), every panel's layouts inside their buffers; for X X^T (wide and tall) and the s x s
+// product C A, with several widths, a width of s being the full product in one panel.
+BOOST_AUTO_TEST_CASE(lower_panels_compute_the_lower_triangle_and_nothing_else) {
+  for (const auto& [rows, cols] : kShapes) {
+    const NsGemmPlan plan = ns_gemm_plan(rows, cols);
+    const int64_t s = plan.s, x_stride = rows * cols + 7, gram_stride = s * s + 5;
+    for (const bool square : {false, true}) {
+      const NsGemmSpec& full = square ? plan.square : plan.gram;
+      for (const int64_t width : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{5}, s}) {
+        BOOST_TEST_CONTEXT(shape_name(rows, cols) << (square ? " C A" : " X X^T") << " width " << width) {
+          std::vector<double> x = random_batch(rows, cols, x_stride, 3), u(x.size(), kNaN);
+          std::vector<double> gram(static_cast<size_t>(kCount * gram_stride), kNaN), b(gram.size(), kNaN);
+          std::mt19937_64 rng(11);
+          std::uniform_real_distribution<double> dist(-1, 1);
+          for (auto* v : {&gram, &b})  // C and A for the s x s product (A's values need not be symmetric here)
+            for (int64_t q = 0; q < kCount; ++q)
+              for (int64_t e = 0; e < s * s; ++e) (*v)[static_cast<size_t>(q * gram_stride + e)] = dist(rng);
+          std::vector<double> want(gram.size(), kNaN), got(gram.size(), kNaN);
+          auto whole = [](std::vector<double>& v) { return LtBuffer<double>{v.data(), static_cast<int64_t>(v.size())}; };
+          // The product goes to T; the full GEMM into `want`, the panels into `got`.
+          const NsBuffers<LtBuffer<double>> into_want{whole(x), whole(gram), whole(b), whole(want), whole(u)};
+          const NsBuffers<LtBuffer<double>> into_got{whole(x), whole(gram), whole(b), whole(got), whole(u)};
+          NsGemmSpec to_t = full;
+          to_t.d.operand = NsOperand::t;
+          lt_matmul<double>(to_t, into_want, kCount, x_stride, gram_stride);
+          const std::vector<normuon::fast::SymmetricPanel> panels = normuon::fast::symmetric_panels(s, width);
+          BOOST_TEST(panels.size() == static_cast<size_t>((s + width - 1) / width));
+          for (const normuon::fast::SymmetricPanel& p : panels)
+            BOOST_REQUIRE_NO_THROW(lt_matmul<double>(ns_panel_gemm(to_t, p), into_got, kCount, x_stride, gram_stride));
+          int64_t lower_wrong = 0, stray = 0, lower = 0;
+          for (int64_t q = 0; q < kCount; ++q)
+            for (int64_t j = 0; j < s; ++j)
+              for (int64_t i = 0; i < s; ++i) {
+                const size_t e = static_cast<size_t>(q * gram_stride + i + j * s);  // column-major (i, j)
+                const int64_t c0 = j / width * width;  // the panel holding column j covers rows c0..s
+                if (i >= c0) {
+                  lower += i >= j;
+                  lower_wrong += !(got[e] == want[e]);
+                } else {
+                  stray += !std::isnan(got[e]);
+                }
+              }
+          BOOST_TEST(lower == kCount * s * (s + 1) / 2);
+          BOOST_TEST(lower_wrong == 0);
+          BOOST_TEST(stray == 0);
+          for (int64_t q = 0; q < kCount; ++q)  // the padding between matrices
+            for (int64_t e = s * s; e < gram_stride; ++e) BOOST_TEST(std::isnan(got[static_cast<size_t>(q * gram_stride + e)]));
+        }
+      }
+    }
+  }
+}
+
+// The backend's panel width (ns_auto_panel_width): the full product (s) for small or lonely matrices,
+// else a multiple of 128 below s that makes 2 to 8 panels, never fewer panels for a larger batch.
+BOOST_AUTO_TEST_CASE(auto_panel_width_splits_only_what_fills_the_gpu) {
+  BOOST_TEST(ns_auto_panel_width(2048, 24) == 512);  // gpt-1.3b's hidden size, 24 layers: 4 panels
+  BOOST_TEST(ns_auto_panel_width(2048, 1) == 2048);  // one matrix: its full product is about one wave
+  BOOST_TEST(ns_auto_panel_width(64, 1000) == 64);
+  for (const int64_t s : {int64_t{1}, int64_t{100}, int64_t{128}, int64_t{300}, int64_t{768}, int64_t{2048}, int64_t{4096},
+                          int64_t{8192}})
+    for (const int64_t count : {int64_t{1}, int64_t{3}, int64_t{12}, int64_t{24}, int64_t{96}, int64_t{1000}}) {
+      BOOST_TEST_CONTEXT("s " << s << " count " << count) {
+        const int64_t w = ns_auto_panel_width(s, count);
+        const int64_t panels = (s + w - 1) / w;
+        BOOST_TEST((w == s || (w % 128 == 0 && w < s)));
+        BOOST_TEST(panels <= 8);
+        BOOST_TEST(ns_panels(s, count, 0).size() == static_cast<size_t>(panels));
+        const int64_t more = (s + ns_auto_panel_width(s, count * 2) - 1) / ns_auto_panel_width(s, count * 2);
+        BOOST_TEST(more >= panels);
+      }
+    }
+  BOOST_TEST(ns_panels(10, 1, 3).size() == 4u);   // a width of its own
+  BOOST_TEST(ns_panels(10, 1, 99).size() == 1u);  // past s: the full product
+  BOOST_TEST(ns_panels(8192, 1, 1).size() == 64u);  // at most kNsMaxPanels
+  BOOST_TEST(ns_panels(8192, 1, 1).front().width == 128);
+}
+
+// The alignment each panel GEMM is planned for: the largest power of two up to 256 bytes dividing the
+// operand's byte offset (0: the buffer's own 256).
+BOOST_AUTO_TEST_CASE(operand_alignment_is_what_the_offset_keeps) {
+  BOOST_TEST(ns_operand_alignment(0, 2) == 256u);
+  BOOST_TEST(ns_operand_alignment(128, 2) == 256u);  // a 128-multiple width keeps 256 bytes in bf16
+  BOOST_TEST(ns_operand_alignment(128 * 2049, 2) == 256u);  // c0 (1 + s), c0 = 128
+  BOOST_TEST(ns_operand_alignment(64, 2) == 128u);
+  BOOST_TEST(ns_operand_alignment(8, 2) == 16u);
+  BOOST_TEST(ns_operand_alignment(7, 2) == 2u);
+  BOOST_TEST(ns_operand_alignment(7, 4) == 4u);
+  BOOST_TEST(ns_operand_alignment(7 * 8, 4) == 32u);
 }

@@ -55,6 +55,8 @@ FastCudaBackend::FastCudaBackend(const Layout& layout, const Options& options, c
     : layout_(layout), device_index_(config.device) {
   const std::string reason = unsupported_reason(layout, options, config.device);
   if (!reason.empty()) throw std::invalid_argument("fast-cuda backend: " + reason);
+  if (config.ns_panel_width < 0)
+    throw std::invalid_argument("fast-cuda backend: ns_panel_width must be 0 (the backend's choice) or positive");
   const DeviceScope scope(device_index_);
   if (config.stream) {
     stream_ = config.stream;
@@ -66,6 +68,7 @@ FastCudaBackend::FastCudaBackend(const Layout& layout, const Options& options, c
   device_ = std::make_unique<cuda::DeviceFlatState>(layout, config.grad_type, config.bf16_params, config.caller_tensors);
 
   cuda::StepPlan plan = cuda::StepPlan::build(layout, options);
+  for (cuda::NsBatchShape& shape : plan.batches) shape.panel_width = config.ns_panel_width;
   ns_ = std::make_unique<cuda::BatchedNewtonSchulz>(plan.batches, stream_);
   for (size_t b = 0; b < plan.batches.size(); ++b) {
     const cuda::NsBatchShape& shape = plan.batches[b];

@@ -43,6 +43,11 @@ struct FastCudaConfig {
   cuda::ElemType grad_type = cuda::ElemType::f32;
   bool bf16_params = false;       // keep a bf16 copy of the parameters, written in the same passes
   bool caller_tensors = false;    // table mode: step the tensors set_tensors() names (param_table.h)
+  // Width of the column panels of Newton-Schulz's symmetric products (ns_gemm_plan.h): 0, the backend's
+  // choice (ns_auto_panel_width); a width >= a batch's s computes each product in one GEMM (still
+  // mirrored: the lower triangle wins). Each element is the same dot product either way, but a panel's
+  // GEMM may run another cuBLASLt algorithm, so widths can differ in the last bits.
+  int64_t ns_panel_width = 0;
 };
 
 class FastCudaBackend : public Backend {

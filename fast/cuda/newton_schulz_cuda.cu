@@ -1,11 +1,13 @@
 // Batched Newton-Schulz on the GPU (docs/spec.md section 3.2): two deterministic kernels normalise the
-// batch, then each iteration is three cuBLASLt strided-batched GEMMs and three elementwise kernels, which
-// round as the spec does (ns_gemm_plan.h has the iteration). A Gram batch (ns_algorithm=gram, not square)
-// runs Gram Newton-Schulz on the same three GEMM layouts with other operands (ns_gram_plan.h), and its
-// symmetric kernel (ns_gram_kernels.cuh).
+// batch, then each iteration is three cuBLASLt strided-batched products and three elementwise kernels,
+// which round as the spec does (ns_gemm_plan.h has the iteration). The two symmetric products, X X^T and
+// C A, are computed as their lower triangle, one strided-batched GEMM per column panel, and mirrored by
+// the symmetric kernel that reads them (ns_sym_kernels.cuh). A Gram batch (ns_algorithm=gram, not
+// square) runs Gram Newton-Schulz on the same layouts with other operands (ns_gram_plan.h).
 //
-// GEMM layouts (transposes, layouts, operand buffers): ns_gemm_plan.h. Batch strides and the elementwise
-// kernels' slices: ns_batch_geometry.h. The kernels and the order of a run: ns_kernels.cuh.
+// GEMM layouts (transposes, layouts, operand buffers, panels): ns_gemm_plan.h. Batch strides, tiles and
+// slices: ns_batch_geometry.h. The kernels: ns_kernels.cuh, ns_sym_kernels.cuh; the order of a run:
+// ns_run.cuh.
 //
 // Determinism: the norm kernels reduce in a fixed order with no atomics; cuBLASLt gives the same bits for
 // a fixed algorithm, workspace and GPU (cuBLAS's reproducibility guarantee; the split-K scheme allowed
@@ -27,8 +29,7 @@
 #include "normuon/ns_coefficients.h"
 #include "ns_batch_geometry.h"
 #include "ns_gemm_plan.h"
-#include "ns_gram_kernels.cuh"
-#include "ns_kernels.cuh"
+#include "ns_run.cuh"
 #include "stream_launch.cuh"
 
 namespace normuon::cuda {
@@ -88,7 +89,7 @@ void make_layout(cudaDataType type, const NsMatrixSpec& m, int64_t batch_stride,
 }
 
 void plan_gemm(LtGemm& g, cublasLtHandle_t handle, bool bf16, const NsGemmSpec& spec, int64_t x_stride,
-               int64_t gram_stride, int32_t count, const char* what) {
+               int64_t gram_stride, int32_t count, const std::string& what) {
   const cudaDataType type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
   // fp32 accumulation in both modes; CUBLAS_COMPUTE_32F never uses TF32.
   NORMUON_CUBLAS_CHECK(cublasLtMatmulDescCreate(&g.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -111,12 +112,25 @@ void plan_gemm(LtGemm& g, cublasLtHandle_t handle, bool bf16, const NsGemmSpec& 
   const uint32_t reductions = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
   NORMUON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
                                                             &reductions, sizeof(reductions)));
+  // A panel's operands start inside a matrix: only algorithms that need no more alignment than they have.
+  const int64_t element_bytes = bf16 ? 2 : 4;
+  const uint32_t align_a = ns_operand_alignment(spec.a.offset, element_bytes);
+  const uint32_t align_b = ns_operand_alignment(spec.b.offset, element_bytes);
+  const uint32_t align_d = ns_operand_alignment(spec.d.offset, element_bytes);
+  NORMUON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                                            &align_a, sizeof(align_a)));
+  NORMUON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                            &align_b, sizeof(align_b)));
+  NORMUON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                                            &align_d, sizeof(align_d)));
+  NORMUON_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                                            &align_d, sizeof(align_d)));
   cublasLtMatmulHeuristicResult_t result{};
   int returned = 0;
   NORMUON_CUBLAS_CHECK(
       cublasLtMatmulAlgoGetHeuristic(handle, g.desc, g.a, g.b, g.d, g.d, pref.p, 1, &result, &returned));
   if (returned < 1 || result.state != CUBLAS_STATUS_SUCCESS)
-    throw std::runtime_error(std::string("cuBLASLt found no algorithm for the Newton-Schulz ") + what + " GEMM");
+    throw std::runtime_error("cuBLASLt found no algorithm for the Newton-Schulz " + what + " GEMM");
   g.algo = result.algo;
 
   int32_t id = -1, splitk = 1;
@@ -128,7 +142,7 @@ void plan_gemm(LtGemm& g, cublasLtHandle_t handle, bool bf16, const NsGemmSpec& 
   cublasLtMatmulAlgoConfigGetAttribute(&g.algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &reduction, sizeof(reduction),
                                        &written);
   char buf[160];
-  std::snprintf(buf, sizeof buf, "%s[algo=%d tile=%u splitk=%d red=%u ws=%zu waves=%.2f]", what, id, tile, splitk,
+  std::snprintf(buf, sizeof buf, "%s[algo=%d tile=%u splitk=%d red=%u ws=%zu waves=%.2f]", what.c_str(), id, tile, splitk,
                 reduction, result.workspaceSize, static_cast<double>(result.wavesCount));
   g.info = buf;
 }
@@ -137,7 +151,8 @@ struct Batch {
   NsBatchShape shape;
   NsBatchGeometry geometry;
   DeviceBuffer<unsigned char> x;  // the input, and O after run()
-  LtGemm lt[3];  // planned GEMMs, indexed by ns_device::NsGemm
+  // Planned GEMMs, indexed by ns_device::NsGemm, then by panel (apply: one).
+  std::vector<std::unique_ptr<LtGemm>> lt[3];
 };
 
 constexpr const char* kGemmNames[3] = {"gram", "square", "apply"};
@@ -163,8 +178,8 @@ struct BatchedNewtonSchulz::Impl {
     auto typed = [](DeviceBuffer<unsigned char>& d) { return reinterpret_cast<T*>(d.data()); };
     const NsBuffers<T*> buf{typed(b.x),    typed(gram), typed(bmat), typed(tmat),
                             typed(umat), typed(qmat), typed(zmat), typed(t2mat)};
-    auto gemm = [&](ns_device::NsGemm which, const NsGemmSpec& spec) {
-      matmul(b.lt[static_cast<int>(which)], spec, buf);
+    auto gemm = [&](ns_device::NsGemm which, int part, const NsGemmSpec& spec) {
+      matmul(*b.lt[static_cast<int>(which)][static_cast<size_t>(part)], spec, buf);
     };
     if (b.geometry.gram_iteration)
       ns_device::run_gram_newton_schulz<T>(StreamLaunch{stream}, gemm, buf, b.shape, b.geometry, partials.data());
@@ -172,13 +187,16 @@ struct BatchedNewtonSchulz::Impl {
       ns_device::run_newton_schulz<T>(StreamLaunch{stream}, gemm, buf, b.shape, b.geometry, partials.data());
   }
 
-  // D = op(A) op(B), the operands' buffers as the spec names them.
+  // D = op(A) op(B), the operands' buffers as the spec names them, from their offsets.
   template <typename T>
   void matmul(const LtGemm& g, const NsGemmSpec& spec, const NsBuffers<T*>& buf) {
     const NsGemmPointers<T*> p = ns_gemm_pointers(spec, buf);
+    const T* a = p.a + spec.a.offset;
+    const T* b = p.b + spec.b.offset;
+    T* d = p.d + spec.d.offset;
     const float alpha = 1.0f, beta = 0.0f;
-    NORMUON_CUBLAS_CHECK(cublasLtMatmul(handle->h, g.desc, &alpha, p.a, g.a, p.b, g.b, &beta, p.d, g.d, p.d, g.d,
-                                        &g.algo, workspace.data(), workspace.bytes(), stream));
+    NORMUON_CUBLAS_CHECK(cublasLtMatmul(handle->h, g.desc, &alpha, a, g.a, b, g.b, &beta, d, g.d, d, g.d, &g.algo,
+                                        workspace.data(), workspace.bytes(), stream));
   }
 };
 
@@ -188,8 +206,8 @@ BatchedNewtonSchulz::BatchedNewtonSchulz(const std::vector<NsBatchShape>& batche
   im.stream = stream;
   // Validate everything before touching the device.
   for (const NsBatchShape& sh : batches) {
-    if (sh.rows < 0 || sh.cols < 0 || sh.count < 0 || sh.steps < 0)
-      throw std::invalid_argument("Newton-Schulz batch with a negative size or step count");
+    if (sh.rows < 0 || sh.cols < 0 || sh.count < 0 || sh.steps < 0 || sh.panel_width < 0)
+      throw std::invalid_argument("Newton-Schulz batch with a negative size, step count or panel width");
     if (sh.coefficients == NsCoefficients::polar_express && sh.steps > kPolarExpressSteps)
       throw std::invalid_argument("ns_steps=" + std::to_string(sh.steps) +
                                   " but the Polar Express schedule has 5 coefficient triples");
@@ -237,8 +255,16 @@ BatchedNewtonSchulz::BatchedNewtonSchulz(const std::vector<NsBatchShape>& batche
     const int32_t count = static_cast<int32_t>(b.shape.count);
     cublasLtHandle_t h = im.handle->h;
     const NsGemmSpec* specs[3] = {&g.plan.gram, &g.plan.square, &g.plan.apply};  // NsGemm order
-    for (int i = 0; i < 3; ++i)
-      plan_gemm(b.lt[i], h, bf16, *specs[i], g.x.stride, g.gram.stride, count, kGemmNames[i]);
+    for (int i = 0; i < 3; ++i) {
+      const bool symmetric = i != static_cast<int>(ns_device::NsGemm::apply);
+      const size_t parts = symmetric ? g.panels.size() : 1;
+      for (size_t p = 0; p < parts; ++p) {
+        const NsGemmSpec spec = symmetric ? ns_panel_gemm(*specs[i], g.panels[p]) : *specs[i];
+        const std::string name = parts > 1 ? kGemmNames[i] + std::to_string(p) : std::string(kGemmNames[i]);
+        b.lt[i].push_back(std::make_unique<LtGemm>());
+        plan_gemm(*b.lt[i].back(), h, bf16, spec, g.x.stride, g.gram.stride, count, name);
+      }
+    }
   }
 }
 
@@ -274,20 +300,11 @@ void BatchedNewtonSchulz::run(int b) {
 }
 
 int BatchedNewtonSchulz::launches(int b) const {
-  const Batch& batch = *impl_->batches.at(static_cast<size_t>(b));
-  if (batch.geometry.empty) return 0;
-  return batch.geometry.gram_iteration ? ns_gram_launches(batch.shape.steps) : ns_launches(batch.shape.steps);
+  return ns_batch_launches(impl_->batches.at(static_cast<size_t>(b))->shape);
 }
 
 double BatchedNewtonSchulz::flops(int b) const {
-  const Batch& batch = *impl_->batches.at(static_cast<size_t>(b));
-  if (batch.geometry.empty) return 0;
-  // Every product is computed in full: the dense counts of normuon/ns_algorithm.h.
-  if (batch.geometry.gram_iteration)
-    return ns_gram_dense_flops(batch.shape.rows, batch.shape.cols, batch.shape.steps) *
-           static_cast<double>(batch.shape.count);
-  const double s = static_cast<double>(batch.geometry.plan.s), l = static_cast<double>(batch.geometry.plan.l);
-  return 2.0 * (s * s * l + s * s * s + s * s * l) * batch.shape.steps * static_cast<double>(batch.shape.count);
+  return ns_batch_flops(impl_->batches.at(static_cast<size_t>(b))->shape);
 }
 
 std::string BatchedNewtonSchulz::describe() const {
@@ -304,9 +321,12 @@ std::string BatchedNewtonSchulz::describe() const {
       out += " (empty)";
     } else {
       out += b.geometry.plan.tall ? " tall" : " wide";
-      if (b.geometry.gram_iteration) out += " gram tiles=" + std::to_string(b.geometry.sym.tiles);
-      out += " slices=" + std::to_string(b.geometry.x.slices);
-      for (const LtGemm& lt : b.lt) out += " " + lt.info;
+      if (b.geometry.gram_iteration) out += " gram";
+      out += " panels=" + std::to_string(b.geometry.panels.size()) + "x" +
+             std::to_string(b.geometry.panels.front().width) + " tiles=" + std::to_string(b.geometry.sym.tiles) +
+             " slices=" + std::to_string(b.geometry.x.slices);
+      for (const auto& gemms : b.lt)
+        for (const auto& lt : gemms) out += " " + lt->info;
     }
     out += '\n';
   }

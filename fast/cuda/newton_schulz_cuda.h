@@ -27,6 +27,10 @@ struct NsBatchShape {
   int steps = 5;
   double eps = 1e-7;           // X / (||X||_F + eps)
   NsAlgorithm algorithm = NsAlgorithm::standard;  // gram: on square matrices the standard iteration all the same
+  // Width of the column panels a symmetric product is computed in (ns_gemm_plan.h): 0 leaves it to
+  // ns_auto_panel_width; s or more computes the full product in one GEMM (still mirrored). Each element is
+  // the same dot product either way, summed in the order of the GEMM's cuBLASLt algorithm.
+  int64_t panel_width = 0;
 };
 
 class BatchedNewtonSchulz {
@@ -55,7 +59,7 @@ class BatchedNewtonSchulz {
 
   int launches(int b) const;  // kernels plus cuBLASLt matmuls that one run(b) enqueues
   int64_t workspace_bytes() const;  // every device buffer it holds
-  double flops(int b) const;  // multiply-adds x 2 of one run(b)
+  double flops(int b) const;  // multiply-adds x 2 that one run(b) computes (ns_batch_flops)
   std::string describe() const;  // per batch: shape, count, precision, GEMM algorithm
 
  private:

@@ -37,13 +37,12 @@ NsBatchGeometry ns_batch_geometry(const NsBatchShape& shape) {
     if (shape.count > INT32_MAX || g.plan.l > INT32_MAX) throw std::invalid_argument("too large");
     g.x = slicing(shape.rows * shape.cols, shape.count);
     g.gram = slicing(g.plan.s * g.plan.s, shape.count);
+    const int64_t per_side = ceil_div(g.plan.s, kNsSymTile);
+    g.sym = {g.plan.s, g.gram.stride, per_side * (per_side + 1) / 2};
+    if (shape.count * g.sym.tiles > INT32_MAX) throw std::invalid_argument("too many blocks");
+    g.panels = ns_panels(g.plan.s, shape.count, shape.panel_width);
     g.gram_iteration = shape.steps > 0 && ns_uses_gram(shape.algorithm, shape.rows, shape.cols);
-    if (g.gram_iteration) {
-      g.gram_plan = ns_gram_plan(g.plan);
-      const int64_t per_side = ceil_div(g.plan.s, kNsSymTile);
-      g.sym = {g.plan.s, g.gram.stride, per_side * (per_side + 1) / 2};
-      if (shape.count * g.sym.tiles > INT32_MAX) throw std::invalid_argument("too many blocks");
-    }
+    if (g.gram_iteration) g.gram_plan = ns_gram_plan(g.plan);
   } catch (const std::invalid_argument&) {
     throw std::invalid_argument("Newton-Schulz batch too large: " + std::to_string(shape.count) + " x " +
                                 std::to_string(shape.rows) + "x" + std::to_string(shape.cols));
@@ -54,7 +53,25 @@ NsBatchGeometry ns_batch_geometry(const NsBatchShape& shape) {
 int ns_batch_launches(const NsBatchShape& shape) {
   const NsBatchGeometry g = ns_batch_geometry(shape);
   if (g.empty) return 0;
-  return g.gram_iteration ? ns_gram_launches(shape.steps) : ns_launches(shape.steps);
+  const int panels = static_cast<int>(g.panels.size());
+  return g.gram_iteration ? ns_gram_launches(shape.steps, panels) : ns_launches(shape.steps, panels);
+}
+
+double ns_batch_flops(const NsBatchShape& shape) {
+  const NsBatchGeometry g = ns_batch_geometry(shape);
+  if (g.empty) return 0;
+  const int64_t s = g.plan.s, l = g.plan.l;
+  const double long_product = fast::symmetric_panel_macs(g.panels, s, l);  // X X^T
+  const double square_product = fast::symmetric_panel_macs(g.panels, s, s);
+  const double apply = static_cast<double>(s) * static_cast<double>(s) * static_cast<double>(l);  // B X, Q X
+  double macs = 0;
+  if (g.gram_iteration) {
+    const NsGramProducts p = ns_gram_products(shape.steps);
+    macs = p.gram * long_product + p.apply * apply + p.square * square_product;
+  } else {
+    macs = shape.steps * (long_product + square_product + apply);
+  }
+  return 2 * macs * static_cast<double>(shape.count);
 }
 
 }  // namespace normuon::cuda

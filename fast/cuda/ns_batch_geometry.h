@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "newton_schulz_cuda.h"
 #include "ns_gemm_plan.h"
@@ -16,7 +17,7 @@ constexpr int kNsVec = 8;                       // elements per vector access (1
 constexpr int64_t kNsElementsPerSlice = 16384;  // target slice size (one block each)
 constexpr int64_t kNsMaxSlices = 1024;          // per matrix; the norm's partial sums are re-summed per block
 constexpr int64_t kNsStrideAlign = 128;         // elements: 256 B in bf16, cuBLASLt's default alignment
-constexpr int kNsSymTile = 32;                  // Gram's symmetric kernels: one block per tile of the lower triangle
+constexpr int kNsSymTile = 32;                  // the symmetric kernel: one block per tile of the lower triangle
 
 // `count` matrices of n elements, `stride` elements apart, split into `slices` blocks per matrix of
 // groups_per_slice groups of kNsVec elements (the matrix's last group may be partial).
@@ -27,7 +28,7 @@ struct NsSlicing {
   int64_t groups_per_slice = 0;
 };
 
-// The s x s matrices of a batch as Gram Newton-Schulz's symmetric kernels split them: one block per
+// The s x s matrices of a batch as the symmetric kernel (ns_sym_kernels.cuh) splits them: one block per
 // kNsSymTile x kNsSymTile tile on or below the diagonal (`tiles` per matrix), column-major, `stride` apart.
 struct NsSymTiling {
   int64_t s = 0;
@@ -40,18 +41,26 @@ struct NsBatchGeometry {
   NsGemmPlan plan{};  // the GEMMs of an iteration (unless empty)
   NsSlicing x;        // the X-shaped buffers (X, U): rows x cols
   NsSlicing gram;     // the s x s buffers (A, C and B, T; Gram's R, Q, Z, T2 too)
-  // Gram Newton-Schulz (ns_algorithm=gram on a non-square matrix, ns_steps >= 1): its GEMMs and tiles.
+  NsSymTiling sym;    // the same, as the symmetric kernel's tiles
+  // The lower panels every symmetric product (X X^T, and every s x s product) is computed in; one panel
+  // (0, s) computes the full product.
+  std::vector<fast::SymmetricPanel> panels;
+  // Gram Newton-Schulz (ns_algorithm=gram on a non-square matrix, ns_steps >= 1): its GEMMs.
   bool gram_iteration = false;
   NsGramPlan gram_plan{};
-  NsSymTiling sym;
 };
 
-// Launches and GEMMs of one run of a non-empty batch (ns_kernels.cuh, run_newton_schulz): the two norm
-// kernels, then three GEMMs and three elementwise kernels an iteration.
-constexpr int ns_launches(int steps) { return 2 + 6 * steps; }
+// Launches and GEMMs of one run of a non-empty batch with the standard iteration (ns_run.cuh,
+// run_newton_schulz): the two norm kernels, then per iteration the panels of X X^T and of C A, B X,
+// and three elementwise kernels.
+constexpr int ns_launches(int steps, int panels = 1) { return 2 + steps * (4 + 2 * panels); }
 
 // Launches and GEMMs of one run of a batch of this shape, either algorithm; 0 when it is empty.
 int ns_batch_launches(const NsBatchShape& shape);
+
+// FLOPs (2 per multiply-add) that one run of the batch computes, its symmetric products as its panels;
+// 0 when it is empty. The full products of the same run: ns_dense_flops (normuon/ns_algorithm.h).
+double ns_batch_flops(const NsBatchShape& shape);
 
 // Throws std::invalid_argument for a shape the kernels' 32-bit grid indices cannot hold.
 NsBatchGeometry ns_batch_geometry(const NsBatchShape& shape);

@@ -26,9 +26,19 @@
 //   apply  U = B W                    N,N  m=s n=l k=s   A:B (s x s)  B:W (s x l, ld s)  D:U (s x l, ld s)
 //   U in memory is the row-major l x s matrix U^T, the stored orientation.
 // B^T (not B) in the wide apply keeps the algebra exact even where the computed A is not bit-symmetric.
+//
+// Symmetric products (docs/spec.md section 3.2). X X^T and C A are symmetric, so the run computes only
+// their lower triangle, in column panels (../symmetric_panels.h): panel (c0, w) is the GEMM of rows
+// [c0, s) and columns [c0, c0 + w) of D, the same dot products as the full GEMM's, written where the full
+// GEMM writes them (ld s), with its operands read from offsets into the same buffers. The elementwise
+// kernel that reads the product mirrors it (ns_sym_kernels.cuh). With p panels the products cost
+// (p + 1) / 2p of the full ones.
 #pragma once
 
 #include <cstdint>
+#include <vector>
+
+#include "../symmetric_panels.h"
 
 namespace normuon::cuda {
 
@@ -40,6 +50,7 @@ enum class NsOperand { x, gram, b, t, u, q, z, t2 };
 struct NsMatrixSpec {
   int64_t rows, cols, ld;  // column-major, as cuBLASLt reads it (before op)
   NsOperand operand;
+  int64_t offset = 0;  // elements from the start of each matrix of the operand's buffer (a panel's corner)
 };
 
 // D = op(A) op(B); D is also cuBLASLt's C (beta = 0).
@@ -56,6 +67,28 @@ struct NsGemmPlan {
 
 // For rows, cols >= 1.
 NsGemmPlan ns_gemm_plan(int64_t rows, int64_t cols);
+
+// The GEMM of one lower panel of the symmetric s x s product `full` (X X^T or an s x s product: m = n = s):
+// rows [c0, s) and columns [c0, c0 + width) of D, op(A)'s rows [c0, s), op(B)'s columns [c0, c0 + width).
+NsGemmSpec ns_panel_gemm(const NsGemmSpec& full, const fast::SymmetricPanel& panel);
+
+// Panel width for symmetric products of s x s over `count` matrices, when the caller leaves it to the
+// backend: the narrowest of ceil(s / 8), ceil(s / 4) and ceil(s / 2), rounded up to a multiple of 128 (so
+// up to 8 panels, the last one narrower), whose last, smallest panel still gives the GPU
+// kNsMinPanelTiles output tiles of 128 x 128 over the batch; s (one panel: the full product) when even
+// two panels would starve it. Chosen on paper (H100: 132 SMs); `bench-cuda --ns-panel-width` measures
+// others.
+constexpr int64_t kNsMinPanelTiles = 128;
+int64_t ns_auto_panel_width(int64_t s, int64_t count);
+
+// The lower panels of an s x s product: `width` (0: ns_auto_panel_width) in [ceil(s / kNsMaxPanels), s],
+// so that a tiny width cannot plan thousands of GEMMs.
+constexpr int64_t kNsMaxPanels = 64;
+std::vector<fast::SymmetricPanel> ns_panels(int64_t s, int64_t count, int64_t width);
+
+// The alignment (bytes, a power of two up to 256) cuBLASLt may assume for an operand `offset` elements
+// into a matrix whose buffer and batch stride are 256-byte aligned (cudaMalloc; kNsStrideAlign).
+uint32_t ns_operand_alignment(int64_t offset, int64_t element_bytes);
 
 // Batch stride of an operand's buffer: x and u hold X-shaped matrices, the others s x s ones.
 inline int64_t ns_batch_stride(NsOperand o, int64_t x_stride, int64_t gram_stride) {
@@ -89,7 +122,7 @@ struct NsGemmPointers {
   P a, b, d;
 };
 
-// The a, b, d pointers of one GEMM of the plan.
+// The a, b, d buffers of one GEMM of the plan (each operand's offset is the caller's to add).
 template <typename P>
 NsGemmPointers<P> ns_gemm_pointers(const NsGemmSpec& g, const NsBuffers<P>& buf) {
   return {ns_operand_pointer(g.a.operand, buf), ns_operand_pointer(g.b.operand, buf),

@@ -23,23 +23,18 @@ NsGemmSpec square(const NsGemmPlan& plan, NsOperand a, NsOperand b, NsOperand d)
 
 }  // namespace
 
-int ns_gram_applies(int steps) {
-  int n = 1;
-  for (int k = 0; k < steps; ++k) n += ns_gram_iteration(k, steps).restart;
-  return n;
-}
+int ns_gram_applies(int steps) { return ns_gram_products(steps).apply; }
 
-int ns_gram_launches(int steps) {
-  int n = 2 /* norms */ + 2 /* X X^T, mirror and C */ + 1 /* final X = Q X */;
+int ns_gram_launches(int steps, int panels) {
+  const NsGramProducts p = ns_gram_products(steps);
+  int kernels = 2 /* norms */ + p.gram /* mirror of X X^T and C */;
   for (int k = 0; k < steps; ++k) {
     const NsGramIteration it = ns_gram_iteration(k, steps);
-    n += it.restart ? 3 : 0;                            // X = Q X, X X^T, mirror and C
-    n += 2;                                             // C R, the Z kernel
-    n += (it.fresh ? 0 : 1) + (it.update_r ? 1 : 0);    // Q Z, R Z
-    n += !it.fresh || it.update_r ? 1 : 0;              // the Q / RZ kernel
-    n += it.update_r ? 2 : 0;                           // Z RZ, the R kernel
+    kernels += 1;                                  // the Z kernel
+    kernels += !it.fresh || it.update_r ? 1 : 0;   // the Q / RZ kernel
+    kernels += it.update_r ? 1 : 0;                // the R kernel
   }
-  return n;
+  return kernels + p.apply + panels * (p.gram + p.square);
 }
 
 NsGramPlan ns_gram_plan(const NsGemmPlan& plan) {

@@ -1,6 +1,6 @@
 // Gram Newton-Schulz on the fast CUDA backend (docs/spec.md section 3.2), the host side: which GEMMs a
 // run makes and on which buffers, and what each iteration does (restart, fresh Q, R updated). The run
-// itself (ns_gram_kernels.cuh) and its launch count both follow from ns_gram_iteration (ns_algorithm.h, shared
+// itself (ns_run.cuh) and its launch count both follow from ns_gram_iteration (ns_algorithm.h, shared
 // with every backend), so they agree.
 // Plain C++ (no CUDA), so tests check it on any machine.
 //
@@ -17,8 +17,9 @@
 //     T  = Z RZ                           GEMM, when R is updated
 //     R  = P(P(a RZ) + sym(T)),  C = P(c_{k+1} R)            one kernel, C over RZ
 //   X = Q X
-// Every s x s product is computed in full and mirrored by the elementwise kernel that reads it (lower
-// triangle wins, as the spec's sym), so every buffer a GEMM reads is exactly symmetric.
+// Every symmetric product (X X^T and the s x s ones) is computed as its lower panels (ns_gemm_plan.h)
+// and mirrored by the elementwise kernel that reads it (lower triangle wins, as the spec's sym), so
+// every buffer a GEMM reads is exactly symmetric.
 //
 // GEMM layouts: those of the standard plan (ns_gemm_plan.h), with other operands. X X^T is the gram GEMM,
 // every s x s product the square GEMM's layout (N,N, s x s, ld s), X = Q X the apply GEMM with Q as the
@@ -34,9 +35,10 @@ namespace normuon::cuda {
 // The X = Q X GEMMs of a run: one per restart and the final one.
 int ns_gram_applies(int steps);
 
-// Kernels and GEMMs of one run of a non-empty Gram batch (ns_gram_kernels.cuh): the two norm kernels,
-// X X^T and its mirror, then per iteration as above, and the final X = Q X. 35 for 5 steps.
-int ns_gram_launches(int steps);
+// Kernels and GEMMs of one run of a non-empty Gram batch (ns_run.cuh): the two norm kernels, X X^T and
+// its mirror, then per iteration as above, and the final X = Q X; every symmetric product is `panels`
+// GEMMs. 35 for 5 steps with one panel.
+int ns_gram_launches(int steps, int panels = 1);
 
 // The GEMMs of a run, as operands of the standard plan's layouts. Buffers: gram holds R, b holds C and
 // then RZ, t and t2 the products.

@@ -1,7 +1,8 @@
 // Device code of batched Newton-Schulz (docs/spec.md section 3.2) besides the GEMMs: the normalisation
-// X = P(X / P(||X|| + eps)) in two deterministic kernels, the three elementwise steps of an iteration,
-// and the order of a whole run (ns_gemm_plan.h). Included by newton_schulz_cuda.cu and by the tests'
-// host emulation of the step (tests/simt), so the code the tests run is this code.
+// X = P(X / P(||X|| + eps)) in two deterministic kernels, and the elementwise step on X of an iteration.
+// The symmetric kernel is in ns_sym_kernels.cuh, the order of a run in ns_run.cuh. Included by
+// newton_schulz_cuda.cu and by the tests' host emulation of the step (tests/simt), so the code the tests
+// run is this code.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -180,58 +181,6 @@ __global__ void __launch_bounds__(kNsThreads)
         store1(d + i, t ? __fadd_rn(round_p(p, tag), to_float(t[i])) : p);
       }
     }
-  }
-}
-
-// ---- a whole run -------------------------------------------------------------------------------------
-// `launch(kernel, blocks, threads, args...)` launches one kernel: <<<>>> on the GPU, the SIMT emulator in
-// the tests. `gemm(which, spec)` runs one GEMM of the plan over the batch (`spec` is the plan's for
-// `which`): cuBLASLt on the GPU, its emulation in the tests.
-
-enum class NsGemm { gram, square, apply };  // an index: the order of the plan's GEMMs
-
-// X = P(X / P(||X|| + eps)) (Polar Express: P(P(1.02 ||X||) + eps)) of every matrix of buf.x, into `out`
-// (buf.x itself or buf.u): the two norm kernels. `partials` holds count * geometry.x.slices doubles.
-template <typename T, typename Launch>
-void normalise_batch(const Launch& launch, const NsBuffers<T*>& buf, T* out, const NsBatchShape& shape,
-                     const NsBatchGeometry& geometry, double* partials) {
-  const NsSlicing& xs = geometry.x;
-  const int x_blocks = static_cast<int>(shape.count * xs.slices);
-  const bool polar = shape.coefficients == NsCoefficients::polar_express;
-  launch(ns_norm_partials<T>, x_blocks, kNsThreads, static_cast<const T*>(buf.x), xs, partials);
-  launch(ns_normalise<T>, x_blocks, kNsThreads, static_cast<const T*>(buf.x), out, xs,
-         static_cast<const double*>(partials), static_cast<float>(shape.eps), static_cast<float>(kPolarExpressSafety),
-         polar ? 1 : 0);
-}
-
-// Orthogonalises the `count` matrices of a batch in place in buf.x with the standard iteration (buf: the
-// typed buffers of ns_gemm_plan.h). `partials` holds count * geometry.x.slices doubles. Gram Newton-Schulz:
-// run_gram_newton_schulz (ns_gram_kernels.cuh).
-template <typename T, typename Launch, typename Gemm>
-void run_newton_schulz(const Launch& launch, const Gemm& gemm, const NsBuffers<T*>& buf, const NsBatchShape& shape,
-                       const NsBatchGeometry& geometry, double* partials) {
-  const NsSlicing& xs = geometry.x;
-  const NsSlicing& gs = geometry.gram;
-  const int x_blocks = static_cast<int>(shape.count * xs.slices);
-  const int gram_blocks = static_cast<int>(shape.count * gs.slices);
-  normalise_batch<T>(launch, buf, buf.x, shape, geometry, partials);
-  const T* none = nullptr;
-  const NsGemmPlan& plan = geometry.plan;
-  for (int k = 0; k < shape.steps; ++k) {
-    // Coefficients enter as fp32 values (docs/spec.md section 3.2).
-    const NsTriple& c = ns_triple(shape.coefficients, k);
-    gemm(NsGemm::gram, plan.gram);  // A = P(X X^T)
-    // C = P(c A), into the B buffer
-    launch(ns_combine<T>, gram_blocks, kNsThreads, buf.b, static_cast<const T*>(buf.gram), none, gs,
-           static_cast<float>(c.c));
-    gemm(NsGemm::square, plan.square);  // T = P(C A)
-    // B = P(P(b A) + T)
-    launch(ns_combine<T>, gram_blocks, kNsThreads, buf.b, static_cast<const T*>(buf.gram),
-           static_cast<const T*>(buf.t), gs, static_cast<float>(c.b));
-    gemm(NsGemm::apply, plan.apply);  // U = P(B X)
-    // X = P(P(a X) + U), in place
-    launch(ns_combine<T>, x_blocks, kNsThreads, buf.x, static_cast<const T*>(buf.x),
-           static_cast<const T*>(buf.u), xs, static_cast<float>(c.a));
   }
 }
 

@@ -39,8 +39,9 @@ struct StepPlan {
 
   // Kernel launches of one step besides Newton-Schulz's own (empty passes launch nothing).
   int64_t elementwise_launches() const;
-  // Newton-Schulz launches of one step: per non-empty batch ns_launches(ns_steps) = 2 + 6 * ns_steps, or
-  // ns_gram_launches(ns_steps) for a Gram batch (ns_batch_launches).
+  // Newton-Schulz launches of one step: per non-empty batch ns_launches(ns_steps, panels) =
+  // 2 + (4 + 2 panels) * ns_steps, or ns_gram_launches(ns_steps, panels) for a Gram batch
+  // (ns_batch_launches; panels from the batch's panel_width).
   int64_t newton_schulz_launches() const;
 };
 

@@ -1,5 +1,5 @@
 // One kernel launch on a CUDA stream, as the `launch` callable of the device passes
-// (step_kernels.cuh, ns_kernels.cuh) take it; the tests' emulator supplies another.
+// (step_kernels.cuh, ns_run.cuh) take it; the tests' emulator supplies another.
 #pragma once
 
 #include <cuda_runtime_api.h>

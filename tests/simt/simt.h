@@ -58,7 +58,7 @@ void launch(void (*kernel)(Params...), int blocks, int threads, Args... args) {
 
 int64_t launches();  // since the program started
 
-// A `launch` callable for the device passes of fast/cuda (step_kernels.cuh, ns_kernels.cuh).
+// A `launch` callable for the device passes of fast/cuda (step_kernels.cuh, ns_run.cuh).
 struct Launch {
   template <typename... Params, typename... Args>
   void operator()(void (*kernel)(Params...), int blocks, int threads, Args... args) const {

@@ -39,20 +39,30 @@ constexpr double ns_standard_dense_flops(int64_t rows, int64_t cols, int steps) 
   return steps * (4 * m * m * n + 2 * m * m * m);
 }
 
-// Gram Newton-Schulz with every product in full (what the reference computes): R = X X^T and the final
-// Q X; per restart Q X and X X^T again; per iteration (cR) R, Q Z (after the first of a stretch), and R Z,
-// Z (RZ) unless the next iteration restarts or ends. Square matrices: the standard count.
+// The products of one Gram run on a non-square matrix: X X^T (m x m x n: the first and one per restart), Q X
+// (m x m x n: one per restart and the final one) and the m x m x m ones, per iteration (cR) R, Q Z (after
+// the first of a stretch), and R Z, Z (RZ) unless the next iteration restarts or ends.
+struct NsGramProducts {
+  int gram = 1, apply = 1, square = 0;
+};
+constexpr NsGramProducts ns_gram_products(int steps) {
+  NsGramProducts p;
+  for (int k = 0; k < steps; ++k) {
+    const NsGramIteration it = ns_gram_iteration(k, steps);
+    p.gram += it.restart;
+    p.apply += it.restart;
+    p.square += (it.fresh ? 1 : 2) + (it.update_r ? 2 : 0);
+  }
+  return p;
+}
+
+// Gram Newton-Schulz with every product in full (what the reference computes). Square matrices: the
+// standard count.
 constexpr double ns_gram_dense_flops(int64_t rows, int64_t cols, int steps) {
   if (rows == cols) return ns_standard_dense_flops(rows, cols, steps);
   const double m = static_cast<double>(rows < cols ? rows : cols), n = static_cast<double>(rows < cols ? cols : rows);
-  double mmn = 2, mmm = 0;  // products of m x m x n and m x m x m multiply-adds
-  for (int k = 0; k < steps; ++k) {
-    const NsGramIteration it = ns_gram_iteration(k, steps);
-    if (it.restart) mmn += 2;
-    mmm += it.fresh ? 1 : 2;
-    if (it.update_r) mmm += 2;
-  }
-  return 2 * (mmn * m * m * n + mmm * m * m * m);
+  const NsGramProducts p = ns_gram_products(steps);
+  return 2 * ((p.gram + p.apply) * m * m * n + p.square * m * m * m);
 }
 
 inline double ns_dense_flops(NsAlgorithm algorithm, int64_t rows, int64_t cols, int steps) {

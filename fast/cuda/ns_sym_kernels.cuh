@@ -1,6 +1,7 @@
-// Device code of Gram Newton-Schulz (docs/spec.md section 3.2) besides the GEMMs: one symmetric
-// elementwise kernel, and the order of a whole run (ns_gram_plan.h has the loop and its buffers).
-// Included by newton_schulz_cuda.cu and by the tests' host emulation (tests/simt), like ns_kernels.cuh.
+// The symmetric elementwise kernel of Newton-Schulz (docs/spec.md section 3.2), both algorithms: every
+// symmetric product (X X^T, C A; Gram's s x s products) is computed as its lower triangle only
+// (ns_gemm_plan.h), and this kernel is the elementwise step that reads it. Included by
+// newton_schulz_cuda.cu and by the tests' host emulation (tests/simt), like ns_kernels.cuh.
 //
 // The kernel computes each element of the lower triangle (i >= j) from the GEMM product's own lower
 // element, rounds as the spec does, and writes it at (i, j) and at (j, i): the spec's sym (lower triangle
@@ -109,62 +110,6 @@ __global__ void __launch_bounds__(kNsThreads)
     }
     if (l1.out) store1(l1.out + e, tile[1][r][lane]);
   }
-}
-
-// ---- a whole run -------------------------------------------------------------------------------------
-
-// Orthogonalises the `count` matrices of a batch with Gram Newton-Schulz (geometry.gram_iteration), the
-// result in buf.x as run_newton_schulz leaves it. buf: the typed buffers of ns_gemm_plan.h, with q, z and
-// t2; buf.u holds X between restarts. `gemm(which, spec)` runs `spec` on the layout planned for `which`.
-template <typename T, typename Launch, typename Gemm>
-void run_gram_newton_schulz(const Launch& launch, const Gemm& gemm, const NsBuffers<T*>& buf,
-                            const NsBatchShape& shape, const NsBatchGeometry& geometry, double* partials) {
-  const NsGramPlan& plan = geometry.gram_plan;
-  const int blocks = static_cast<int>(shape.count * geometry.sym.tiles);
-  auto sym = [&](const SymLane<T>& l0, const SymLane<T>& l1, const SymFollow<T>& f) {
-    launch(ns_sym_combine<T>, blocks, kNsThreads, l0, l1, f, geometry.sym);
-  };
-  const SymLane<T> no_lane{nullptr, nullptr, nullptr, 0.0f};
-  const SymFollow<T> no_follow{nullptr, kSymFollowNone, 0.0f};
-  // X moves to the other X buffer with every X = Q X: start where an even number of moves ends in buf.x.
-  bool in_u = ns_gram_applies(shape.steps) % 2 == 1;
-  normalise_batch<T>(launch, buf, in_u ? buf.u : buf.x, shape, geometry, partials);
-  auto apply = [&] {  // X = P(Q X)
-    gemm(NsGemm::apply, in_u ? plan.apply_u_to_x : plan.apply_x_to_u);
-    in_u = !in_u;
-  };
-  auto gram = [&](float c) {  // R = sym(P(X X^T)), C = P(c R)
-    gemm(NsGemm::gram, in_u ? plan.gram_u : plan.gram_x);
-    sym({nullptr, buf.gram, buf.gram, 0.0f}, no_lane, {buf.b, kSymFollowScaled, c});
-  };
-  // Coefficients enter as fp32 values (docs/spec.md section 3.2).
-  gram(static_cast<float>(ns_triple(shape.coefficients, 0).c));
-  for (int k = 0; k < shape.steps; ++k) {
-    const NsGramIteration it = ns_gram_iteration(k, shape.steps);
-    const NsTriple& c = ns_triple(shape.coefficients, k);
-    const float a = static_cast<float>(c.a);
-    if (it.restart) {
-      apply();
-      gram(static_cast<float>(c.c));
-    }
-    gemm(NsGemm::square, plan.c_r);  // T = C R
-    // Z = P(P(b R) + sym(T)); fresh: Q = P(Z + a I)
-    sym({buf.gram, buf.t, buf.z, static_cast<float>(c.b)}, no_lane,
-        it.fresh ? SymFollow<T>{buf.q, kSymFollowPlusDiagonal, a} : no_follow);
-    if (!it.fresh) gemm(NsGemm::square, plan.q_z);   // T = Q Z
-    if (it.update_r) gemm(NsGemm::square, plan.r_z);  // T2 = R Z
-    // Q = P(P(a Q) + sym(T)) in place; RZ = P(P(a R) + sym(T2)) into the C buffer
-    if (!it.fresh || it.update_r)
-      sym(it.fresh ? no_lane : SymLane<T>{buf.q, buf.t, buf.q, a},
-          it.update_r ? SymLane<T>{buf.gram, buf.t2, buf.b, a} : no_lane, no_follow);
-    if (it.update_r) {
-      gemm(NsGemm::square, plan.z_rz);  // T = Z RZ
-      // R = P(P(a RZ) + sym(T)); C = P(c' R) for the next iteration, over RZ
-      const float next_c = static_cast<float>(ns_triple(shape.coefficients, k + 1).c);
-      sym({buf.b, buf.t, buf.gram, a}, no_lane, {buf.b, kSymFollowScaled, next_c});
-    }
-  }
-  apply();  // X = P(Q X), into buf.x
 }
 
 }  // namespace
