@@ -373,8 +373,22 @@ BatchedNewtonSchulz::BatchedNewtonSchulz(const std::vector<NsBatchShape>& batche
   impl_->build(batches, split);
 }
 
+bool ns_keeps_the_pool_busy(const std::vector<NsBatchShape>& batches, int threads) {
+  int64_t matrices = 0;
+  double total = 0, largest = 0;  // the standard iteration's cost, the same for every algorithm's share
+  for (const NsBatchShape& b : batches) {
+    if (b.rows == 0 || b.cols == 0 || b.count == 0) continue;
+    const double cost = ns_standard_dense_flops(b.rows, b.cols, 1);
+    matrices += b.count;
+    total += cost * static_cast<double>(b.count);
+    largest = std::max(largest, cost);
+  }
+  return matrices >= threads && largest * threads <= total;
+}
+
 void BatchedNewtonSchulz::Impl::build(const std::vector<NsBatchShape>& batches, NsSplit split) {
   const int slots = pool.threads();
+  const bool all_per_matrix = split == NsSplit::automatic && ns_keeps_the_pool_busy(batches, slots);
   int64_t max_mn = 1, max_mm = 1, max_panels = 1, batched_mn = 1, batched_mm = 1;
   bool gram_runs = false;  // some batch would run Gram's iteration (square ones never do)
   for (const auto& b : batches) {
@@ -383,7 +397,8 @@ void BatchedNewtonSchulz::Impl::build(const std::vector<NsBatchShape>& batches, 
     plan.n = std::max(b.rows, b.cols);
     plan.count = b.count;
     plan.tall = b.rows > b.cols;
-    plan.per_matrix = split == NsSplit::per_matrix || (split == NsSplit::automatic && b.count >= slots);
+    plan.per_matrix =
+        split == NsSplit::per_matrix || (split == NsSplit::automatic && (b.count >= slots || all_per_matrix));
     if (plan.per_matrix) plan.panels = symmetric_panels(plan.m, kPanelWidth);
     max_mn = std::max(max_mn, plan.m * plan.n);
     max_mm = std::max(max_mm, plan.m * plan.m);

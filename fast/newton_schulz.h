@@ -2,7 +2,9 @@
 // iteration together, the standard one or Gram Newton-Schulz (ns_algorithm, docs/spec.md section 3.2).
 // A batch with at least as many matrices as threads is shared out a matrix at a time on the work pool
 // (work_pool.h), each GEMM a one-thread oneDNN matmul on that thread's workspace: no thread waits inside
-// a GEMM for a preempted one, and a preempted thread's matrices go to the others. There every symmetric
+// a GEMM for a preempted one, and a preempted thread's matrices go to the others. So is every batch when
+// all of them together have a matrix per thread and no one matrix outlasts an even share of the whole
+// (run() hands out the matrices of all the batches it is given in one pass). There every symmetric
 // product (X X^T, (cA) A, and Gram's m x m products) of a matrix wider than one panel computes only its
 // lower triangle, in column panels (symmetric_panels.h), and mirrors it. A smaller batch cannot keep every
 // thread busy that way: each GEMM is one oneDNN batched matmul over the whole batch on oneDNN's own
@@ -31,8 +33,15 @@ struct NsBatchShape {
 };
 
 // How a batch uses the threads. automatic: per_matrix when the batch has at least as many matrices as
-// the pool has threads, else batched. The others force one way (tests, measurements).
+// the pool has threads, or when all the batches together do and no one matrix costs more than an even
+// share of their total (ns_keeps_the_pool_busy); else batched. The others force one way (tests,
+// measurements).
 enum class NsSplit { automatic, per_matrix, batched };
+
+// Whether the matrices of all the batches, handed out one at a time (costliest first), keep `threads`
+// threads busy: at least one matrix per thread, and none alone longer than an even share of the whole
+// (else that matrix, on one thread, would outlast the work the other threads share).
+bool ns_keeps_the_pool_busy(const std::vector<NsBatchShape>& batches, int threads);
 
 // One batch's part of a run: its matrices and its group's hyper-parameters.
 struct NsWork {

@@ -110,13 +110,36 @@ BOOST_AUTO_TEST_CASE(one_run_of_several_batches_is_the_batches_one_by_one) {
 
 BOOST_AUTO_TEST_CASE(the_automatic_split_and_the_gemm_count) {
   WorkPool pool(4);
-  BatchedNewtonSchulz ns(kShapes, pool);
-  BOOST_TEST(ns.per_matrix(0));   // 5 matrices for 4 threads: a matrix per item
-  BOOST_TEST(!ns.per_matrix(1));  // 3: the whole batch on oneDNN's threads
-  Batches x;
   const NorMuonHyper h = hyper(NsPrecision::bf16);
-  x.run(ns, h);
-  BOOST_TEST(ns.gemm_calls() == (5 + 1) * 3 * h.ns_steps);
+  {  // 5 and 3 matrices for 4 threads, the largest well under a quarter of the work: a matrix per item
+    BatchedNewtonSchulz ns(kShapes, pool);
+    BOOST_TEST(ns.per_matrix(0));
+    BOOST_TEST(ns.per_matrix(1));
+    Batches x;
+    x.run(ns, h);
+    BOOST_TEST(ns.gemm_calls() == (5 + 3) * 3 * h.ns_steps);  // one panel each: 3 GEMMs an iteration
+  }
+  {  // 1 + 2 matrices for 4 threads: the whole batches on oneDNN's threads
+    const std::vector<NsBatchShape> few = {{24, 40, 1}, {48, 16, 2}};
+    BatchedNewtonSchulz ns(few, pool);
+    BOOST_TEST(!ns.per_matrix(0));
+    BOOST_TEST(!ns.per_matrix(1));
+    Batches x(few);
+    x.run(ns, h);
+    BOOST_TEST(ns.gemm_calls() == (1 + 1) * 3 * h.ns_steps);
+  }
+  {  // 1 + 4 matrices, but the one costs more than a quarter of the whole: it stays batched, the four
+     // (a matrix per thread on their own) are shared out
+    const std::vector<NsBatchShape> lopsided = {{96, 160, 1}, {24, 40, 4}};
+    BatchedNewtonSchulz ns(lopsided, pool);
+    BOOST_TEST(!ns.per_matrix(0));
+    BOOST_TEST(ns.per_matrix(1));
+  }
+  BOOST_TEST(ns_keeps_the_pool_busy(kShapes, 4));
+  BOOST_TEST(ns_keeps_the_pool_busy({{24, 40, 2}, {40, 24, 2}}, 4));  // equal costs, one each
+  BOOST_TEST(!ns_keeps_the_pool_busy({{24, 40, 2}, {40, 24, 1}}, 4));  // 3 for 4 threads
+  BOOST_TEST(!ns_keeps_the_pool_busy({{96, 160, 1}, {24, 40, 4}}, 4));
+  BOOST_TEST(!ns_keeps_the_pool_busy({{0, 40, 9}, {24, 40, 3}}, 4));  // empty matrices count for nothing
 }
 
 BOOST_AUTO_TEST_CASE(per_matrix_and_whole_batch_agree_within_rounding) {
