@@ -208,19 +208,20 @@ CpuBenchResult run_cpu_bench(const Layout& layout, const Options& options, const
   // pass). The inputs are this step's gradients of the NorMuon matrices, orthogonalised in place: the
   // gradients are not used again.
   if (probe) {
-    std::vector<const float*> in;
-    std::vector<float*> out;
-    // One Newton-Schulz pass over every batch with options `o`.
-    auto pass = [&](const Options& o) {
-      for (size_t b = 0; b < probe_batches.size(); ++b) {
-        in.clear();
-        out.clear();
-        for (int e : probe_batches[b].entries) {
-          in.push_back(fast_state.grad(e));
-          out.push_back(fast_state.grad(e));
-        }
-        probe->run(static_cast<int>(b), in.data(), out.data(), o.groups[probe_batches[b].group].normuon);
+    std::vector<std::vector<const float*>> in(probe_batches.size());
+    std::vector<std::vector<float*>> out(probe_batches.size());
+    for (size_t b = 0; b < probe_batches.size(); ++b)
+      for (int e : probe_batches[b].entries) {
+        in[b].push_back(fast_state.grad(e));
+        out[b].push_back(fast_state.grad(e));
       }
+    std::vector<fast::NsWork> work(probe_batches.size());
+    // One Newton-Schulz pass over every batch with options `o`, all batches in one run as the step runs
+    // them (small batches may be shared out a matrix per thread together: ns_keeps_the_pool_busy).
+    auto pass = [&](const Options& o) {
+      for (size_t b = 0; b < probe_batches.size(); ++b)
+        work[b] = {static_cast<int>(b), in[b].data(), out[b].data(), &o.groups[probe_batches[b].group].normuon};
+      probe->run(work.data(), static_cast<int>(work.size()));
     };
     pass(fast_options);  // untimed
     const int64_t gemm0 = probe->gemm_calls();
