@@ -46,22 +46,16 @@ struct NsWorkspace {
   std::vector<double> partials;
 
   void size_for(const std::vector<NsBatch>& batches) {
-    int64_t max_gram = 0, max_x = 0, max_partials = 0, max_gram_iteration = 0;  // elements
-    for (const NsBatch& b : batches) {
-      if (b.geometry.empty) continue;
-      max_gram = std::max(max_gram, b.shape.count * b.geometry.gram.stride);
-      max_x = std::max(max_x, b.shape.count * b.geometry.x.stride);
-      max_partials = std::max(max_partials, b.shape.count * b.geometry.x.slices);
-      if (b.geometry.gram_iteration) max_gram_iteration = std::max(max_gram_iteration, b.shape.count * b.geometry.gram.stride);
-    }
-    gram = DeviceBytes(max_gram);
-    bmat = DeviceBytes(max_gram);
-    tmat = DeviceBytes(max_gram);
-    umat = DeviceBytes(max_x);
-    qmat = DeviceBytes(max_gram_iteration);
-    zmat = DeviceBytes(max_gram_iteration);
-    t2mat = DeviceBytes(max_gram_iteration);
-    partials.resize(static_cast<size_t>(max_partials));
+    cuda::NsWorkspaceSizes sizes;
+    for (const NsBatch& b : batches) sizes.add(b.shape, b.geometry);
+    gram = DeviceBytes(sizes.square);
+    bmat = DeviceBytes(sizes.square);
+    tmat = DeviceBytes(sizes.square);
+    umat = DeviceBytes(sizes.x);
+    qmat = DeviceBytes(sizes.gram_only);
+    zmat = DeviceBytes(sizes.gram_only);
+    t2mat = DeviceBytes(sizes.gram_only);
+    partials.resize(static_cast<size_t>(sizes.partials));
   }
 };
 
@@ -84,17 +78,13 @@ int64_t run_batch_as(NsBatch& b, NsWorkspace& w) {
   const cuda::NsBuffers<LtBuffer<T>> whole{b.x.as<T>(),    w.gram.as<T>(), w.bmat.as<T>(), w.tmat.as<T>(),
                                            w.umat.as<T>(), w.qmat.as<T>(), w.zmat.as<T>(), w.t2mat.as<T>()};
   int64_t gemms = 0;
-  auto gemm = [&](cuda::ns_device::NsGemm which, int part, const cuda::NsGemmSpec& spec) {
-    // The run hands each GEMM the layout planned for `which` and `part` (newton_schulz_cuda.cu plans one
-    // per panel of a symmetric product); only its operands may differ.
-    using cuda::ns_device::NsGemm;
-    const cuda::NsGemmSpec& full = which == NsGemm::gram ? g.plan.gram : which == NsGemm::square ? g.plan.square : g.plan.apply;
-    const bool symmetric = which != NsGemm::apply;
-    const size_t parts = symmetric ? g.panels.size() : 1;
-    if (part < 0 || static_cast<size_t>(part) >= parts) throw LayoutError("a GEMM part that was not planned");
-    const cuda::NsGemmSpec planned = symmetric ? cuda::ns_panel_gemm(full, g.panels[static_cast<size_t>(part)]) : full;
-    if (!same_layout(spec, planned)) throw LayoutError("a GEMM on another layout than the one planned for it");
-    lt_matmul<float>(spec, whole, b.shape.count, g.x.stride, g.gram.stride);
+  auto gemm = [&](cuda::NsGemm which, int part, const cuda::NsGemmSpec& spec) {
+    // The run hands each GEMM the layout planned for `which` and `part` (newton_schulz_cuda.cu plans each
+    // once, ns_planned_gemm); only its operands may differ.
+    if (part < 0 || part >= cuda::ns_gemm_parts(g, which)) throw LayoutError("a GEMM part that was not planned");
+    if (!same_layout(spec, cuda::ns_planned_gemm(g, which, part)))
+      throw LayoutError("a GEMM on another layout than the one planned for it");
+    lt_matmul<float>(spec, whole, b.shape.count, g.x.stride, g.sym.stride);
     ++gemms;
   };
   const cuda::NsBuffers<T*> buf{whole.x.data, whole.gram.data, whole.b.data, whole.t.data,

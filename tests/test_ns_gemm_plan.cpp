@@ -43,7 +43,7 @@ std::vector<double> random_batch(int64_t rows, int64_t cols, int64_t x_stride, u
 }
 
 // dst = coef * src (+ add) over the n elements of each of the kCount matrices, stride apart: the
-// elementwise steps of an iteration (ns_kernels.cuh, ns_combine), in double. Padding stays untouched.
+// elementwise steps of an iteration (ns_combine, ns_sym_combine), in double. Padding stays untouched.
 void combine(std::vector<double>& dst, const std::vector<double>& src, const std::vector<double>* add, double coef,
              int64_t n, int64_t stride) {
   for (int64_t q = 0; q < kCount; ++q)

@@ -151,7 +151,7 @@ struct Batch {
   NsBatchShape shape;
   NsBatchGeometry geometry;
   DeviceBuffer<unsigned char> x;  // the input, and O after run()
-  // Planned GEMMs, indexed by ns_device::NsGemm, then by panel (apply: one).
+  // Planned GEMMs, indexed by NsGemm, then by part (ns_planned_gemm).
   std::vector<std::unique_ptr<LtGemm>> lt[3];
 };
 
@@ -178,7 +178,7 @@ struct BatchedNewtonSchulz::Impl {
     auto typed = [](DeviceBuffer<unsigned char>& d) { return reinterpret_cast<T*>(d.data()); };
     const NsBuffers<T*> buf{typed(b.x),    typed(gram), typed(bmat), typed(tmat),
                             typed(umat), typed(qmat), typed(zmat), typed(t2mat)};
-    auto gemm = [&](ns_device::NsGemm which, int part, const NsGemmSpec& spec) {
+    auto gemm = [&](NsGemm which, int part, const NsGemmSpec& spec) {
       matmul(*b.lt[static_cast<int>(which)][static_cast<size_t>(part)], spec, buf);
     };
     if (b.geometry.gram_iteration)
@@ -213,36 +213,33 @@ BatchedNewtonSchulz::BatchedNewtonSchulz(const std::vector<NsBatchShape>& batche
                                   " but the Polar Express schedule has 5 coefficient triples");
   }
 
-  int64_t max_gram = 0, max_x = 0, max_partials = 0, max_gram_iteration = 0;  // elements
+  NsWorkspaceSizes sizes;
   bool any = false;
   for (const NsBatchShape& sh : batches) {
     auto b = std::make_unique<Batch>();
     b->shape = sh;
     b->geometry = ns_batch_geometry(sh);
-    const NsBatchGeometry& g = b->geometry;
-    if (!g.empty) {
-      max_gram = std::max(max_gram, sh.count * g.gram.stride);
-      max_x = std::max(max_x, sh.count * g.x.stride);
-      max_partials = std::max(max_partials, sh.count * g.x.slices);
-      if (g.gram_iteration) max_gram_iteration = std::max(max_gram_iteration, sh.count * g.gram.stride);
-      any = true;
-    }
+    sizes.add(sh, b->geometry);
+    any = any || !b->geometry.empty;
     im.batches.push_back(std::move(b));
   }
   if (!any) return;  // nothing to run: no device resources
 
+  // In float sizes: bf16 batches use half of each.
+  auto floats = [](int64_t elements) {
+    return DeviceBuffer<unsigned char>(elements * static_cast<int64_t>(sizeof(float)));
+  };
   im.handle = std::make_unique<LtHandle>();
   im.workspace = DeviceBuffer<unsigned char>(static_cast<int64_t>(kWorkspaceBytes));
-  im.gram = DeviceBuffer<unsigned char>(max_gram * static_cast<int64_t>(sizeof(float)));
-  im.bmat = DeviceBuffer<unsigned char>(max_gram * static_cast<int64_t>(sizeof(float)));
-  im.tmat = DeviceBuffer<unsigned char>(max_gram * static_cast<int64_t>(sizeof(float)));
-  im.umat = DeviceBuffer<unsigned char>(max_x * static_cast<int64_t>(sizeof(float)));
-  im.partials = DeviceBuffer<double>(max_partials);
-  if (max_gram_iteration > 0) {
-    const int64_t bytes = max_gram_iteration * static_cast<int64_t>(sizeof(float));
-    im.qmat = DeviceBuffer<unsigned char>(bytes);
-    im.zmat = DeviceBuffer<unsigned char>(bytes);
-    im.t2mat = DeviceBuffer<unsigned char>(bytes);
+  im.gram = floats(sizes.square);
+  im.bmat = floats(sizes.square);
+  im.tmat = floats(sizes.square);
+  im.umat = floats(sizes.x);
+  im.partials = DeviceBuffer<double>(sizes.partials);
+  if (sizes.gram_only > 0) {
+    im.qmat = floats(sizes.gram_only);
+    im.zmat = floats(sizes.gram_only);
+    im.t2mat = floats(sizes.gram_only);
   }
 
   for (auto& bp : im.batches) {
@@ -254,15 +251,13 @@ BatchedNewtonSchulz::BatchedNewtonSchulz(const std::vector<NsBatchShape>& batche
     b.x = DeviceBuffer<unsigned char>(b.shape.count * g.x.stride * elem);
     const int32_t count = static_cast<int32_t>(b.shape.count);
     cublasLtHandle_t h = im.handle->h;
-    const NsGemmSpec* specs[3] = {&g.plan.gram, &g.plan.square, &g.plan.apply};  // NsGemm order
     for (int i = 0; i < 3; ++i) {
-      const bool symmetric = i != static_cast<int>(ns_device::NsGemm::apply);
-      const size_t parts = symmetric ? g.panels.size() : 1;
-      for (size_t p = 0; p < parts; ++p) {
-        const NsGemmSpec spec = symmetric ? ns_panel_gemm(*specs[i], g.panels[p]) : *specs[i];
+      const NsGemm which = static_cast<NsGemm>(i);
+      const int parts = ns_gemm_parts(g, which);
+      for (int p = 0; p < parts; ++p) {
         const std::string name = parts > 1 ? kGemmNames[i] + std::to_string(p) : std::string(kGemmNames[i]);
         b.lt[i].push_back(std::make_unique<LtGemm>());
-        plan_gemm(*b.lt[i].back(), h, bf16, spec, g.x.stride, g.gram.stride, count, name);
+        plan_gemm(*b.lt[i].back(), h, bf16, ns_planned_gemm(g, which, p), g.x.stride, g.sym.stride, count, name);
       }
     }
   }

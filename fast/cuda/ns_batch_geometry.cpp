@@ -36,9 +36,8 @@ NsBatchGeometry ns_batch_geometry(const NsBatchShape& shape) {
   try {
     if (shape.count > INT32_MAX || g.plan.l > INT32_MAX) throw std::invalid_argument("too large");
     g.x = slicing(shape.rows * shape.cols, shape.count);
-    g.gram = slicing(g.plan.s * g.plan.s, shape.count);
     const int64_t per_side = ceil_div(g.plan.s, kNsSymTile);
-    g.sym = {g.plan.s, g.gram.stride, per_side * (per_side + 1) / 2};
+    g.sym = {g.plan.s, round_up(g.plan.s * g.plan.s, kNsStrideAlign), per_side * (per_side + 1) / 2};
     if (shape.count * g.sym.tiles > INT32_MAX) throw std::invalid_argument("too many blocks");
     g.panels = ns_panels(g.plan.s, shape.count, shape.panel_width);
     g.gram_iteration = shape.steps > 0 && ns_uses_gram(shape.algorithm, shape.rows, shape.cols);
@@ -55,6 +54,23 @@ int ns_batch_launches(const NsBatchShape& shape) {
   if (g.empty) return 0;
   const int panels = static_cast<int>(g.panels.size());
   return g.gram_iteration ? ns_gram_launches(shape.steps, panels) : ns_launches(shape.steps, panels);
+}
+
+int ns_gemm_parts(const NsBatchGeometry& g, NsGemm which) {
+  return which == NsGemm::apply ? 1 : static_cast<int>(g.panels.size());
+}
+
+NsGemmSpec ns_planned_gemm(const NsBatchGeometry& g, NsGemm which, int part) {
+  if (which == NsGemm::apply) return g.plan.apply;
+  return ns_panel_gemm(which == NsGemm::gram ? g.plan.gram : g.plan.square, g.panels.at(static_cast<size_t>(part)));
+}
+
+void NsWorkspaceSizes::add(const NsBatchShape& shape, const NsBatchGeometry& g) {
+  if (g.empty) return;
+  square = std::max(square, shape.count * g.sym.stride);
+  x = std::max(x, shape.count * g.x.stride);
+  partials = std::max(partials, shape.count * g.x.slices);
+  if (g.gram_iteration) gram_only = std::max(gram_only, shape.count * g.sym.stride);
 }
 
 double ns_batch_flops(const NsBatchShape& shape) {

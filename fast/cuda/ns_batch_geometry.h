@@ -40,8 +40,7 @@ struct NsBatchGeometry {
   bool empty = true;  // no matrix or no element: nothing to run, no buffers
   NsGemmPlan plan{};  // the GEMMs of an iteration (unless empty)
   NsSlicing x;        // the X-shaped buffers (X, U): rows x cols
-  NsSlicing gram;     // the s x s buffers (A, C and B, T; Gram's R, Q, Z, T2 too)
-  NsSymTiling sym;    // the same, as the symmetric kernel's tiles
+  NsSymTiling sym;    // the s x s buffers (A, C and B, T; Gram's R, Q, Z, T2 too), as the symmetric kernel's tiles
   // The lower panels every symmetric product (X X^T, and every s x s product) is computed in; one panel
   // (0, s) computes the full product.
   std::vector<fast::SymmetricPanel> panels;
@@ -57,6 +56,22 @@ constexpr int ns_launches(int steps, int panels = 1) { return 2 + steps * (4 + 2
 
 // Launches and GEMMs of one run of a batch of this shape, either algorithm; 0 when it is empty.
 int ns_batch_launches(const NsBatchShape& shape);
+
+// The three GEMM layouts of a run (the order of the plan's GEMMs, an index), and the cuBLASLt plans each
+// takes: one per panel for the symmetric ones (X X^T, and the s x s products on the square layout),
+// the apply GEMM whole. Every GEMM of a run, either algorithm, runs on one of these plans.
+enum class NsGemm { gram, square, apply };
+int ns_gemm_parts(const NsBatchGeometry& g, NsGemm which);
+NsGemmSpec ns_planned_gemm(const NsBatchGeometry& g, NsGemm which, int part);
+
+// Device buffers of the batches together, in elements, each sized for the largest batch that uses it (as
+// BatchedNewtonSchulz allocates them, and the tests' emulation too): the s x s buffers A, C/B and T, the
+// X-shaped U, the norm kernels' partial sums (doubles), and Gram's s x s Q, Z and T2 (0 without a Gram
+// batch).
+struct NsWorkspaceSizes {
+  int64_t square = 0, x = 0, partials = 0, gram_only = 0;
+  void add(const NsBatchShape& shape, const NsBatchGeometry& g);
+};
 
 // FLOPs (2 per multiply-add) that one run of the batch computes, its symmetric products as its panels;
 // 0 when it is empty. The full products of the same run: ns_dense_flops (normuon/ns_algorithm.h).

@@ -151,9 +151,9 @@ __global__ void __launch_bounds__(kNsThreads)
   }
 }
 
-// Kernel 3, the elementwise steps of an iteration: D = P(P(coef A) + T), or D = P(coef A) without T, over
-// the slices of every matrix. The products round as the reference's ops do (explicit _rn, never an fma);
-// D may be A (in place: each element is read and written by the same thread).
+// Kernel 3, the elementwise step on X of an iteration: D = P(P(coef A) + T) over the slices of every
+// matrix. The products round as the reference's ops do (explicit _rn, never an fma); D may be A (in place:
+// each element is read and written by the same thread).
 template <typename T>
 __global__ void __launch_bounds__(kNsThreads)
     ns_combine(T* d, const T* a, const T* __restrict__ t, NsSlicing sl, float coef) {
@@ -166,20 +166,13 @@ __global__ void __launch_bounds__(kNsThreads)
     if (g * kNsVec + kNsVec <= n) {
       float v[kNsVec], w[kNsVec];
       load8(a + e, v);
-      if (t) {
-        load8(t + e, w);
+      load8(t + e, w);
 #pragma unroll
-        for (int i = 0; i < kNsVec; ++i) v[i] = __fadd_rn(round_p(__fmul_rn(coef, v[i]), tag), w[i]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < kNsVec; ++i) v[i] = __fmul_rn(coef, v[i]);
-      }
+      for (int i = 0; i < kNsVec; ++i) v[i] = __fadd_rn(round_p(__fmul_rn(coef, v[i]), tag), w[i]);
       store8(d + e, v);  // rounds to bf16 (RNE) in bf16 mode: the outer P
     } else {
-      for (int64_t i = e; i < base + n; ++i) {
-        const float p = __fmul_rn(coef, to_float(a[i]));
-        store1(d + i, t ? __fadd_rn(round_p(p, tag), to_float(t[i])) : p);
-      }
+      for (int64_t i = e; i < base + n; ++i)
+        store1(d + i, __fadd_rn(round_p(__fmul_rn(coef, to_float(a[i])), tag), to_float(t[i])));
     }
   }
 }

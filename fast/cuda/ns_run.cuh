@@ -15,10 +15,9 @@
 namespace normuon::cuda::ns_device {
 namespace {  // internal linkage, as ns_kernels.cuh
 
-enum class NsGemm { gram, square, apply };  // an index: the order of the plan's GEMMs
-
-// The lower triangle of a symmetric product (X X^T, or an s x s product), panel by panel; what lies
-// above the diagonal blocks is left as it was. The kernel that reads it next mirrors it.
+// The lower triangle of a symmetric product (X X^T, or an s x s product), panel by panel on the plans of
+// ns_planned_gemm, with the operands `full` names; what lies above the diagonal blocks is left as it was.
+// The kernel that reads it next mirrors it.
 template <typename Gemm>
 void symmetric_gemm(const Gemm& gemm, NsGemm which, const NsGemmSpec& full, const NsBatchGeometry& geometry) {
   for (size_t p = 0; p < geometry.panels.size(); ++p)
