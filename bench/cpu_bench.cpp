@@ -31,6 +31,9 @@
 namespace normuon::bench {
 namespace {
 
+// GFLOP/s of `flops` done in `ms`; 0 without a time.
+double gflop_per_s(double flops, double ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e9 : 0; }
+
 // The Newton-Schulz algorithms the NorMuon groups of `layout` run, e.g. "standard" or "gram, standard";
 // "" when no matrix is on NorMuon.
 std::string ns_algorithms_of(const Layout& layout, const Options& options) {
@@ -385,19 +388,18 @@ void print_cpu_bench(const CpuBenchResult& r, Transcript& log) {
           with_commas(r.adamw_params).c_str(), adamw_gbps.median, adamw_gbps.min, adamw_gbps.max, 100 * share.median,
           100 * share.min, 100 * share.max, 100 * s.adamw_share_stream.median);
   if (r.ns_flops > 0) {
-    auto rate = [](double flops, double ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e9 : 0; };
     log.say("  Newton-Schulz in the step: useful %.2f GFLOP per step (the full dense standard iteration); the "
             "reference computes %.2f, fast %.2f\n"
             "    fast %.1f GFLOP/s useful, %.1f actual; reference %.1f useful, %.1f actual\n",
-            r.ns_flops / 1e9, r.ns_reference_flops / 1e9, r.ns_fast_flops / 1e9, rate(r.ns_flops, ns_row.fast.median),
-            rate(r.ns_fast_flops, ns_row.fast.median), rate(r.ns_flops, ns_row.reference.median),
-            rate(r.ns_reference_flops, ns_row.reference.median));
+            r.ns_flops / 1e9, r.ns_reference_flops / 1e9, r.ns_fast_flops / 1e9,
+            gflop_per_s(r.ns_flops, ns_row.fast.median), gflop_per_s(r.ns_fast_flops, ns_row.fast.median),
+            gflop_per_s(r.ns_flops, ns_row.reference.median), gflop_per_s(r.ns_reference_flops, ns_row.reference.median));
     for (const auto& alone : r.ns_alone) {
       const Summary t = summarise(alone.ms);
       log.say("  Newton-Schulz alone, ns_algorithm=%s (fast, the step's batches): %.1f ms [%.1f - %.1f], %.2f GFLOP "
               "computed: %.1f GFLOP/s useful, %.1f actual\n",
-              alone.algorithm.c_str(), t.median, t.min, t.max, alone.actual_flops / 1e9, rate(r.ns_flops, t.median),
-              rate(alone.actual_flops, t.median));
+              alone.algorithm.c_str(), t.median, t.min, t.max, alone.actual_flops / 1e9,
+              gflop_per_s(r.ns_flops, t.median), gflop_per_s(alone.actual_flops, t.median));
     }
   }
   log.say("  after %lld steps the two states' parameters differ by at most %.3g (%s)\n",
@@ -467,28 +469,26 @@ void write_cpu_bench_csv(const CpuBenchResult& r, const std::string& path) {
   row("fast", "adamw_bandwidth", "GB/s", adamw.median, adamw.min, adamw.max, n);
   row("fast", "adamw_share_of_triad_traffic", "%", 100 * share.median, 100 * share.min, 100 * share.max, n);
   if (r.ns_flops > 0) {
-    // The fastest step has the highest rate: min and max swap.
+    // GFLOP/s of `flops` per step over the step times t: the fastest step has the highest rate, so min and
+    // max swap.
+    auto throughput = [&](const std::string& backend, const std::string& metric, double flops, const Summary& t,
+                          const std::string& samples) {
+      row(backend, metric, "GFLOP/s", gflop_per_s(flops, t.median), gflop_per_s(flops, t.max),
+          gflop_per_s(flops, t.min), samples);
+    };
     const CpuPhaseRow& ns = s.newton_schulz();
-    auto gflops = [&](double ms) { return ms > 0 ? r.ns_flops / (ms * 1e-3) / 1e9 : 0; };
-    row("reference", "newton_schulz_throughput", "GFLOP/s", gflops(ns.reference.median), gflops(ns.reference.max),
-        gflops(ns.reference.min), n);
-    row("fast", "newton_schulz_throughput", "GFLOP/s", gflops(ns.fast.median), gflops(ns.fast.max),
-        gflops(ns.fast.min), n);
+    throughput("reference", "newton_schulz_throughput", r.ns_flops, ns.reference, n);
+    throughput("fast", "newton_schulz_throughput", r.ns_flops, ns.fast, n);
     // What each backend computes (the rows above count the useful, full standard iteration's FLOPs).
-    auto actual = [&](double flops, double ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e9 : 0; };
-    row("reference", "newton_schulz_actual_throughput", "GFLOP/s", actual(r.ns_reference_flops, ns.reference.median),
-        actual(r.ns_reference_flops, ns.reference.max), actual(r.ns_reference_flops, ns.reference.min), n);
-    row("fast", "newton_schulz_actual_throughput", "GFLOP/s", actual(r.ns_fast_flops, ns.fast.median),
-        actual(r.ns_fast_flops, ns.fast.max), actual(r.ns_fast_flops, ns.fast.min), n);
+    throughput("reference", "newton_schulz_actual_throughput", r.ns_reference_flops, ns.reference, n);
+    throughput("fast", "newton_schulz_actual_throughput", r.ns_fast_flops, ns.fast, n);
     for (const auto& alone : r.ns_alone) {
       const Summary t = summarise(alone.ms);
       const std::string metric = "ns_" + alone.algorithm + "_alone";
       const std::string k = std::to_string(alone.ms.size());
       row("fast", metric, "ms", t.median, t.min, t.max, k);
-      row("fast", metric + "_useful_throughput", "GFLOP/s", actual(r.ns_flops, t.median), actual(r.ns_flops, t.max),
-          actual(r.ns_flops, t.min), k);
-      row("fast", metric + "_actual_throughput", "GFLOP/s", actual(alone.actual_flops, t.median),
-          actual(alone.actual_flops, t.max), actual(alone.actual_flops, t.min), k);
+      throughput("fast", metric + "_useful_throughput", r.ns_flops, t, k);
+      throughput("fast", metric + "_actual_throughput", alone.actual_flops, t, k);
     }
   }
   row("fast/reference", "whole_step_speedup", "x", s.speedup, s.speedup, s.speedup, n);
