@@ -47,11 +47,21 @@ void append_trace_rows(std::vector<TraceRow>& rows, int64_t step, const float* p
 void write_trace_csv(std::ostream& out, const std::vector<TraceRow>& rows);
 std::vector<TraceRow> read_trace_csv(const std::string& path);  // throws std::runtime_error naming line/column
 
-// |golden - actual| <= atol + rtol * max(|golden|, |actual|) per value; hashes compared only when exact.
+// The bound of each value column (trace_value_columns() order) when the trace comes from another platform's
+// kernels: the error |golden - actual| divided by the column's scale for that parameter (the largest
+// |golden| value of the column over the parameter's rows). A different bf16 GEMM summation order (a GPU,
+// another BLAS) moves a NorMuon trajectory by noise that stays far below these bounds, while every
+// semantic knob moves some column far above them (docs/golden.md "On another platform").
+const std::vector<double>& cross_platform_bounds();
+
+// Per value: |golden - actual| <= atol + rtol * max(|golden|, |actual|); hashes compared only when exact.
+// cross_platform: instead (rtol, atol and exact are then unused), each value within its column's
+// cross_platform_bounds(), the counts exactly.
 struct TraceTolerance {
   double rtol = 1e-6;
   double atol = 1e-12;
-  bool exact = false;  // bitwise: every value and hash equal
+  bool exact = false;           // bitwise: every value and hash equal
+  bool cross_platform = false;  // another platform's rounding: scaled errors within cross_platform_bounds()
 };
 
 struct TraceComparison {
@@ -59,6 +69,11 @@ struct TraceComparison {
   int64_t mismatches = 0;        // values (and hashes) outside the tolerance
   double max_rel_error = 0;      // over all values
   std::string first_mismatch;    // "step 3, param 'x', column 'p_norm': golden ... actual ..."
+  // cross_platform only: the largest error as a fraction of its column's bound (infinite for a value that
+  // must match exactly and does not, a NaN, or rows that do not line up), and where; the same per column.
+  double worst_bound_fraction = 0;
+  std::string worst;             // "step 3, param 'x', column 'p_norm'"
+  std::vector<double> worst_by_column;  // trace_value_columns() order
   bool ok() const { return mismatches == 0; }
 };
 

@@ -36,6 +36,13 @@ expect_error "'ns_algorithm': unknown value 'foo' (choose standard | gram)" "$to
 test ! -e "$dir/foo.safetensors" || { echo "a refused option wrote a state file"; exit 1; }
 expect_error "--fast-ns-algorithm: option 'ns_algorithm': unknown value 'fast' (choose standard | gram)" "$tool" bench --fast-ns-algorithm fast --csv "$dir/bench.csv"
 test ! -e "$dir/bench.csv" || { echo "a refused bench option wrote its CSV"; exit 1; }
+# The golden check for another platform's rounding: the reference passes it, a planted change fails it,
+# and it takes no value tolerance beside its own bounds.
+expect_output "golden check PASSED (reference-cpu).*cross-platform bounds" "$tool" golden verify --cross-platform
+expect_error "golden check FAILED (reference-cpu).*worst error [^ ]* of its bound" "$tool" golden verify --cross-platform --set normuon.nesterov=false
+expect_error "--cross-platform has bounds of its own" "$tool" golden verify --cross-platform --rtol 0.1
+expect_error "make compares nothing" "$tool" golden make --cross-platform --file "$dir/never.csv"
+test ! -e "$dir/never.csv" || fail "a refused golden make wrote its file"
 "$tool" manifest --preset tiny --out "$dir/m.csv"
 expect_output "on NorMuon in 4 shape buckets" "$tool" layout --manifest "$dir/m.csv"
 
