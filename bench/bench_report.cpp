@@ -38,6 +38,17 @@ Summary summarise(std::vector<double> v) {
   return s;
 }
 
+std::string ns_algorithms_of(const Layout& layout, const Options& options) {
+  std::vector<std::string> names;
+  for (const auto& e : layout.entries)
+    if (e.algorithm == Algorithm::normuon) names.push_back(to_string(options.groups[e.group].normuon.ns_algorithm));
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  std::string joined;
+  for (const auto& n : names) joined += (joined.empty() ? "" : ", ") + n;
+  return joined;
+}
+
 double other_ms(const PhaseTimes& p) {
   return std::max(0.0, p.total - (p.momentum + p.newton_schulz + p.normalisation + p.update + p.adamw));
 }

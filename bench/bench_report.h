@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "normuon/backend.h"
+#include "normuon/layout.h"
+#include "normuon/options.h"
 
 namespace normuon::bench {
 
@@ -19,6 +21,10 @@ struct Summary {
   size_t n = 0;  // samples summarised
 };
 Summary summarise(std::vector<double> v);  // median of an even count: the mean of the middle two
+
+// The Newton-Schulz algorithms the NorMuon matrices of `layout` run under `options`: "standard", "gram",
+// or "gram, standard" where the groups differ; "" when no matrix is on NorMuon.
+std::string ns_algorithms_of(const Layout& layout, const Options& options);
 
 // A step's time outside the five phases (NaN/Inf check, group bookkeeping, timer overhead), >= 0.
 double other_ms(const PhaseTimes& p);

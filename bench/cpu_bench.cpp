@@ -34,19 +34,6 @@ namespace {
 // GFLOP/s of `flops` done in `ms`; 0 without a time.
 double gflop_per_s(double flops, double ms) { return ms > 0 ? flops / (ms * 1e-3) / 1e9 : 0; }
 
-// The Newton-Schulz algorithms the NorMuon groups of `layout` run, e.g. "standard" or "gram, standard";
-// "" when no matrix is on NorMuon.
-std::string ns_algorithms_of(const Layout& layout, const Options& options) {
-  std::vector<std::string> names;
-  for (const auto& e : layout.entries)
-    if (e.algorithm == Algorithm::normuon) names.push_back(to_string(options.groups[e.group].normuon.ns_algorithm));
-  std::sort(names.begin(), names.end());
-  names.erase(std::unique(names.begin(), names.end()), names.end());
-  std::string joined;
-  for (const auto& n : names) joined += (joined.empty() ? "" : ", ") + n;
-  return joined;
-}
-
 }  // namespace
 
 std::string cpu_bench_unavailable_reason() {

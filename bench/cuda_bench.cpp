@@ -60,18 +60,6 @@ NsFlops count_ns_flops(const Layout& layout, const Options& options) {
   return f;
 }
 
-std::string ns_algorithm_of(const Options& options) {
-  std::string out;
-  for (const auto& g : options.groups) {
-    if (g.algorithm != Algorithm::normuon) continue;
-    const std::string name = to_string(g.normuon.ns_algorithm);
-    if (out.empty())
-      out = name;
-    else if (out != name)
-      return "mixed";
-  }
-  return out;
-}
 
 std::string cuda_bench_unavailable_reason(int device) {
 #ifdef NORMUON_BENCH_HAVE_CUDA
@@ -136,7 +124,7 @@ CudaBenchResult run_cuda_bench(const Layout& layout, const Options& options, con
   const NsFlops ns_flops = count_ns_flops(layout, options);  // actual: the backend's own count, below
   r.ns_flops = ns_flops.useful;
   r.ns_dense_flops = ns_flops.dense;
-  r.ns_algorithm = ns_algorithm_of(options);
+  r.ns_algorithm = ns_algorithms_of(layout, options);
   int driver = 0, runtime = 0;
   NORMUON_CUDA_CHECK(cudaDriverGetVersion(&driver));
   NORMUON_CUDA_CHECK(cudaRuntimeGetVersion(&runtime));

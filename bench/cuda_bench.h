@@ -54,10 +54,6 @@ struct NsFlops {
 };
 NsFlops count_ns_flops(const Layout& layout, const Options& options);
 
-// The NorMuon groups' ns_algorithm: "standard" or "gram" when they all agree, "mixed" when they differ,
-// "" when there is no NorMuon group. The per-algorithm verdicts need one algorithm for the whole run.
-std::string ns_algorithm_of(const Options& options);
-
 // What one run measured (raw samples) and what its header said.
 struct CudaBenchResult {
   std::string model, command, grad_dtype, date, device_name, software, ns_precisions;
@@ -65,7 +61,7 @@ struct CudaBenchResult {
   int64_t warmup = 0, repeats = 0, steps_per_sample = 0;
   size_t parameters = 0, buckets = 0;
   CudaTraffic traffic;
-  std::string ns_algorithm;           // ns_algorithm_of(options)
+  std::string ns_algorithm;           // ns_algorithms_of(layout, options) (bench_report.h)
   double ns_flops = 0;                // useful FLOPs per step (count_ns_flops)
   double ns_actual_flops = 0;         // actual FLOPs per step: the backend's newton_schulz_flops()
   double ns_dense_flops = 0;          // the same algorithm with every product in full (count_ns_flops)
@@ -108,6 +104,8 @@ struct CudaBenchSummary {
   // Newton-Schulz's median time, and its rate and share of the bf16 GEMM rate in useful and actual FLOPs.
   double ns_ms = 0, ns_tflops = 0, ns_share = 0, ns_actual_tflops = 0, ns_actual_share = 0;
   double bound_ns_ms = 0, bound_mem_ms = 0, bound_ms = 0, graph_ratio = 0, eager_ratio = 0;
+  // The bars (docs/bench-cuda.md), decided once for the console lines, the verdict rows and the CSV.
+  bool elementwise_met = false, ns_actual_met = false, ns_target_met = false, bound_met = false;
   std::vector<CudaVerdict> verdicts;
   std::vector<CudaCsvRow> csv;
 };

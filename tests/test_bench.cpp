@@ -342,9 +342,12 @@ BOOST_AUTO_TEST_CASE(cuda_bench_report_on_a_made_up_gram_run) {
   // Exactly 100% is not above it; groups that mix the algorithms judge neither target.
   r.ns_flops = 60e12;
   BOOST_TEST(summarise_cuda_bench(r).verdicts[3].result == "NOT met");
-  r.ns_algorithm = "mixed";
+  r.ns_algorithm = "gram, standard";  // as ns_algorithms_of names it
   for (const CudaVerdict& v : summarise_cuda_bench(r).verdicts)
-    if (contains(v.bar, "ns_algorithm=")) BOOST_TEST(v.result == "-", v.bar);
+    if (contains(v.bar, "ns_algorithm=")) {
+      BOOST_TEST(v.result == "-", v.bar);
+      BOOST_TEST(contains(v.measured, "mix ns_algorithm values"), v.measured);
+    }
 }
 
 // Newton-Schulz FLOPs from the layout, per matrix against the formulas written out by hand (m = min side,
@@ -381,8 +384,22 @@ BOOST_AUTO_TEST_CASE(cuda_bench_counts_newton_schulz_flops_both_ways) {
       BOOST_TEST(f.useful == standard(m, n, c.steps), c.rows << "x" << c.cols << " " << algorithm);
       BOOST_TEST(f.dense == (std::string(algorithm) == "gram" ? c.gram : f.useful),
                  c.rows << "x" << c.cols << " " << algorithm);
-      BOOST_TEST(ns_algorithm_of(options) == algorithm);
+      BOOST_TEST(ns_algorithms_of(layout, options) == algorithm);
     }
+  }
+  // Two NorMuon groups on different algorithms are named both ways; a group with no matrix names nothing.
+  {
+    Manifest manifest;
+    manifest.params = {matrix(256, 1024), matrix(96, 640)};
+    manifest.params[1].group = "fast";
+    Options options;
+    GroupOptions fast = options.group("normuon");
+    fast.name = "fast";
+    fast.normuon.ns_algorithm = NsAlgorithm::gram;
+    options.groups.push_back(fast);
+    BOOST_TEST(ns_algorithms_of(Layout::build(manifest, options), options) == "gram, standard");
+    manifest.params = {matrix(256, 1024)};
+    BOOST_TEST(ns_algorithms_of(Layout::build(manifest, options), options) == "standard");
   }
   // AdamW parameters count nothing; a model of several matrices sums them.
   Manifest manifest;
