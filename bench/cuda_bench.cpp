@@ -60,7 +60,6 @@ NsFlops count_ns_flops(const Layout& layout, const Options& options) {
   return f;
 }
 
-
 std::string cuda_bench_unavailable_reason(int device) {
 #ifdef NORMUON_BENCH_HAVE_CUDA
   return cuda::unavailable_reason(device);

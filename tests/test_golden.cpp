@@ -3,13 +3,12 @@
 #define BOOST_TEST_MODULE golden
 #include <boost/test/unit_test.hpp>
 
-#include <cstdio>
-#include <fstream>
-#include <sstream>
-
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <fstream>
 #include <map>
+#include <sstream>
 
 #include "normuon/layout.h"
 #include "normuon/presets.h"
