@@ -25,13 +25,14 @@ const std::vector<std::string>& trace_value_columns() {
 }
 
 const std::vector<double>& cross_platform_bounds() {
-  // Measured (docs/golden.md): between the reference and the fast CPU backend, whose bf16 GEMMs sum in
-  // another order, the worst scaled errors over every knob variant are p_norm 1.7e-4, sampled elements
-  // 0.074, state2_norm 7.2e-4, update_norm 1.6e-3, row RMS 0.017; momentum and every AdamW column 0.
-  // The bounds leave about 3x above that (2.9x on p_norm), and every planted semantic change exceeds one
-  // by 2.8x or more.
+  // Measured (docs/golden.md): between the reference (fma chains in order) and the fast CPU backend, whose
+  // bf16 GEMMs sum in another order (oneDNN, or staged fp32 GEMMs), the worst scaled errors over every
+  // knob variant are p_norm 3.3e-4 (lr_scale=rms_matching; 1.3e-4 for the others), sampled elements 0.052,
+  // state2_norm 9.0e-4, update_norm 2.2e-3, row RMS 0.017; momentum and every AdamW column 0. The bounds
+  // leave 1.8x above that on p_norm and 4.5x or more elsewhere; every planted semantic change exceeds one
+  // by 2.3x or more (the reference is exact everywhere, so that margin is the same on every machine).
   static const std::vector<double> bounds{
-      0,    0,    0,    5e-4,  // the counts exactly; p_norm
+      0,    0,    0,    6e-4,  // the counts exactly; p_norm
       0.25, 0.25, 0.25,        // p_first, p_mid, p_last: single elements, the noisiest
       1e-5, 0.01, 0.01,        // state1_norm (momentum, exp_avg: no GEMM on their path), state2_norm, update_norm
       0.1,  0.1};              // update_row_rms_min, update_row_rms_max

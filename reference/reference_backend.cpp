@@ -1,14 +1,16 @@
 #include "reference_backend.h"
 
-#include "normuon/ns_algorithm.h"
-#include "normuon/ns_coefficients.h"
+#include "cpu_ops.h"
 #include "normuon/step_prologue.h"
+#include "spec_steps.h"
+#ifdef NORMUON_REFERENCE_CUDA
+#include "cuda_ops.h"
+#endif
 
 #include <chrono>
-#include <cmath>
+#include <memory>
 #include <optional>
 #include <stdexcept>
-#include <type_traits>
 
 namespace normuon {
 namespace {
@@ -44,198 +46,97 @@ class PhaseClock {
   std::chrono::steady_clock::time_point last_;
 };
 
-// The spec's fp32 sqrt is IEEE's (correctly rounded), as CUDA's sqrtf and std::sqrt are. libtorch 2.x takes
-// it on the CPU through a vectorised approximation (torch 2.11: 17% of fp32 results 1 ULP off, at every CPU
-// capability), which made the reference, not the backends it judges, leave the spec. A faithful double sqrt
-// rounded once to fp32 is the correctly rounded fp32 sqrt (the exact root of an fp32 never lies that close
-// to a midpoint; checked on every fp32 in [0.5, 2)), so the CPU takes that path.
-at::Tensor ieee_sqrt(const at::Tensor& x) {
-  return x.is_cpu() ? x.to(at::kDouble).sqrt().to(x.scalar_type()) : x.sqrt();
-}
+}  // namespace
 
-// Frobenius norm accumulated in double, rounded once to fp32 (a 0-d fp32 tensor on x's device).
-at::Tensor norm_in_double(const at::Tensor& x) { return x.to(at::kDouble).square().sum().sqrt().to(at::kFloat); }
-
-// ---- cuBLAS settings for the spec's GEMMs -------------------------------------------------------------
-// The spec wants fp32 GEMMs in fp32 and bf16 GEMMs with fp32 accumulation. On CUDA, torch may instead use
-// TF32 for fp32 GEMMs (allow_tf32 / float32_matmul_precision) and, from torch 2.0 on, reduced-precision
-// reductions for bf16 GEMMs (allow_bf16_reduced_precision_reduction, on by default). Both are turned off
-// for the duration of a Newton-Schulz call. The bf16 knob's API differs between torch versions (absent in
-// 1.13, bool in 2.0-2.6, an enum after), so it is reached through overloads that compile against each.
-inline bool allows_reduced_precision(bool allowed) { return allowed; }
-template <typename E, typename = std::enable_if_t<std::is_enum<E>::value>>
-bool allows_reduced_precision(E option) {
-  return static_cast<int>(option) == 0;  // CuBLASReductionOption::AllowReducedPrecisionWithSplitK
-}
-template <typename Ctx>
-auto bf16_reduction_allowed(Ctx& ctx, int) -> decltype(allows_reduced_precision(ctx.allowBF16ReductionCuBLAS())) {
-  return allows_reduced_precision(ctx.allowBF16ReductionCuBLAS());
-}
-template <typename Ctx>
-bool bf16_reduction_allowed(Ctx&, long) {  // torch without the knob: bf16 GEMMs accumulate in fp32
-  return false;
-}
-template <typename Ctx>
-auto set_bf16_reduction(Ctx& ctx, bool allow, int) -> decltype(ctx.setAllowBF16ReductionCuBLAS(allow), void()) {
-  ctx.setAllowBF16ReductionCuBLAS(allow);
-}
-template <typename Ctx>
-void set_bf16_reduction(Ctx&, bool, long) {}
-
-class SpecGemmGuard {
+// The spec's arithmetic runs on the device's primitives (spec_steps.h): CpuOps here, CudaOps where the
+// CUDA reference is built. ATen only holds the tensors.
+class ReferencePrimitives {
  public:
-  explicit SpecGemmGuard(bool on_cuda) {
-    if (!on_cuda) return;
-    no_tf32_.emplace();  // thread-local override, restored by its destructor
-    at::Context& ctx = at::globalContext();
-    if (bf16_reduction_allowed(ctx, 0)) {
-      set_bf16_reduction(ctx, false, 0);
-      restore_bf16_ = true;
+  template <class Body>
+  void with(const at::Device& device, const Body& body) {
+    if (device.is_cpu()) return body(cpu_);
+#ifdef NORMUON_REFERENCE_CUDA
+    if (device.is_cuda()) {
+      if (!cuda_) cuda_ = std::make_unique<spec::CudaOps>();
+      return body(*cuda_);
     }
+#endif
+    throw std::invalid_argument("the reference has no kernels for device " + device.str() + " in this build");
   }
-  ~SpecGemmGuard() {
-    if (restore_bf16_) set_bf16_reduction(at::globalContext(), true, 0);
-  }
-  SpecGemmGuard(const SpecGemmGuard&) = delete;
-  SpecGemmGuard& operator=(const SpecGemmGuard&) = delete;
 
  private:
-  std::optional<at::NoTF32Guard> no_tf32_;
-  bool restore_bf16_ = false;
+  spec::CpuOps cpu_;
+#ifdef NORMUON_REFERENCE_CUDA
+  std::unique_ptr<spec::CudaOps> cuda_;
+#endif
 };
 
-// Gram Newton-Schulz (docs/spec.md section 3.2) on the normalised wide X (m < n): R = X X^T, Q collects
-// the polynomial, X <- Q X only at a restart and at the end. Every m x m product is symmetric in exact
-// arithmetic; its lower triangle (one dot product per element, rounded once) is kept and mirrored, as a
-// symmetric GEMM computes it.
-template <typename Round, typename Gemm>
-at::Tensor gram_iteration(at::Tensor X, const NorMuonHyper& h, const Round& P, const Gemm& gemm) {
-  const int64_t m = X.size(0);
-  const at::Tensor lower = at::ones({m, m}, X.options().dtype(at::kBool)).tril();
-  auto sym = [&lower](const at::Tensor& c) { return at::where(lower, c, c.t()); };
-  at::Tensor R = sym(gemm(X, X.t())), Q;
-  for (int k = 0; k < h.ns_steps; ++k) {
-    const NsGramIteration does = ns_gram_iteration(k, h.ns_steps);
-    if (does.restart) {
-      X = gemm(Q, X);
-      R = sym(gemm(X, X.t()));
-    }
-    const NsTriple& co = ns_triple(h.ns_coefficients, k);
-    const at::Tensor Z = P(P(co.b * R) + sym(gemm(P(co.c * R), R)));  // the standard B, on R
-    if (does.fresh) {
-      Q = Z.clone();
-      Q.diagonal().add_(co.a);  // Q = Z + a I: only the diagonal changes (off it, Z + 0 would flip -0)
-      Q = P(Q);
-    } else {
-      Q = P(P(co.a * Q) + sym(gemm(Q, Z)));  // Q (Z + a I)
-    }
-    if (does.update_r) {  // R <- (Z + a I) R (Z + a I)
-      const at::Tensor RZ = P(P(co.a * R) + sym(gemm(R, Z)));
-      R = P(P(co.a * RZ) + sym(gemm(Z, RZ)));
-    }
-  }
-  return gemm(Q, X);
+namespace {
+
+ReferencePrimitives& shared_primitives() {  // for the per-tensor entry points the tests call
+  static thread_local ReferencePrimitives primitives;
+  return primitives;
+}
+
+float* floats(const at::Tensor& t, const char* what) {
+  if (t.scalar_type() != at::kFloat || !t.is_contiguous())
+    throw std::invalid_argument(std::string("reference: '") + what + "' must be a contiguous fp32 tensor");
+  return t.data_ptr<float>();
+}
+
+void check_matrix(const at::Tensor& t, const char* what) {
+  if (t.dim() != 2) throw std::invalid_argument(std::string("reference: '") + what + "' must be 2-D");
+}
+
+void normuon_on(ReferencePrimitives& primitives, at::Tensor& p, const at::Tensor& g, at::Tensor& M, at::Tensor& v,
+                const NorMuonHyper& h, bool stats_per_row, PhaseTimes* times) {
+  check_matrix(p, "p");
+  const int64_t rows = p.size(0), cols = p.size(1);
+  for (const at::Tensor* x : std::initializer_list<const at::Tensor*>{&g, &M})
+    if (x->sizes() != p.sizes()) throw std::invalid_argument("reference: p, g and M must have one shape");
+  if (v.numel() != (stats_per_row ? rows : cols))
+    throw std::invalid_argument("reference: v has " + std::to_string(v.numel()) + " entries for a " +
+                                std::to_string(rows) + "x" + std::to_string(cols) + " matrix");
+  PhaseClock clock(times, p.device());
+  primitives.with(p.device(), [&](auto& ops) {
+    float* U = ops.scratch(6, rows * cols);
+    float* O = ops.scratch(7, rows * cols);
+    spec::normuon_update(ops, floats(p, "p"), floats(g, "g"), floats(M, "M"), floats(v, "v"), rows, cols, h,
+                         stats_per_row, U, O, clock);
+  });
+}
+
+void adamw_on(ReferencePrimitives& primitives, at::Tensor& p, const at::Tensor& g, at::Tensor& m, at::Tensor& v,
+              const AdamWHyper& h, int64_t t, PhaseTimes* times) {
+  for (const at::Tensor* x : std::initializer_list<const at::Tensor*>{&g, &m, &v})
+    if (x->numel() != p.numel()) throw std::invalid_argument("reference: p, g, m and v must have one size");
+  PhaseClock clock(times, p.device());
+  primitives.with(p.device(), [&](auto& ops) {
+    ops.adamw(floats(p, "p"), floats(g, "g"), floats(m, "m"), floats(v, "v"), p.numel(), spec::adamw_scalars(h, t));
+  });
+  clock.lap(&PhaseTimes::adamw);
 }
 
 }  // namespace
 
 at::Tensor newton_schulz(const at::Tensor& update, const NorMuonHyper& h) {
-  if (h.ns_coefficients == NsCoefficients::polar_express && h.ns_steps > kPolarExpressSteps)
-    throw std::invalid_argument("ns_steps=" + std::to_string(h.ns_steps) +
-                                " but the Polar Express schedule has 5 coefficient triples");
-  const SpecGemmGuard gemm_guard(update.is_cuda());
-  // P rounds to the working precision. Values are held in fp32 tensors; in bf16 mode every elementwise
-  // result is computed in fp32 from bf16 values and rounded (torch's opmath), and GEMMs run in bf16 with
-  // fp32 accumulation. Coefficients therefore enter as fp32 values, as on CUDA.
-  const bool bf16 = h.ns_precision == NsPrecision::bf16;
-  auto P = [bf16](const at::Tensor& x) { return bf16 ? x.to(at::kBFloat16).to(at::kFloat) : x; };
-  auto gemm = [bf16, &P](const at::Tensor& x, const at::Tensor& y) {
-    if (!bf16) return at::mm(x, y);
-    // torch 1.13's CPU bf16 mm accumulates in bf16 for products of at most 16^3 multiply-adds (a plain
-    // loop, not oneDNN); the spec says fp32 accumulation, which fp32 mm of the bf16 values gives exactly.
-    // Kept on CUDA as well: there it is the same spec result (bf16 products are exact in fp32, TF32 is
-    // off), and one code path keeps the CPU and CUDA references structurally identical.
-    if (x.size(0) * x.size(1) * y.size(1) <= 16 * 16 * 16) return P(at::mm(x, y));
-    return at::mm(x.to(at::kBFloat16), y.to(at::kBFloat16)).to(at::kFloat);
-  };
-  at::Tensor X = P(update.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
-  const bool tall = X.size(0) > X.size(1);
-  if (tall) X = X.t();  // iterate on the wide orientation: X X^T is the smaller Gram matrix
-  const at::Tensor norm = P(X.norm());
-  const at::Tensor denom = h.ns_coefficients == NsCoefficients::quintic
-                               ? P(norm + h.ns_eps)
-                               : P(P(norm * kPolarExpressSafety) + h.ns_eps);
-  X = P(X / denom);
-  if (ns_uses_gram(h.ns_algorithm, X.size(0), X.size(1))) {
-    X = gram_iteration(X, h, P, gemm);
-  } else {
-    for (int k = 0; k < h.ns_steps; ++k) {
-      const NsTriple& co = ns_triple(h.ns_coefficients, k);
-      const at::Tensor A = gemm(X, X.t());
-      const at::Tensor B = P(P(co.b * A) + gemm(P(co.c * A), A));  // (c*A) @ A, as the official `c * A @ A`
-      X = P(P(co.a * X) + gemm(B, X));
-    }
-  }
-  if (tall) X = X.t();
-  return X;
+  check_matrix(update, "update");
+  const at::Tensor U = update.to(at::kFloat).contiguous();
+  at::Tensor O = at::empty_like(U);
+  shared_primitives().with(U.device(), [&](auto& ops) {
+    spec::newton_schulz(ops, U.data_ptr<float>(), O.data_ptr<float>(), U.size(0), U.size(1), h);
+  });
+  return O;
 }
 
 void normuon_update(at::Tensor p, const at::Tensor& g, at::Tensor M, at::Tensor v, const NorMuonHyper& h,
                     bool stats_per_row, PhaseTimes* times) {
-  PhaseClock clock(times, p.device());
-  const int64_t rows = p.size(0), cols = p.size(1);
-  // 1-2. momentum (EMA) and the Nesterov blend; never hand M itself to Newton-Schulz.
-  M.lerp_(g, 1 - h.beta1);
-  at::Tensor U = h.nesterov ? g.lerp(M, h.beta1) : M.clone();
-  clock.lap(&PhaseTimes::momentum);
-  // 3. orthogonalise, back to fp32.
-  at::Tensor O = newton_schulz(U, h).contiguous();
-  clock.lap(&PhaseTimes::newton_schulz);
-  // 4. statistics along the neuron axis, accumulated in double.
-  const int64_t reduce_dim = stats_per_row ? 1 : 0;
-  at::Tensor nu = norm_in_double(O);
-  at::Tensor r = O.to(at::kDouble).square().mean(reduce_dim).to(at::kFloat);
-  // 5-6. second moment (no bias correction: it cancels in the re-norm) and its inverse square root.
-  v.lerp_(r, 1 - h.beta2);
-  at::Tensor s = h.eps_placement == EpsPlacement::add ? ieee_sqrt(v).add_(h.denom_eps).reciprocal()
-                                                      : ieee_sqrt(v.clamp_min(h.denom_eps)).reciprocal();
-  // 7-9. normalise, restore the Frobenius norm, apply the shape factor.
-  at::Tensor update = O * (stats_per_row ? s.unsqueeze(1) : s.unsqueeze(0));
-  at::Tensor nu_normalised = norm_in_double(update);
-  update.mul_(nu / (nu_normalised + h.renorm_eps));
-  update.mul_(lr_scale_factor(h.lr_scale, rows, cols));
-  clock.lap(&PhaseTimes::normalisation);
-  // 10. weight decay.
-  switch (h.weight_decay_mode) {
-    case WeightDecayMode::decoupled:
-      if (h.weight_decay != 0) p.mul_(1 - h.lr * h.weight_decay);
-      break;
-    case WeightDecayMode::cautious:
-      if (h.weight_decay != 0) {
-        at::Tensor mask = (update * p).ge(0).to(at::kFloat);
-        p.sub_(p * mask * (h.lr * h.weight_decay));
-      }
-      break;
-    case WeightDecayMode::none: break;
-  }
-  // 11. the step.
-  p.add_(update, -h.lr);
-  clock.lap(&PhaseTimes::update);
+  normuon_on(shared_primitives(), p, g, M, v, h, stats_per_row, times);
 }
 
 void adamw_update(at::Tensor p, const at::Tensor& g, at::Tensor m, at::Tensor v, const AdamWHyper& h, int64_t t,
                   PhaseTimes* times) {
-  PhaseClock clock(times, p.device());
-  if (h.weight_decay != 0) p.mul_(1 - h.lr * h.weight_decay);
-  m.lerp_(g, 1 - h.beta1);
-  v.mul_(h.beta2).addcmul_(g, g, 1 - h.beta2);
-  const double bias_correction1 = 1 - std::pow(h.beta1, static_cast<double>(t));
-  const double bias_correction2 = 1 - std::pow(h.beta2, static_cast<double>(t));
-  const double step_size = h.lr / bias_correction1;
-  const double bias_correction2_sqrt = std::sqrt(bias_correction2);
-  at::Tensor denom = (ieee_sqrt(v) / bias_correction2_sqrt).add_(h.eps);
-  p.addcdiv_(m, denom, -step_size);
-  clock.lap(&PhaseTimes::adamw);
+  adamw_on(shared_primitives(), p, g, m, v, h, t, times);
 }
 
 // ---- devices and flat tensors ------------------------------------------------------------------------
@@ -253,8 +154,9 @@ at::Tensor slot(const at::Tensor& flat, int64_t offset, const std::vector<int64_
 
 // The per-parameter loop every entry point shares, after the prologue (steps already advanced). AdamW's
 // bias corrections use the parameter's own step count (spec section 5).
-void run_parameters(const Layout& layout, const FlatTensors& t, const std::vector<uint8_t>& has_grad,
-                    const std::vector<int64_t>& entry_steps, const Options& options, PhaseTimes* times) {
+void run_parameters(ReferencePrimitives& primitives, const Layout& layout, const FlatTensors& t,
+                    const std::vector<uint8_t>& has_grad, const std::vector<int64_t>& entry_steps,
+                    const Options& options, PhaseTimes* times) {
   for (size_t i = 0; i < layout.entries.size(); ++i) {
     const LayoutEntry& e = layout.entries[i];
     if (!has_grad[i] || e.numel == 0) continue;  // untouched, state not advanced
@@ -262,12 +164,13 @@ void run_parameters(const Layout& layout, const FlatTensors& t, const std::vecto
     at::Tensor p = slot(t.params, e.offset, e.shape, e.numel);
     at::Tensor g = slot(t.grads, e.offset, e.shape, e.numel);
     if (e.algorithm == Algorithm::normuon) {
-      normuon_update(p, g, slot(t.momentum, e.offset, e.shape, e.numel),
-                     slot(t.row_var, e.stat_offset, {e.stat_len}, e.stat_len), group.normuon, e.stats_per_row,
-                     times);
+      at::Tensor M = slot(t.momentum, e.offset, e.shape, e.numel);
+      at::Tensor v = slot(t.row_var, e.stat_offset, {e.stat_len}, e.stat_len);
+      normuon_on(primitives, p, g, M, v, group.normuon, e.stats_per_row, times);
     } else {
-      adamw_update(p, g, slot(t.exp_avg, e.adam_offset, e.shape, e.numel),
-                   slot(t.exp_avg_sq, e.adam_offset, e.shape, e.numel), group.adamw, entry_steps[i], times);
+      at::Tensor m = slot(t.exp_avg, e.adam_offset, e.shape, e.numel);
+      at::Tensor v = slot(t.exp_avg_sq, e.adam_offset, e.shape, e.numel);
+      adamw_on(primitives, p, g, m, v, group.adamw, entry_steps[i], times);
     }
   }
 }
@@ -357,6 +260,9 @@ FlatTensors wrap_flat(const Layout& layout, float* params, float* grads, float* 
 
 std::string ReferenceBackend::unavailable_reason(ReferenceDevice device) {
   if (device == ReferenceDevice::cpu) return "";
+#ifndef NORMUON_REFERENCE_CUDA
+  return "this build has no CUDA reference kernels (it was configured without the CUDA toolkit)";
+#endif
   // hasCUDART: the CUDA part of libtorch is loaded; hasCUDA: and it sees at least one device.
   if (!at::globalContext().hasCUDART())
     return "this libtorch was built without CUDA (or its CUDA library is not loaded)";
@@ -364,7 +270,8 @@ std::string ReferenceBackend::unavailable_reason(ReferenceDevice device) {
   return "";
 }
 
-ReferenceBackend::ReferenceBackend(ReferenceDevice device) : device_(device) {
+ReferenceBackend::ReferenceBackend(ReferenceDevice device)
+    : device_(device), primitives_(std::make_shared<ReferencePrimitives>()) {
   const std::string reason = unavailable_reason(device);
   if (!reason.empty())
     throw std::invalid_argument(std::string("backend reference-") + to_string(device) + " is unavailable: " + reason);
@@ -400,7 +307,7 @@ StepResult ReferenceBackend::step_flat(const Layout& layout, FlatTensors& t, con
 
   times_ = PhaseTimes{};
   if (auto skipped = begin_flat_step(layout, t.grads, has_grad, group_steps, entry_steps, options)) return *skipped;
-  run_parameters(layout, t, has_grad, entry_steps, options, timing_ ? &times_ : nullptr);
+  run_parameters(*primitives_, layout, t, has_grad, entry_steps, options, timing_ ? &times_ : nullptr);
   if (timing_) {
     synchronize(t.params.device());
     times_.total = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
@@ -418,7 +325,8 @@ StepResult ReferenceBackend::step(FlatState& state, const Options& options) {
     // In place on views of the state's buffers: what it writes is exactly what a state file saves.
     times_ = PhaseTimes{};
     if (auto skipped = begin_step(state, options)) return *skipped;
-    run_parameters(layout, host, state.has_grad, state.entry_steps, options, timing_ ? &times_ : nullptr);
+    run_parameters(*primitives_, layout, host, state.has_grad, state.entry_steps, options,
+                   timing_ ? &times_ : nullptr);
     if (timing_)
       times_.total = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     return {};

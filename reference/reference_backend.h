@@ -1,12 +1,14 @@
-// The reference backend: a literal, per-parameter transcription of docs/spec.md in ATen ops, one
-// parameter at a time, the way per-parameter PyTorch optimizers run today. It is the oracle every other
-// backend is checked against, and the "old" path of the old-vs-new comparison. The same code runs on the
-// CPU and on a CUDA device (docs/reference.md, "The reference on CUDA").
+// The reference backend: a literal, per-parameter transcription of docs/spec.md, one parameter at a time,
+// the way per-parameter PyTorch optimizers run today. It is the oracle every other backend is checked
+// against, and the "old" path of the old-vs-new comparison. ATen holds the tensors; the arithmetic is the
+// reference's own (spec_steps.h), so its bits follow from the spec on every processor and on CUDA
+// (docs/reference.md).
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -28,6 +30,8 @@ struct FlatTensors {
 // std::invalid_argument when the device is unavailable (ReferenceBackend::unavailable_reason).
 FlatTensors wrap_flat(const Layout& layout, float* params, float* grads, float* momentum, float* row_var,
                       float* exp_avg, float* exp_avg_sq, ReferenceDevice device);
+
+class ReferencePrimitives;  // the device's arithmetic (reference_backend.cpp)
 
 class ReferenceBackend : public Backend {
  public:
@@ -57,6 +61,7 @@ class ReferenceBackend : public Backend {
 
  private:
   ReferenceDevice device_;
+  std::shared_ptr<ReferencePrimitives> primitives_;  // scratch buffers kept between steps
   // cuda only: the device copies used by step(FlatState&), and the layout they were sized for.
   FlatTensors staged_;
   uint64_t staged_fingerprint_ = 0;

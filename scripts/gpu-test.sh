@@ -24,8 +24,9 @@ the Python module (with a private libstdc++) and, with --fast-cpu on, the fast C
   2. pytest python/tests/test_cuda.py (the Python CUDA tests, run again to see that none was skipped)
   3. normuon compare --device cuda --preset tiny --steps 50
   4. normuon compare --device cuda --candidate reference --preset tiny --steps 10
-  5. normuon golden verify --cross-platform --device cuda, with --backend reference and with --backend fast
-     (the golden trace within the bounds for another platform's GEMM rounding: docs/golden.md)
+  5. normuon golden verify --device cuda: --exact with --backend reference (the CUDA reference computes the
+     CPU reference's bits), --cross-platform with --backend fast (the golden trace within the bounds for
+     another platform's GEMM rounding: docs/golden.md)
 Everything printed goes to the report, bench/results/gpu-tests-<device>-<date>.md, which ends with a
 table of the steps and their outcomes. On a GPU machine a test that skips counts as failed.
 
@@ -364,5 +365,7 @@ gpu_step() {  # gpu_step NAME ARGS...: a step of the tool that needs the GPU
 }
 gpu_step "compare fast-cuda" compare --device cuda --preset tiny --steps 50
 gpu_step "compare reference-cuda" compare --device cuda --candidate reference --preset tiny --steps 10
-gpu_step "golden reference-cuda" golden verify --cross-platform --backend reference --device cuda
+gpu_step "golden reference-cuda" golden verify --exact --backend reference --device cuda
+gpu_step "golden reference-cuda gram" golden verify --exact --backend reference --device cuda \
+  --set normuon.ns_algorithm=gram --file golden/tiny-gram.csv
 gpu_step "golden fast-cuda" golden verify --cross-platform --backend fast --device cuda

@@ -98,6 +98,35 @@ def compare(a, b, exact=True, rtol=0.0, atol=0.0):
                 torch.testing.assert_close(sa["state"][i][k], sb["state"][i][k], rtol=rtol, atol=atol)
 
 
+def compare_bf16_ns(a, b, start, update_bound=0.1, row_var_bound=0.05):
+    """The fast backend against reference.py with bf16 Newton-Schulz. Their GEMMs sum in different orders (the
+    fast backend's oneDNN kernels, or fp32 GEMMs of the bf16 values where the processor has no bf16 dot
+    product; torch's mm), so single bf16 roundings of Newton-Schulz flip, as on any other platform. AdamW
+    tensors, NorMuon momenta and the step counts stay bit for bit; NorMuon matrices and second moments are
+    held to the comparator's bf16 bounds (docs/compare.md): the update's error relative to the distance it
+    travelled, and row_var normwise."""
+    (pa, sa), (pb, sb) = a, b
+    names = {i: n for g in sa["param_groups"] for i, n in zip(g["params"], g["names"])}
+    normuon_names = {names[i] for i, st in sa["state"].items() if "momentum_buffer" in st}
+
+    def rel(x, y):
+        x, y = x.double(), y.double()
+        return ((x - y).norm() / y.norm()).item() if y.norm() > 0 else (x - y).norm().item()
+
+    for n in pa:
+        if n in normuon_names:
+            assert rel(pa[n].float() - start[n].float(), pb[n].float() - start[n].float()) <= update_bound, n
+        else:
+            assert torch.equal(pa[n], pb[n]), n
+    for i in sa["state"]:
+        for k in sa["state"][i]:
+            x, y = sa["state"][i][k], sb["state"][i][k]
+            if k == "moment2_buffer":
+                assert rel(x, y) <= row_var_bound, (names[i], k)
+            elif not (k == "master_param" and names[i] in normuon_names):  # the parameter, checked above
+                assert torch.equal(x, y), (names[i], k)
+
+
 VARIANTS = [
     {},
     {"nesterov": False},
@@ -110,10 +139,11 @@ VARIANTS = [
 
 
 @pytest.mark.parametrize("knobs", VARIANTS, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()) or "defaults")
-def test_fast_matches_reference_bitwise_in_bf16(knobs, native):
-    """bf16 Newton-Schulz: both sides multiply bf16 values with fp32 accumulation in oneDNN (or exactly, for the
-    smallest GEMMs), and every elementwise op rounds as torch's: measured bit-identical on these shapes."""
-    compare(run_model("fast", skip_every=5, **knobs), run_model("reference", skip_every=5, **knobs))
+def test_fast_matches_reference_in_bf16(knobs, native):
+    """bf16 Newton-Schulz: every elementwise op rounds as torch's (AdamW and momenta bit for bit); the GEMMs
+    sum in other orders, within the comparator's bounds."""
+    compare_bf16_ns(run_model("fast", skip_every=5, **knobs), run_model("reference", skip_every=5, **knobs),
+                    params_of(make_model()))
 
 
 def test_fast_matches_reference_in_fp32_precision(native):
@@ -126,7 +156,7 @@ def test_fast_matches_reference_in_fp32_precision(native):
 def test_bf16_parameters_fast_matches_reference(native):
     a, b = run_model("fast", dtype=torch.bfloat16), run_model("reference", dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in a[0].values())
-    compare(a, b)
+    compare_bf16_ns(a, b, params_of(make_model(dtype=torch.bfloat16)))
     assert all("master_param" in s for s in a[1]["state"].values())
 
 
@@ -186,14 +216,17 @@ def test_reference_invariants():
 
 def test_fast_matches_reference_on_small_and_odd_matrices(native):
     """Shapes whose Newton-Schulz GEMMs have at most 16^3 multiply-adds (where torch's own bf16 mm would
-    accumulate in bf16), tall, wide, single-row and empty matrices: still bit-identical."""
+    accumulate in bf16), tall, wide, single-row and empty matrices: within the bf16 bounds."""
     shapes = {"a.weight": (8, 12), "b.weight": (12, 8), "c.weight": (16, 16), "d.weight": (48, 16),
               "e.weight": (16, 64), "f.weight": (1, 24), "g.weight": (24, 1), "h.weight": (0, 5),
               "i.weight": (256, 96)}
 
-    def run(backend):
+    def start():
         torch.manual_seed(0)
-        params = {n: nn.Parameter(torch.randn(s) * 0.05) for n, s in shapes.items()}
+        return {n: torch.randn(s) * 0.05 for n, s in shapes.items()}
+
+    def run(backend):
+        params = {n: nn.Parameter(p) for n, p in start().items()}
         opt = normuon.NorMuonAdamW(params.items(), backend=backend, weight_decay=0.1)
         assert all(r["algorithm"] == "normuon" for r in opt.routing_table())
         g = torch.Generator().manual_seed(9)
@@ -203,4 +236,4 @@ def test_fast_matches_reference_on_small_and_odd_matrices(native):
             opt.step()
         return {n: p.detach().clone() for n, p in params.items()}, opt.state_dict()
 
-    compare(run("fast"), run("reference"))
+    compare_bf16_ns(run("fast"), run("reference"), start())
