@@ -10,12 +10,13 @@
 #include <string>
 
 #include "bench_report.h"
+#include "multiversion.h"
 
 namespace normuon::bench {
 namespace {
 
 // Vectorised the way the fast backend's kernels are (fast/cpu_kernels.cpp): AVX-512 where the CPU has it.
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+NORMUON_MULTIVERSION
 void triad_kernel(float* a, const float* b, const float* c, float s, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) a[i] = b[i] + s * c[i];

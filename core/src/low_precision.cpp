@@ -5,8 +5,13 @@
 namespace normuon {
 namespace {
 
-// The compiler's IEEE binary16 (GCC >= 12, Clang): its conversions round to nearest even.
-using Half = _Float16;
+// The compiler's IEEE binary16: its conversions round to nearest even. GCC's C++ front end has no
+// _Float16 on aarch64, where __fp16 is the same format (IEEE, not the alternative one, by default).
+#if defined(__aarch64__)
+using Half = __fp16;
+#else
+using Half = _Float16;  // GCC >= 12, Clang
+#endif
 
 }  // namespace
 
