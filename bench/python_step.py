@@ -3,7 +3,8 @@
 
 Times, side by side in this one process:
   python     normuon.NorMuonAdamW.step() (table mode: the model's own tensors, in place)
-  cpp        the fast CPU backend's own call on the same tensors (what the Python wrapper adds is the gap)
+  cpp        the native engine's step over the same tensors as the Python step bound them, reading none of
+             them again (what the Python wrapper adds is the gap)
   reference  the pure-torch per-parameter reference from Python (NorMuonAdamW(backend="reference"): the old path)
   adamw      torch.optim.AdamW (default implementation) over every parameter
 
@@ -55,9 +56,15 @@ class GPT2Shapes(nn.Module):
 
 
 def fill_grads(model, step):
+    """New values in the same gradient tensors (as zero_grad(set_to_none=False) or accumulation keeps
+    them): the C++ contender steps the addresses the Python step bound."""
     g = torch.Generator().manual_seed(step)
     for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=g) * 0.01
+        values = torch.randn(p.shape, generator=g) * 0.01
+        if p.grad is None:
+            p.grad = values
+        else:
+            p.grad.copy_(values)
 
 
 class CountOps(TorchDispatchMode):
@@ -114,16 +121,15 @@ def main(argv=None):
 
     opt = normuon.NorMuonAdamW(model.named_parameters(), threads=threads)
     cuda, _ = optim.cuda_module()  # the CUDA backend's module, where this build has one
-    launches = cuda.cuda_launches_per_step(opt.layout, opt._options) if cuda is not None else None
+    launches = cuda.cuda_launches_per_step(opt.layout, opt._engine.options) if cuda is not None else None
     mem = opt.memory_report()
     held = mem["state_bytes"] + mem["master_bytes"] + mem["workspace_bytes"]
     t, ops = measure("python", opt.step, model, args.warmup, args.repeats, log)
     rows.append(dict(contender="python", ms=t, ops=ops, bytes_per_param=held / numel, state_bytes_per_param=(
         mem["state_bytes"] + mem["master_bytes"]) / numel, cuda_launches=launches, cuda_syncs="1 (0 deferred)"))
 
-    def native_step():  # the same table the Python step bound, stepped by the backend alone
-        opt._bind()
-        opt._backend.step(opt._table_state, opt._table, opt._options)
+    def native_step():  # the table the Python step bound (same gradient tensors), stepped by the engine alone
+        opt._engine.step_bound()
 
     t, ops = measure("cpp", native_step, model, args.warmup, args.repeats, log)
     rows.append(dict(contender="cpp", ms=t, ops=ops, bytes_per_param=held / numel,

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "normuon/backend.h"
+#include "normuon/engine.h"
 #include "normuon/layout.h"
 #include "normuon/param_table.h"
 
@@ -31,7 +32,7 @@ struct FastStepCounters {
   int64_t gemm_calls = 0;          // oneDNN matmul executions (one per matrix, or per batch: newton_schulz.h)
 };
 
-class FastCpuBackend : public Backend {
+class FastCpuBackend : public Backend, public TableBackend {
  public:
   // The layout must outlive the backend; options give the groups (as for Layout::build). `threads`:
   // the threads of its passes and GEMMs (OpenMP regions of that many threads whose waits do not spin,
@@ -47,13 +48,13 @@ class FastCpuBackend : public Backend {
   // Table mode: the caller's parameters and gradients in place (param_table.h); the same passes.
   // grad_scale: a gradient scaler's scale (StepOperands::grad_scale), or nullptr.
   StepResult step(TableState& state, const ParamTable& table, const Options& options,
-                  const float* grad_scale = nullptr);
+                  const float* grad_scale = nullptr) override;
 
   const FastStepCounters& counters() const { return counters_; }
   std::string describe() const;  // batches and GEMM implementations
   int threads() const { return threads_; }
   // Bytes of its own beyond the state: Newton-Schulz buffers and per-thread scratch.
-  int64_t workspace_bytes() const;
+  int64_t workspace_bytes() const override;
 
   // Empty when this backend can run `options` on `layout`; otherwise why not (the selector reports it).
   static std::string unsupported_reason(const Layout& layout, const Options& options);

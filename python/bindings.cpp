@@ -15,6 +15,7 @@
 #include "fast_cpu_backend.h"
 #include "thread_budget.h"
 #endif
+#include "engine_bindings.h"
 #include "normuon/backend.h"
 #include "normuon/flat_state.h"
 #include "normuon/grad_gen.h"
@@ -158,6 +159,8 @@ PYBIND11_MODULE(_C, m) {
       .def("set", py::overload_cast<const std::string&, const std::string&>(&Options::set), py::arg("key"),
            py::arg("value"), "KEY is GROUP.FIELD, FIELD (every group that has it) or 'nonfinite'")
       .def("set", py::overload_cast<const std::string&>(&Options::set), py::arg("assignment"))
+      .def("set_group", [](Options& o, size_t group, const py::dict& values) { o.set_group(group, typed_values(values)); },
+           py::arg("group"), py::arg("values"), "Typed {field: value} for one group by index; all or nothing")
       .def("to_json", &Options::to_json)
       .def_static("from_json", &Options::from_json, py::arg("text"))
       .def("describe", [](const Options& o) { return describe(o); }, "every key=value")
@@ -350,6 +353,8 @@ PYBIND11_MODULE(_C, m) {
         "Table mode -> FlatState: parameters (fp32 or masters), gradients, state, steps");
   m.def("flat_to_table", &flat_to_table, py::arg("flat"), py::arg("state"), py::arg("table"),
         "FlatState -> table mode: state, steps, masters, and the caller's parameters rounded to their dtype");
+
+  bind_engine(m);
 
   py::class_<StepResult>(m, "StepResult")
       .def_readonly("skipped", &StepResult::skipped)

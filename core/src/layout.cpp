@@ -181,11 +181,10 @@ std::string fused_step_unsupported_reason(const Layout& layout, const Options& o
   if (options.groups.size() != layout.group_names.size())
     return "the options define " + std::to_string(options.groups.size()) + " groups, the layout " +
            std::to_string(layout.group_names.size());
-  for (const auto& g : options.groups)
-    if (g.algorithm == Algorithm::normuon && g.normuon.ns_coefficients == NsCoefficients::polar_express &&
-        g.normuon.ns_steps > kPolarExpressSteps)
-      return "group '" + g.name + "': Polar Express has 5 coefficient triples, ns_steps is " +
-             std::to_string(g.normuon.ns_steps);
+  for (const auto& g : options.groups) {
+    const std::string reason = group_values_invalid_reason(g);
+    if (!reason.empty()) return reason;
+  }
   return "";
 }
 

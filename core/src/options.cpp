@@ -1,6 +1,7 @@
 #include "normuon/options.h"
 
 #include "bounded_json.h"
+#include "normuon/ns_coefficients.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -99,60 +100,118 @@ bool parse_bool(const std::string& key, const std::string& text) {
   throw std::invalid_argument("option '" + key + "': '" + text + "' is not a boolean (true | false)");
 }
 
-// A field of a hyper-parameter struct: how to set it from text and how to print it. from_json takes the
-// JSON value (of a state file) through the same checks as `set`, after checking its JSON type.
+// A field of a hyper-parameter struct: its public description (FieldSpec) and where it lives. Every way
+// in (text, a typed value from Python, a state file's JSON) ends in assign(), so they check alike.
 template <typename H>
 struct Field {
-  const char* name;
-  std::function<void(H&, const std::string& key, const std::string&)> set;
-  std::function<std::string(const H&)> get;
-  std::function<void(const H&, Json&)> to_json;
-  std::function<void(H&, const std::string& key, const Json&)> from_json;
-  // A field added after state files existed: a file without it keeps the default (what those files ran).
-  bool optional_in_json = false;
+  FieldSpec spec;
+  double H::*number = nullptr;  // number fields
+  std::function<void(H&, const FieldValue&)> store;  // an already checked value
+  std::function<FieldValue(const H&)> load;
 };
 
 void require_json_type(const std::string& key, const Json& v, bool ok, const char* what) {
   if (!ok) throw std::invalid_argument("option '" + key + "': " + v.dump() + " is not " + what);
 }
 
+std::string describe_value(const FieldValue& v) {
+  if (const auto* d = std::get_if<double>(&v)) return format_double(*d);
+  if (const auto* b = std::get_if<bool>(&v)) return *b ? "true" : "false";
+  return "'" + std::get<std::string>(v) + "'";
+}
+
+// `value` checked against `spec` in the form the field stores, or std::invalid_argument naming `key`.
+FieldValue checked(const FieldSpec& spec, const std::string& key, const FieldValue& value) {
+  switch (spec.kind) {
+    case FieldSpec::Kind::number:
+    case FieldSpec::Kind::integer: {
+      const double* d = std::get_if<double>(&value);
+      if (!d) throw std::invalid_argument("option '" + key + "': " + describe_value(value) + " is not a number");
+      const std::string text = format_double(*d);
+      if (!std::isfinite(*d)) throw std::invalid_argument("option '" + key + "': '" + text + "' is not a finite number");
+      if (spec.kind == FieldSpec::Kind::integer) {
+        if (*d != std::floor(*d) || *d < spec.lo || *d > spec.hi)
+          throw std::invalid_argument("option '" + key + "': " + text + " is not an integer in [" +
+                                      format_double(spec.lo) + ", " + format_double(spec.hi) + "]");
+      } else if (*d < spec.lo || *d > spec.hi || (spec.below_hi && *d == spec.hi)) {
+        throw std::invalid_argument("option '" + key + "': " + text + " is outside [" + format_double(spec.lo) +
+                                    ", " + format_double(spec.hi) + (spec.below_hi ? ")" : "]"));
+      }
+      return *d;
+    }
+    case FieldSpec::Kind::boolean: {
+      if (const bool* b = std::get_if<bool>(&value)) return *b;
+      const double* d = std::get_if<double>(&value);
+      if (d && (*d == 0 || *d == 1)) return *d == 1;  // 0 / 1, as Python's bool() of them
+      throw std::invalid_argument("option '" + key + "': " + describe_value(value) + " is not a boolean (true | false)");
+    }
+    case FieldSpec::Kind::choice: {
+      const std::string* text = std::get_if<std::string>(&value);
+      std::string choices;
+      for (const auto& c : spec.choices) {
+        if (text && *text == c) return *text;
+        choices += (choices.empty() ? "" : " | ") + c;
+      }
+      throw std::invalid_argument("option '" + key + "': unknown value " + describe_value(value) + " (choose " +
+                                  choices + ")");
+    }
+  }
+  throw std::logic_error("unknown field kind");
+}
+
+// Text (the command line's --set, Options::set) in the field's kind.
+FieldValue from_text(const FieldSpec& spec, const std::string& key, const std::string& text) {
+  switch (spec.kind) {
+    case FieldSpec::Kind::number:
+    case FieldSpec::Kind::integer: return parse_double(key, text);
+    case FieldSpec::Kind::boolean: return parse_bool(key, text);
+    case FieldSpec::Kind::choice: return text;
+  }
+  throw std::logic_error("unknown field kind");
+}
+
+// A state file's JSON value in the field's kind, its JSON type checked first.
+FieldValue from_json_value(const FieldSpec& spec, const std::string& key, const Json& v) {
+  switch (spec.kind) {
+    case FieldSpec::Kind::number:
+    case FieldSpec::Kind::integer:
+      require_json_type(key, v, v.is_number(), "a number");
+      return v.get<double>();
+    case FieldSpec::Kind::boolean:
+      require_json_type(key, v, v.is_boolean(), "a boolean (true | false)");
+      return v.get<bool>();
+    case FieldSpec::Kind::choice:
+      require_json_type(key, v, v.is_string(), "a string");
+      return v.get<std::string>();
+  }
+  throw std::logic_error("unknown field kind");
+}
+
+void to_json_value(const FieldValue& v, const char* name, Json& j) {
+  if (const auto* d = std::get_if<double>(&v))
+    j[name] = *d;
+  else if (const auto* b = std::get_if<bool>(&v))
+    j[name] = *b;
+  else
+    j[name] = std::get<std::string>(v);
+}
+
 // below_hi: the range is [lo, hi), as torch has it for betas (beta = 1 never forgets, and AdamW's bias
 // correction divides by 1 - beta^t = 0).
 template <typename H>
 Field<H> number_field(const char* name, double H::*member, double lo, double hi, bool below_hi = false) {
-  const auto set = [member, lo, hi, below_hi](H& h, const std::string& key, const std::string& text) {
-    double v = parse_double(key, text);
-    if (v < lo || v > hi || (below_hi && v == hi))
-      throw std::invalid_argument("option '" + key + "': " + text + " is outside [" + format_double(lo) + ", " +
-                                  format_double(hi) + (below_hi ? ")" : "]"));
-    h.*member = v;
-  };
-  return {name, set, [member](const H& h) { return format_double(h.*member); },
-          [name, member](const H& h, Json& j) { j[name] = h.*member; },
-          [set](H& h, const std::string& key, const Json& v) {
-            require_json_type(key, v, v.is_number(), "a number");
-            set(h, key, v.dump());  // nlohmann writes doubles so that they read back exactly
-          }};
+  FieldSpec spec{name, FieldSpec::Kind::number, lo, hi, below_hi, {}, false};
+  return {spec, member, [member](H& h, const FieldValue& v) { h.*member = std::get<double>(v); },
+          [member](const H& h) { return FieldValue(h.*member); }};
 }
 
 template <typename H, typename E>
 Field<H> enum_field(const char* name, E H::*member, bool optional_in_json = false) {
-  return {name,
-          [member](H& h, const std::string& key, const std::string& text) { h.*member = parse_enum<E>(key, text); },
-          [member](const H& h) { return std::string(enum_name(h.*member)); },
-          [name, member](const H& h, Json& j) { j[name] = enum_name(h.*member); },
-          [member](H& h, const std::string& key, const Json& v) {
-            require_json_type(key, v, v.is_string(), "a string");
-            h.*member = parse_enum<E>(key, v.get<std::string>());
-          },
-          optional_in_json};
-}
-
-void set_ns_steps(NorMuonHyper& h, const std::string& key, const std::string& text) {
-  double v = parse_double(key, text);
-  if (v != std::floor(v) || v < 1 || v > 100)
-    throw std::invalid_argument("option '" + key + "': " + text + " is not an integer in [1, 100]");
-  h.ns_steps = static_cast<int>(v);
+  FieldSpec spec{name, FieldSpec::Kind::choice, 0, 0, false, {}, optional_in_json};
+  for (const auto& [value, text] : EnumNames<E>::get()) spec.choices.emplace_back(text);
+  return {spec, nullptr,
+          [member, name](H& h, const FieldValue& v) { h.*member = parse_enum<E>(name, std::get<std::string>(v)); },
+          [member](const H& h) { return FieldValue(std::string(enum_name(h.*member))); }};
 }
 
 const std::vector<Field<NorMuonHyper>>& normuon_fields() {
@@ -162,20 +221,12 @@ const std::vector<Field<NorMuonHyper>>& normuon_fields() {
       number_field<H>("beta1", &H::beta1, 0, 1, true),
       number_field<H>("beta2", &H::beta2, 0, 1, true),
       number_field<H>("weight_decay", &H::weight_decay, 0, 1e6),
-      {"nesterov",
-       [](H& h, const std::string& key, const std::string& text) { h.nesterov = parse_bool(key, text); },
-       [](const H& h) { return std::string(h.nesterov ? "true" : "false"); },
-       [](const H& h, Json& j) { j["nesterov"] = h.nesterov; },
-       [](H& h, const std::string& key, const Json& v) {
-         require_json_type(key, v, v.is_boolean(), "a boolean (true | false)");
-         h.nesterov = v.get<bool>();
-       }},
-      {"ns_steps", set_ns_steps, [](const H& h) { return std::to_string(h.ns_steps); },
-       [](const H& h, Json& j) { j["ns_steps"] = h.ns_steps; },
-       [](H& h, const std::string& key, const Json& v) {
-         require_json_type(key, v, v.is_number(), "a number");
-         set_ns_steps(h, key, v.dump());
-       }},
+      {{"nesterov", FieldSpec::Kind::boolean, 0, 0, false, {}, false}, nullptr,
+       [](H& h, const FieldValue& v) { h.nesterov = std::get<bool>(v); },
+       [](const H& h) { return FieldValue(h.nesterov); }},
+      {{"ns_steps", FieldSpec::Kind::integer, 1, 100, false, {}, false}, nullptr,
+       [](H& h, const FieldValue& v) { h.ns_steps = static_cast<int>(std::get<double>(v)); },
+       [](const H& h) { return FieldValue(static_cast<double>(h.ns_steps)); }},
       enum_field<H>("ns_coefficients", &H::ns_coefficients),
       enum_field<H>("ns_precision", &H::ns_precision),
       enum_field<H>("ns_algorithm", &H::ns_algorithm, /*optional_in_json=*/true),  // absent before issue 15
@@ -205,27 +256,50 @@ const std::vector<Field<AdamWHyper>>& adamw_fields() {
 template <typename H>
 const Field<H>* find_field(const std::vector<Field<H>>& fields, const std::string& name) {
   for (const auto& f : fields)
-    if (name == f.name) return &f;
+    if (name == f.spec.name) return &f;
   return nullptr;
 }
 
 template <typename H>
 std::string field_names(const std::vector<Field<H>>& fields) {
   std::string out;
-  for (const auto& f : fields) out += (out.empty() ? "" : ", ") + std::string(f.name);
+  for (const auto& f : fields) out += (out.empty() ? "" : ", ") + f.spec.name;
   return out;
 }
 
-// Sets `field` of group g; false when the group's algorithm has no such field.
-bool set_group_field(GroupOptions& g, const std::string& field, const std::string& key, const std::string& value) {
+std::string value_text(const FieldValue& v) {
+  if (const auto* d = std::get_if<double>(&v)) return format_double(*d);
+  if (const auto* b = std::get_if<bool>(&v)) return *b ? "true" : "false";
+  return std::get<std::string>(v);
+}
+
+// Calls fn(field, hyper struct) for group g's field `name`; false when its algorithm has no such field.
+template <typename Fn>
+bool with_field(GroupOptions& g, const std::string& name, Fn&& fn) {
   if (g.algorithm == Algorithm::normuon) {
-    const auto* f = find_field(normuon_fields(), field);
-    if (f) f->set(g.normuon, key, value);
+    const auto* f = find_field(normuon_fields(), name);
+    if (f) fn(*f, g.normuon);
     return f != nullptr;
   }
-  const auto* f = find_field(adamw_fields(), field);
-  if (f) f->set(g.adamw, key, value);
+  const auto* f = find_field(adamw_fields(), name);
+  if (f) fn(*f, g.adamw);
   return f != nullptr;
+}
+
+// Sets `field` of group g from text; false when the group's algorithm has no such field.
+bool set_group_field(GroupOptions& g, const std::string& field, const std::string& key, const std::string& value) {
+  return with_field(g, field, [&](const auto& f, auto& h) { f.store(h, checked(f.spec, key, from_text(f.spec, key, value))); });
+}
+
+template <typename H>
+void fields_to_json(const std::vector<Field<H>>& fields, const H& hyper, Json& j) {
+  for (const auto& f : fields) {
+    const FieldValue v = f.load(hyper);
+    if (f.spec.kind == FieldSpec::Kind::integer)
+      j[f.spec.name] = static_cast<int64_t>(std::get<double>(v));
+    else
+      to_json_value(v, f.spec.name.c_str(), j);
+  }
 }
 
 std::string known_keys_hint() {
@@ -282,6 +356,48 @@ void Options::set(const std::string& key, const std::string& value) {
   if (!any) throw std::invalid_argument("unknown option '" + key + "'; " + known_keys_hint());
 }
 
+void Options::set_group(size_t group, const std::vector<std::pair<std::string, FieldValue>>& values) {
+  if (group >= groups.size())
+    throw std::invalid_argument("group index " + std::to_string(group) + " out of range (" +
+                                std::to_string(groups.size()) + " groups)");
+  GroupOptions g = groups[group];  // changed as a copy: all or nothing
+  for (const auto& [field, value] : values) {
+    const std::string key = g.name + "." + field;
+    if (!with_field(g, field, [&](const auto& f, auto& h) { f.store(h, checked(f.spec, key, value)); }))
+      throw std::invalid_argument("option '" + key + "': group '" + g.name + "' (" + to_string(g.algorithm) +
+                                  ") has no field '" + field + "'; " + known_keys_hint());
+  }
+  const std::string reason = group_values_invalid_reason(g);
+  if (!reason.empty()) throw std::invalid_argument(reason);
+  groups[group] = std::move(g);
+}
+
+std::string group_values_invalid_reason(const GroupOptions& g) {
+  if (g.algorithm == Algorithm::normuon && g.normuon.ns_coefficients == NsCoefficients::polar_express &&
+      g.normuon.ns_steps > kPolarExpressSteps)
+    return "group '" + g.name + "': Polar Express has " + std::to_string(kPolarExpressSteps) +
+           " coefficient triples, ns_steps is " + std::to_string(g.normuon.ns_steps);
+  return "";
+}
+
+FieldValue Options::get(size_t group, const std::string& field) const {
+  if (group >= groups.size()) throw std::invalid_argument("group index " + std::to_string(group) + " out of range");
+  GroupOptions g = groups[group];
+  FieldValue out;
+  if (!with_field(g, field, [&](const auto& f, auto& h) { out = f.load(h); }))
+    throw std::invalid_argument("group '" + g.name + "' (" + to_string(g.algorithm) + ") has no field '" + field + "'");
+  return out;
+}
+
+std::vector<FieldSpec> Options::fields(Algorithm algorithm) {
+  std::vector<FieldSpec> out;
+  if (algorithm == Algorithm::normuon)
+    for (const auto& f : normuon_fields()) out.push_back(f.spec);
+  else
+    for (const auto& f : adamw_fields()) out.push_back(f.spec);
+  return out;
+}
+
 void Options::set(const std::string& assignment) {
   auto eq = assignment.find('=');
   if (eq == std::string::npos || eq == 0)
@@ -299,9 +415,9 @@ std::string Options::to_json() const {
     jg["algorithm"] = enum_name(g.algorithm);
     Json h;
     if (g.algorithm == Algorithm::normuon)
-      for (const auto& f : normuon_fields()) f.to_json(g.normuon, h);
+      fields_to_json(normuon_fields(), g.normuon, h);
     else
-      for (const auto& f : adamw_fields()) f.to_json(g.adamw, h);
+      fields_to_json(adamw_fields(), g.adamw, h);
     jg["hyper"] = h;
     gs.push_back(jg);
   }
@@ -338,20 +454,19 @@ Options Options::from_json(const std::string& text) {
         // A key this build does not know is refused: a later version's option (ignoring it would run
         // something else than the file's run did) or a damaged file.
         for (const auto& kv : h.items())
-          if (std::none_of(fields.begin(), fields.end(), [&](const auto& f) { return kv.key() == f.name; })) {
-            std::string known;
-            for (const auto& f : fields) known += (known.empty() ? "" : ", ") + std::string(f.name);
+          if (std::none_of(fields.begin(), fields.end(), [&](const auto& f) { return kv.key() == f.spec.name; })) {
+            const std::string known = field_names(fields);
             throw std::invalid_argument("option '" + g.name + "." + kv.key() + "' is not a field of a " +
                                         enum_name(g.algorithm) + " group in this build (its fields: " + known + ")");
           }
         for (const auto& f : fields) {
-          const std::string key = g.name + "." + f.name;
-          const auto it = h.find(f.name);
+          const std::string key = g.name + "." + f.spec.name;
+          const auto it = h.find(f.spec.name);
           if (it == h.end()) {
-            if (f.optional_in_json) continue;
+            if (f.spec.optional_in_json) continue;
             throw std::invalid_argument("option '" + key + "' is missing");
           }
-          f.from_json(hyper, key, *it);
+          f.store(hyper, checked(f.spec, key, from_json_value(f.spec, key, *it)));
         }
       };
       if (g.algorithm == Algorithm::normuon)
@@ -370,9 +485,9 @@ std::vector<std::string> describe(const Options& o) {
   std::vector<std::string> out{"nonfinite=" + std::string(enum_name(o.nonfinite))};
   for (const auto& g : o.groups) {
     if (g.algorithm == Algorithm::normuon)
-      for (const auto& f : normuon_fields()) out.push_back(g.name + "." + f.name + "=" + f.get(g.normuon));
+      for (const auto& f : normuon_fields()) out.push_back(g.name + "." + f.spec.name + "=" + value_text(f.load(g.normuon)));
     else
-      for (const auto& f : adamw_fields()) out.push_back(g.name + "." + f.name + "=" + f.get(g.adamw));
+      for (const auto& f : adamw_fields()) out.push_back(g.name + "." + f.spec.name + "=" + value_text(f.load(g.adamw)));
   }
   return out;
 }

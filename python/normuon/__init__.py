@@ -6,16 +6,16 @@
 """
 from . import reference
 from .distributed import DistributedNorMuonAdamW  # docs/distributed.md
-from .optim import (BACKEND_CHOICES, BACKEND_ENV, NorMuonAdamW, StateFileError, infer_role, native_error,
-                    route)
+from .native import StateFileError, native_error
+from .optim import NorMuonAdamW, infer_role, route
 
 __version__ = "0.1.0"
 
 
 def native_available():
-    """True when the native module normuon._C (fast backend, state files) is importable."""
+    """True when the native module normuon._C (the engine, state files) is importable."""
     return native_error() is None
 
 
 __all__ = ["NorMuonAdamW", "StateFileError", "infer_role", "route", "reference", "native_available",
-           "native_error", "BACKEND_CHOICES", "BACKEND_ENV", "__version__"]
+           "native_error", "__version__"]

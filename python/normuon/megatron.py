@@ -25,10 +25,10 @@ from collections.abc import MutableMapping
 
 import torch
 
+from . import native as _native
 from . import optim as _optim
 from .optim import NotCopyable
 from .row_blocks import split_rows
-from . import reference
 
 # megatron-core releases whose emerging-optimizer registry this adapter was written against (major, minor),
 # inclusive: 0.18 introduced the registry; the notes read 0.18, 0.19 and the 0.20 development snapshot.
@@ -223,10 +223,8 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
             self._fail(f"verdict={verdict!r}: choose sync | deferred")
         self.nonfinite = nonfinite
         self.verdict = verdict
+        _native.require(self._label)
         self._choice = _optim._resolve_choice(backend)
-        if _optim.native_error() is not None and self._choice != "reference":
-            raise RuntimeError(f"{self._label}: backend '{self._choice}' needs the native module normuon._C, "
-                               f"which could not be imported ({_optim.native_error()}); no fallback")
         self._threads = threads
         self._inner = None      # the NorMuonAdamW over the current parameters, built lazily
         self._signature = None  # what it was built for
@@ -641,7 +639,7 @@ class MegatronNorMuon(_MegatronFlat):
         # The spec has no free scale factor; an extra constant is folded into the learning rate and out of
         # the weight decay: p(1 - lr*wd) - lr*k*U  ==  p(1 - (k*lr)(wd/k)) - (k*lr)*U  (exact up to rounding).
         self._fold = c * extra
-        self._fixed = dict(reference.NORMUON_DEFAULTS, nesterov=self.nesterov, ns_steps=num_ns_steps,
+        self._fixed = dict(_native.defaults("normuon"), nesterov=self.nesterov, ns_steps=num_ns_steps,
                            ns_coefficients=COEFFICIENT_TYPES[coefficient_type],
                            ns_precision=ns_precision, reduce_axis="longer_dim",
                            lr_scale=lr_scale, weight_decay_mode="decoupled", eps_placement="clamp")
@@ -823,7 +821,7 @@ class MegatronAdamW(_MegatronFlat):
         self._check_common(p, where)  # any shape: DistOpt hands over 1-D shards, some empty
 
     def _inner_defaults(self):
-        a = reference.ADAMW_DEFAULTS
+        a = _native.defaults("adamw")
         return dict(lr=a["lr"], betas=(a["beta1"], a["beta2"]), eps=a["eps"], weight_decay=a["weight_decay"])
 
     def _hypers(self, i, group):

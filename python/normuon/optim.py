@@ -5,8 +5,6 @@ layout of the C++ core (normuon._C.FlatState, viewed zero-copy as torch tensors)
 gradients in, runs the backend over the whole layout, and copies the updated values back into the
 model's own tensors (rounded to their dtype).
 """
-import importlib
-import importlib.util
 import math
 import os
 import warnings
@@ -16,129 +14,34 @@ from collections import defaultdict
 import torch
 
 from . import reference
+from .native import (_C, StateFileError, check_values, cuda_module, cuda_unavailable_reason, defaults,  # noqa: F401
+                     fields, native_error, require)
 from .routing import (infer_role, module_roles, output_layer_doubts, routing_text, strip_wrappers,
                       vocabulary_lookalikes)
 
-try:
-    from . import _C
-
-    _C_IMPORT_ERROR = None
-except ImportError as error:  # the backend selector reports this instead of silently downgrading
-    _C = None
-    _C_IMPORT_ERROR = f"{type(error).__name__}: {error}"
-
-BACKEND_ENV = "NORMUON_BACKEND"
-BACKEND_CHOICES = ("auto", "fast", "reference")
-
-NORMUON_FIELDS = tuple(reference.NORMUON_DEFAULTS)  # the names of options.h
-NORMUON_KNOBS = NORMUON_FIELDS[6:]                  # everything after lr .. ns_steps
+NORMUON_FIELDS = fields("normuon") if _C is not None else ()  # the core's fields of a NorMuon group
+NORMUON_KNOBS = NORMUON_FIELDS[6:]                            # everything after lr .. ns_steps
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 ADAMW_PREFIXED = tuple("adamw_" + k for k in ADAMW_KEYS)  # AdamW values inside an "auto" group
 FIXED_FIELDS = ("reduce_axis",)  # it decides the shape of the NorMuon second moment (the layout)
 # The fast CUDA backend plans its Newton-Schulz GEMMs from these at construction (docs/fast-cuda.md).
 CUDA_FIXED_FIELDS = ("ns_precision", "ns_coefficients", "ns_steps", "ns_eps", "ns_algorithm")
 
-_ENUMS = {
-    "ns_coefficients": ("quintic", "polar_express"),
-    "ns_precision": ("bf16", "fp32"),
-    "ns_algorithm": ("standard", "gram"),
-    "reduce_axis": ("rows", "longer_dim"),
-    "lr_scale": ("official", "spectral", "rms_matching"),
-    "weight_decay_mode": ("decoupled", "cautious", "none"),
-    "eps_placement": ("add", "clamp"),
-}
-_BELOW_TOP = ("beta1", "beta2")  # [0, 1), as torch: beta = 1 never forgets (and AdamW divides by 1 - beta^t = 0)
-_RANGES = {"lr": 1e6, "weight_decay": 1e6, "beta1": 1.0, "beta2": 1.0, "eps": 1.0, "ns_eps": 1.0,
-           "denom_eps": 1.0, "renorm_eps": 1.0}
-
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
-class StateFileError(RuntimeError):
-    """Stand-in when the native module is missing; normally normuon._C.StateFileError."""
-
-
-if _C is not None:
-    StateFileError = _C.StateFileError  # noqa: F811
-
-
-def native_error():
-    """Why normuon._C could not be imported, or None."""
-    return _C_IMPORT_ERROR
-
-
-_CUDA_MODULE = []  # normuon._C_cuda, or why it cannot be had: looked up once, on first use
-
-
-def cuda_module():
-    """(normuon._C_cuda, None), or (None, why not). The fast CUDA backend is a module of its own, which links
-    the CUDA runtime; it is imported here, when CUDA parameters first ask for it, so that `import normuon`
-    and everything on the CPU work where there is no CUDA runtime at all."""
-    if not _CUDA_MODULE:
-        if _C is None:
-            _CUDA_MODULE.append((None, f"the native module normuon._C is missing ({_C_IMPORT_ERROR})"))
-        elif importlib.util.find_spec(__package__ + "._C_cuda") is None:
-            _CUDA_MODULE.append((None, "this build of normuon has no CUDA backend (built without the CUDA toolkit, "
-                                       "or with -DNORMUON_BUILD_CUDA=OFF)"))
-        else:
-            try:
-                module = importlib.import_module(__package__ + "._C_cuda")
-                _CUDA_MODULE.append((module, None))
-            except ImportError as error:  # e.g. libcudart.so.13 is not on this machine
-                _CUDA_MODULE.append((None, "the CUDA backend normuon._C_cuda could not be loaded: "
-                                           f"{type(error).__name__}: {error}"))
-    return _CUDA_MODULE[0]
-
-
-def cuda_unavailable_reason(device=0):
-    """Empty when the fast CUDA backend can run on that CUDA device index, else why not."""
-    module, why = cuda_module()
-    return why if module is None else module.cuda_unavailable_reason(device)
-
-
 def route(name, shape, role, override=None):
-    """(algorithm, why): the spec's rule, or an explicit override; NorMuon on a non-2-D tensor is an error."""
-    if override in ("normuon", "adamw"):
-        if override == "normuon" and len(shape) != 2:
-            raise ValueError(f"parameter '{name}' is routed to NorMuon but has shape {list(shape)} "
-                             "(NorMuon needs a 2-D matrix)")
-        return override, "override"
-    if override not in (None, "auto"):
+    """(algorithm, why): the core's routing rule (manifest.h), or an explicit override; NorMuon on a
+    non-2-D tensor is a ValueError."""
+    if override not in (None, "auto", "normuon", "adamw"):
         raise ValueError(f"parameter '{name}': unknown algorithm {override!r} (choose auto | normuon | adamw)")
-    if len(shape) == 2 and role not in ("embedding", "head"):
-        return "normuon", "rule: 2-D matrix"
-    return "adamw", f"rule: {role}" if role in ("embedding", "head") else f"rule: {len(shape)}-D"
-
-
-def check_value(key, value):
-    """A hyper-parameter value in the form options.h takes, or ValueError saying what is wrong."""
-    if key in _ENUMS:
-        if value not in _ENUMS[key]:
-            raise ValueError(f"{key}={value!r}: choose {' | '.join(_ENUMS[key])}")
-        return value
-    if key == "nesterov":
-        if value not in (True, False, 0, 1):
-            raise ValueError(f"nesterov={value!r} is not a boolean")
-        return bool(value)
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{key}={value!r} is not a number") from None
-    if not math.isfinite(number):
-        raise ValueError(f"{key}={value!r} is not finite")
-    if key == "ns_steps":
-        if number != int(number) or not 1 <= number <= 100:
-            raise ValueError(f"ns_steps={value!r} is not an integer in [1, 100]")
-        return int(number)
-    if not 0 <= number <= _RANGES[key] or (key in _BELOW_TOP and number == _RANGES[key]):
-        raise ValueError(f"{key}={value!r} is outside [0, {_RANGES[key]:g}{')' if key in _BELOW_TOP else ']'}")
-    return number
-
-
-def _option_text(value):
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return repr(value) if isinstance(value, float) else str(value)
+    explicit = override if override in ("normuon", "adamw") else None
+    algorithm = require("routing").route(_C.ParamSpec(name, list(shape), "f32", role, "", explicit))
+    if explicit:
+        return algorithm, "override"
+    if algorithm == "normuon":
+        return algorithm, "rule: 2-D matrix"
+    return algorithm, f"rule: {role}" if role in ("embedding", "head") else f"rule: {len(shape)}-D"
 
 
 class NotCopyable:
@@ -232,18 +135,28 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     # of its own (_scaler).
     _step_supports_amp_scaling = True
 
-    def __init__(self, params=None, lr=0.02, beta1=0.95, beta2=0.95, weight_decay=0.0, nesterov=True, ns_steps=5, *,
-                 momentum=None, adamw_lr=3e-4, adamw_betas=(0.9, 0.95), adamw_eps=1e-10, adamw_weight_decay=0.0,
+    def __init__(self, params=None, lr=None, beta1=None, beta2=None, weight_decay=None, nesterov=None, ns_steps=None,
+                 *, momentum=None, adamw_lr=None, adamw_betas=None, adamw_eps=None, adamw_weight_decay=None,
                  normuon_params=None, adamw_params=None, model=None, overrides=None, roles=None, backend=None,
-                 threads=0, nonfinite="error", verdict="sync", _row_blocks=(), **knobs):
+                 threads=None, nonfinite="error", verdict="sync", _row_blocks=(), **knobs):
+        require("NorMuonAdamW")
+        knobs = _torch_keywords(knobs)
         unknown = sorted(set(knobs) - set(NORMUON_KNOBS))
         if unknown:
             raise TypeError(f"NorMuonAdamW got unexpected keyword argument(s) {', '.join(unknown)} "
                             f"(NorMuon knobs: {', '.join(NORMUON_KNOBS)})")
         if momentum is not None:
-            if beta1 not in (0.95, momentum):
+            if beta1 not in (None, momentum):
                 raise ValueError(f"momentum={momentum} and beta1={beta1} disagree (momentum is an alias of beta1)")
             beta1 = momentum
+        # None: the core's default (options.h), the one place defaults are written.
+        given = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, nesterov=nesterov, ns_steps=ns_steps)
+        normuon_defaults = dict(defaults("normuon"), **{k: v for k, v in given.items() if v is not None}, **knobs)
+        aw = defaults("adamw")
+        adamw_defaults = dict(lr=aw["lr"] if adamw_lr is None else adamw_lr,
+                              betas=(aw["beta1"], aw["beta2"]) if adamw_betas is None else tuple(adamw_betas),
+                              eps=aw["eps"] if adamw_eps is None else adamw_eps,
+                              weight_decay=aw["weight_decay"] if adamw_weight_decay is None else adamw_weight_decay)
         if nonfinite not in ("error", "skip_step"):
             raise ValueError(f"nonfinite={nonfinite!r}: choose error | skip_step")
         if verdict not in ("sync", "deferred"):
@@ -253,9 +166,6 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self._pending_steps_before = None
         # The Megatron adapter's split QKV: RowBlocks, each standing in the groups as its key tensor.
         self._row_blocks = {id(b.key): b for b in _row_blocks}
-        normuon_defaults = dict(reference.NORMUON_DEFAULTS, lr=lr, beta1=beta1, beta2=beta2,
-                                weight_decay=weight_decay, nesterov=nesterov, ns_steps=ns_steps, **knobs)
-        adamw_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)
         overrides = dict(overrides or {})
         params, roles = resolve_inputs(params, normuon_params, adamw_params, model, roles)
         # What add_param_group needs later: the constructor's values for a new group, and the model to name
@@ -265,14 +175,11 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             if isinstance(model if model is not None else params, torch.nn.Module) else None
         self._threads = threads
         self._choice = _resolve_choice(backend)
-        if _C is None and self._choice != "reference":
-            raise RuntimeError(f"backend '{self._choice}' needs the native module normuon._C, which could not be "
-                               f"imported ({_C_IMPORT_ERROR}); no fallback to the reference: build it "
-                               "(docs/python.md) or ask for backend='reference'")
         groups, entries = self._build_groups(params, normuon_defaults, adamw_defaults, overrides, roles)
         # torch's schedulers read the keys of `defaults`: "betas" makes OneCycleLR and CyclicLR cycle betas[0]
         # (beta1) in every group; NorMuon groups carry their (beta1, beta2) as betas too.
-        super().__init__(groups, dict(lr=lr, betas=(beta1, beta2), weight_decay=weight_decay))
+        super().__init__(groups, dict(lr=normuon_defaults["lr"], betas=(normuon_defaults["beta1"], normuon_defaults["beta2"]),
+                                      weight_decay=normuon_defaults["weight_decay"]))
         self._built = True
         self._build(entries)
         self.last_skip_reason = None
@@ -424,53 +331,35 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     def _allocate(self, threads):
         """The manifest, layout, the optimizer's own memory and the backend. Table mode: the step reads the
         model's gradients and writes its parameters where they are; the optimizer holds its state and, for
-        bf16/fp16 parameters only, their fp32 masters (docs/python.md, "Memory")."""
-        names = [g["name"] for g in self.param_groups]
-        default_group = {"normuon": "normuon", "adamw": "adamw"}
-        for e in self._entries:  # the second-moment axis, as Layout::build decides it
-            if e.algorithm == "normuon":
-                rows, cols = e.shape
-                e.stats_per_row = reference.stats_per_row(self._hypers[e.group]["reduce_axis"], rows, cols)
-                e.stat_len = 0 if rows * cols == 0 else rows if e.stats_per_row else cols  # spec section 5
-        self._backend = None       # fast-cpu
+        bf16/fp16 parameters only, their fp32 masters (docs/python.md, "Memory"). On the CPU the native engine
+        holds all of it, the counters too."""
+        self._engine = None        # fast-cpu: the native engine (layout, options, state, counters)
         self._cuda_backend = None  # fast-cuda: its state lives in device memory it owns
         self._reference = None     # the per-parameter Python reference (the old path)
-        self._table = self._table_state = None
-        self._bound = None         # the addresses last handed to the backend
-        self._steps = [0] * len(names)  # the host's copy of the group step counters
-        # ... and of every parameter's own count (the steps it had a gradient in: its AdamW bias corrections)
-        self._entry_steps = [0] * len(self._entries)
+        self._table = None
+        self._bound = None         # the addresses last handed to the CUDA backend
+        self._host_steps = [0] * len(self.param_groups)  # the counters where no engine keeps them
+        self._host_entry_steps = [0] * len(self._entries)
         if self._device.type == "cuda":
             index = self._device.index if self._device.index is not None else torch.cuda.current_device()
             self._device = torch.device("cuda", index)
-        if _C is None:  # reference only: standalone state tensors, no layout, no state files
-            self._manifest = self._layout = None
-            for e in self._entries:
-                second = (e.stat_len,) if e.algorithm == "normuon" else e.shape
-                e.state = (torch.zeros(e.shape, device=self._device), torch.zeros(second, device=self._device))
-                # The reference steps contiguous matrices: a block of rows gets a working copy, as a bf16/fp16
-                # parameter gets its master.
-                e.master = torch.empty(e.shape, device=self._device) if e.low_precision or e.block else None
-            self._reference = reference.ReferenceBackend()
-            self._init_masters()
-            return
         self._options = _C.Options([(g["name"], g["algorithm"]) for g in self.param_groups])
-        self._options.set("nonfinite", self.nonfinite)
-        self._synced = [dict() for _ in names]
-        self._push_options()
+        self._synced = [dict() for _ in self.param_groups]
         self._manifest = _C.Manifest(self._specs())
-        self._layout = _C.Layout.build(self._manifest, self._options)
-        for e, le in zip(self._entries, self._layout.entries):
-            assert le.name == e.name and le.algorithm == e.algorithm and le.group == e.group, le.name
-            assert le.stats_per_row == e.stats_per_row or e.algorithm == "adamw", le.name
-        self._table = _C.ParamTable(self._layout)
-        if self._choice == "reference":
-            buffers = {k: torch.zeros(n, device=self._device) for k, n in self._buffer_sizes().items()}
-            self._reference = reference.ReferenceBackend()
-        elif self._device.type == "cuda":
-            buffers = self._allocate_cuda()
-        else:
+        if self._choice != "reference" and self._device.type == "cpu":
             buffers = self._allocate_cpu(threads)
+        else:
+            self._push_options()
+            self._layout = _C.Layout.build(self._manifest, self._options)
+            self._table = _C.ParamTable(self._layout)
+            if self._choice == "reference":
+                buffers = {k: torch.zeros(n, device=self._device) for k, n in self._buffer_sizes().items()}
+                self._reference = reference.ReferenceBackend()
+            else:
+                buffers = self._allocate_cuda()
+        for e, le in zip(self._entries, self._layout.entries):  # the second-moment axis, as the layout has it
+            e.stats_per_row = le.stats_per_row
+            e.stat_len = le.stat_len
         self._carve(buffers)
         self._init_masters()
 
@@ -489,19 +378,26 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                     exp_avg=l.adam_floats, exp_avg_sq=l.adam_floats)
 
     def _allocate_cpu(self, threads):
-        if not hasattr(_C, "FastCpuBackend"):  # _C built without oneDNN (-DNORMUON_BUILD_FAST_CPU=OFF)
+        """The native engine on the fast CPU backend, over the model's own tensors."""
+        if not hasattr(_C, "Engine"):  # _C built without oneDNN (-DNORMUON_BUILD_FAST_CPU=OFF)
             raise RuntimeError(f"backend '{self._choice}' on the CPU needs the fast CPU backend, which this build "
                                "of normuon._C does not have (configured without oneDNN, "
                                "-DNORMUON_BUILD_FAST_CPU=OFF); no fallback to the reference: put the parameters "
                                "on a CUDA device (the fast CUDA backend), ask for backend='reference', or rebuild "
                                "with oneDNN")
-        reason = _C.FastCpuBackend.unsupported_reason(self._layout, self._options)
-        if reason:
-            raise ValueError(f"backend '{self._choice}' cannot serve this request: {reason} (no fallback to "
-                             "the reference; change the options or ask for backend='reference')")
-        self._backend = _C.FastCpuBackend(self._layout, self._options, threads)
-        self._table_state = _C.TableState(self._layout)
-        return {k: torch.from_numpy(getattr(self._table_state, k)) for k in self._buffer_sizes()}
+        self._push_options()  # the groups' checked values, then the engine holds them
+        # threads=None follows torch's setting (several ranks per node share the cores as torch shares them).
+        try:
+            engine = _C.Engine(self._manifest, self._options, torch.get_num_threads() if threads is None else threads)
+        except ValueError as error:
+            raise ValueError(f"backend '{self._choice}': {error} (no fallback to the reference; change the options "
+                             "or ask for backend='reference')") from None
+        self._engine = engine
+        self._synced = [dict(h) for h in self._hypers]
+        self._layout = engine.layout
+        blocks = [(0, 0, 0) if e.block is None else (e.block.offset, *e.block.runs) for e in self._entries]
+        engine.bind([e.source for e in self._entries], blocks if self._row_blocks else [])
+        return {k: torch.from_numpy(v) for k, v in engine.buffers().items()}
 
     def _allocate_cuda(self):
         """The fast CUDA backend in table mode: it owns the state and masters in device memory (viewed
@@ -628,10 +524,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                     raise ValueError(f"betas={group['betas']!r} is not a pair")
                 raw = dict(lr=group["lr"], beta1=betas[0], beta2=betas[1], eps=group["eps"],
                            weight_decay=group["weight_decay"])
-            values = {k: check_value(k, v) for k, v in raw.items()}
-            if values.get("ns_coefficients") == "polar_express" and values["ns_steps"] > 5:
-                raise ValueError(f"ns_steps={values['ns_steps']} but the Polar Express schedule has 5 "
-                                 "coefficient triples")
+            values = check_values(group.get("name", f"group{i}"), group["algorithm"], raw)
         except KeyError as missing:
             raise ValueError(f"param_groups[{i}] ('{group.get('name')}'): missing key {missing}") from None
         except ValueError as error:
@@ -653,8 +546,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                                      f"{'layout' if k in FIXED_FIELDS else 'CUDA Newton-Schulz plan'}; it cannot "
                                      f"become {h[k]!r}")
         self._hypers = hypers
-        if _C is not None:
-            self._push_options()
+        self._push_options()
         return hypers
 
     def _reconcile_betas(self):
@@ -664,14 +556,17 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 self._betas_seen[i] = _normuon_betas(g, self._betas_seen[i])
 
     def _push_options(self):
-        """Checked values into the C++ options; only what changed since the last push."""
+        """Checked values into the native options (the engine's, or the CUDA backend's), typed; only groups
+        whose values changed since the last push."""
+        target = self._engine if self._engine is not None else self._options
         for i, h in enumerate(self._hypers):
-            name, synced = self.param_groups[i]["name"], self._synced[i]
-            for k, v in h.items():
-                if k not in synced or synced[k] != v:
-                    self._options.set(f"{name}.{k}", _option_text(v))
-                    synced[k] = v
-        self._options.set("nonfinite", self.nonfinite)
+            if self._synced[i] != h:
+                target.set_group(i, h)
+                self._synced[i] = dict(h)
+        if self._engine is not None:
+            self._engine.set_nonfinite(self.nonfinite)
+        else:
+            self._options.set("nonfinite", self.nonfinite)
 
     # -------------------------------------------------------------------------------------- the step
 
@@ -734,6 +629,23 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             self._bound = bound
         return keep
 
+    # The counters: the engine's where there is one (read, never copied), else the host's.
+    @property
+    def _steps(self):
+        return self._engine.group_steps if self._engine is not None else self._host_steps
+
+    @_steps.setter
+    def _steps(self, steps):
+        self._host_steps = steps
+
+    @property
+    def _entry_steps(self):
+        return self._engine.entry_steps if self._engine is not None else self._host_entry_steps
+
+    @_entry_steps.setter
+    def _entry_steps(self, steps):
+        self._host_entry_steps = steps
+
     def _set_steps(self, steps, entry_steps=None):
         """Every copy of the step counters (the host's, the backend's and group['step']) and of the
         parameters' own counts (entry_steps, per entry; None: each at its group's counter, what state of
@@ -746,10 +658,10 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             for g, t in zip(self.param_groups, steps):
                 g["step"] = t
             return
-        self._steps, self._entry_steps = list(steps), list(entry_steps)
-        if self._table_state is not None:
-            self._table_state.group_steps = steps  # (resets the entries' counts: set them after)
-            self._table_state.entry_steps = entry_steps
+        if self._engine is not None:  # checked there, before anything is written
+            self._engine.set_steps(steps, entry_steps)
+        else:
+            self._steps, self._entry_steps = list(steps), list(entry_steps)
         if self._cuda_backend is not None:  # from pinned memory, behind the work queued so far: no host sync
             # (torch's pinned allocator keeps the block until the copy has run)
             self._device_steps.copy_(torch.tensor(steps, dtype=torch.int64).pin_memory(), non_blocking=True)
@@ -774,32 +686,32 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         hypers = self._sync_hyper()
-        self._refresh_masters()
         scaler = self._scaler(kwargs.get("grad_scaler"))
-        grad_scale, found_inf = None, False
-        if scaler is not None and self._cuda_backend is None:  # on the CPU, found_inf is read right away
-            found_inf = float(scaler[1]) != 0
-            grad_scale = None if scaler[0] is None else scaler[0].to(device="cpu")
-        if found_inf:
-            skipped = FOUND_INF_REASON
-        elif self._reference is not None:
-            skipped = self._reference_step(hypers, grad_scale)
-        else:
+        if self._engine is not None:  # one native call: the tensors' addresses, versions and gradients, the step
+            scale, found = (0, 0) if scaler is None else (0 if scaler[0] is None else scaler[0].data_ptr(),
+                                                          scaler[1].data_ptr())
+            result = self._engine.step(scale, found)
+            skipped = result.reason if result.skipped else None
+        elif self._cuda_backend is not None:
+            self._refresh_masters()
             keep = self._bind()
-            if self._cuda_backend is not None:
-                skipped = self._cuda_step(scaler)
-            else:
-                scale = 0 if grad_scale is None else grad_scale.data_ptr()
-                result = self._backend.step(self._table_state, self._table, self._options, scale)
-                skipped = result.reason if result.skipped else None
-                if skipped is None:
-                    self._steps = self._table_state.group_steps
-                    self._entry_steps = self._table_state.entry_steps
+            skipped = self._cuda_step(scaler)
             del keep
+        elif scaler is not None and float(scaler[1]) != 0:
+            skipped = FOUND_INF_REASON
+        else:
+            self._refresh_masters()
+            skipped = self._reference_step(hypers, None if scaler is None or scaler[0] is None
+                                           else scaler[0].to(device="cpu"))
         for g, t in zip(self.param_groups, self._steps):
             g["step"] = t
         self.last_skip_reason = skipped
         return loss
+
+    # torch.compile(opt.step), or a compiled train step that calls it: the step runs as it is, a graph break
+    # around it (Dynamo cannot trace into the native call, and need not: it is one call already).
+    if hasattr(torch, "compiler") and hasattr(torch.compiler, "disable"):
+        step = torch.compiler.disable(step)
 
     def _scaler(self, grad_scaler=None):
         """torch's GradScaler with this optimizer (_step_supports_amp_scaling): (scale or None, found_inf) as
@@ -939,24 +851,21 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     @property
     def backend(self):
         """Which backend runs the steps: 'fast-cpu', 'fast-cuda' or 'reference-python'."""
-        for native in (self._cuda_backend, self._backend):
-            if native is not None:
-                return native.name
-        return self._reference.name
+        if self._engine is not None:
+            return self._engine.backend
+        return (self._cuda_backend or self._reference).name
 
     def memory_report(self):
         """Bytes the optimizer holds beyond the model's tensors: state_bytes (momentum, second moments,
         exp_avg, exp_avg_sq), master_bytes (fp32 masters of bf16/fp16 parameters: 4 B per element) and
         workspace_bytes (the native backend's Newton-Schulz buffers and scratch; for the reference, only its
         working copies of blocks of rows)."""
-        if self._layout is None:  # standalone tensors
-            state = 4 * sum(t.numel() for e in self._entries for t in e.state)
-            masters = 4 * sum(e.master.numel() for e in self._entries if e.low_precision)
-        else:
-            sizes = self._buffer_sizes()
-            masters = 4 * sizes.pop("masters")
-            state = 4 * sum(sizes.values())
-        native = self._cuda_backend or self._backend
+        if self._engine is not None:
+            return self._engine.memory_report()
+        sizes = self._buffer_sizes()
+        masters = 4 * sizes.pop("masters")
+        state = 4 * sum(sizes.values())
+        native = self._cuda_backend
         # The Python reference's working copies of fp32 blocks of rows (the old path copies them).
         working = 4 * sum(e.master.numel() for e in self._entries
                           if e.block is not None and not e.low_precision and e.master is not None)
@@ -965,7 +874,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
 
     @property
     def layout(self):
-        """The C++ Layout (normuon._C.Layout): placement, buckets, fingerprint; None without the native module."""
+        """The C++ Layout (normuon._C.Layout): placement, buckets, fingerprint."""
         return self._layout
 
     def routing_table(self):
@@ -976,20 +885,18 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 for e in self._entries]
 
     def routing_text(self):
-        layout = f"; layout {self._layout.fingerprint}" if self._layout is not None else ""
-        return routing_text("NorMuonAdamW", self.routing_table(), f"backend {self.backend}{layout}")
+        return routing_text("NorMuonAdamW", self.routing_table(),
+                            f"backend {self.backend}; layout {self._layout.fingerprint}")
 
     def print_routing(self, file=None):
         print(self.routing_text(), file=file)
 
     def manifest_csv(self):
         """The C++ manifest of this optimizer (name,shape,dtype,role,group,algorithm) as CSV text."""
-        self._need_native("manifest_csv")
         return self._manifest.to_csv()
 
     def write_manifest(self, path):
         """Writes the manifest, for `normuon run --manifest PATH` / `normuon layout --manifest PATH`."""
-        self._need_native("write_manifest")
         self._manifest.write_csv(os.fspath(path))
 
     # ----------------------------------------------------------------------------------- state dicts
@@ -1112,18 +1019,13 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------------------- state files
 
-    def _need_native(self, what):
-        if _C is None:
-            raise RuntimeError(f"{what} needs the native module normuon._C, which could not be imported "
-                               f"({_C_IMPORT_ERROR})")
-
     def export_state(self, path):
         """Writes the project's state file (docs/layout-and-state.md): fp32 master parameters, state,
         group steps and hyper-parameters. `normuon inspect PATH` reads it, `normuon run --load` resumes it."""
-        self._need_native("export_state")
         self._sync_hyper()
         self._refresh_masters()
-        _C.save_state(os.fspath(path), self._to_flat(), self._options, self.backend)
+        options = self._engine.options if self._engine is not None else self._options
+        _C.save_state(os.fspath(path), self._to_flat(), options, self.backend)
 
     def _file_layout(self, header):
         """This layout, or, when the file names the parameters with other wrapper prefixes (saved under DDP
@@ -1148,7 +1050,6 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         """Loads a state file of this layout (written by export_state or `normuon run --save`): all or nothing
         (StateFileError). Sets the optimizer state, group steps and hyper-parameters (not nonfinite, not
         reduce_axis), and the model's parameters from the file's fp32 values."""
-        self._need_native("import_state")
         path = os.fspath(path)
         self._settle()  # as load_state_dict
         contents = _C.read_state_file(path)  # one read: the header looked at and the tensors are one version
@@ -1169,7 +1070,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             except ValueError as error:
                 raise ValueError(f"{path}: {error}") from None
             if g["algorithm"] == "normuon":
-                file_values = {k: check_value(k, h[k]) for k in self._fixed_keys if k in h}
+                file_values = {k: h[k] for k in self._fixed_keys if k in h}  # checked by the core as read
                 bad = [k for k, v in file_values.items() if v != self._fixed[i][k]]
                 if bad:
                     raise ValueError(f"{path}: group '{g['name']}' was saved with "
@@ -1213,15 +1114,32 @@ def _normuon_betas(group, seen):
 
 
 
+# torch.optim keywords: those that change nothing here are taken; the others name what they map to.
+_TORCH_NEUTRAL = {"foreach": None, "fused": None, "amsgrad": False, "maximize": False, "capturable": None,
+                  "differentiable": False}  # None: any value (the step is always one fused native call)
+_TORCH_MAPPED = {
+    "betas": "NorMuon's pair is beta1= (momentum) and beta2= (second moment); AdamW's is adamw_betas=",
+    "eps": "AdamW's is adamw_eps=; NorMuon's denominator takes denom_eps=",
+}
+
+
+def _torch_keywords(knobs):
+    """knobs without torch.optim's keywords that change nothing here; TypeError for one that maps elsewhere
+    or asks for what is not supported."""
+    out = {}
+    for k, v in knobs.items():
+        if k in _TORCH_MAPPED:
+            raise TypeError(f"NorMuonAdamW takes no {k}=: {_TORCH_MAPPED[k]}")
+        if k not in _TORCH_NEUTRAL:
+            out[k] = v
+        elif _TORCH_NEUTRAL[k] is not None and bool(v) != _TORCH_NEUTRAL[k]:
+            raise ValueError(f"NorMuonAdamW does not support {k}={v!r} (its AdamW is torch's with {k}=False)")
+    return out
+
+
 def _resolve_choice(backend):
-    """An explicit choice wins over NORMUON_BACKEND, which wins over auto (selector/selector.h)."""
-    if backend:
-        source, choice = "backend", backend
-    else:
-        source, choice = f"environment variable {BACKEND_ENV}", os.environ.get(BACKEND_ENV, "") or "auto"
-    if choice not in BACKEND_CHOICES:
-        raise ValueError(f"{source}: unknown backend {choice!r} (choose auto | fast | reference)")
-    return choice
+    """The core's rule (backend_choice.h): an explicit choice wins over NORMUON_BACKEND, then auto."""
+    return require("NorMuonAdamW").resolve_backend_choice(backend or "")
 
 
 def _named_tensors(params, names, group_index, prefix):

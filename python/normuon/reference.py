@@ -24,14 +24,6 @@ POLAR_EXPRESS_SAFETY = 1.02
 # reference multiplies the bf16 values in fp32 instead (exact products, fp32 sums), then rounds.
 _NATIVE_BF16_GEMM_MAX = 16 ** 3
 
-# NorMuon group defaults (docs/spec.md section 3), AdamW group defaults (section 4).
-NORMUON_DEFAULTS = dict(lr=0.02, beta1=0.95, beta2=0.95, weight_decay=0.0, nesterov=True, ns_steps=5,
-                        ns_coefficients="quintic", ns_precision="bf16", reduce_axis="rows", lr_scale="official",
-                        weight_decay_mode="decoupled", eps_placement="add", ns_eps=1e-7, denom_eps=1e-10,
-                        renorm_eps=1e-10, ns_algorithm="standard")
-ADAMW_DEFAULTS = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-10, weight_decay=0.0)
-
-
 def ns_triple(h, k):
     if h["ns_coefficients"] == "quintic":
         return QUINTIC
@@ -49,13 +41,6 @@ def lr_scale_factor(rule, rows, cols):
     if rule == "rms_matching":
         return 0.2 * math.sqrt(max(m, n))
     raise ValueError(f"unknown lr_scale {rule!r} (choose official | spectral | rms_matching)")
-
-
-def stats_per_row(reduce_axis, rows, cols):
-    """Whether the second moment is per row (length rows) or per column (length cols)."""
-    if reduce_axis not in ("rows", "longer_dim"):
-        raise ValueError(f"unknown reduce_axis {reduce_axis!r} (choose rows | longer_dim)")
-    return reduce_axis == "rows" or rows >= cols
 
 
 def ieee_sqrt(x):

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Python tests need it")
 
 import normuon  # noqa: E402
-from normuon import reference  # noqa: E402
+from normuon import native, reference  # noqa: E402
 from conftest import fill_grads, make_model, params_of  # noqa: E402
 from conftest import require_exact_torch_sqrt, torch_sqrt_rounding_errors  # noqa: E402
 from torch import nn  # noqa: E402
@@ -168,8 +168,8 @@ def test_optimizer_equals_reference_functions_called_directly():
     plain = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = normuon.NorMuonAdamW(model.named_parameters(), backend="reference", weight_decay=0.1)
     algo = {r["name"]: r["algorithm"] for r in opt.routing_table()}
-    nm = dict(reference.NORMUON_DEFAULTS, weight_decay=0.1)
-    aw = dict(reference.ADAMW_DEFAULTS)
+    nm = dict(native.defaults("normuon"), weight_decay=0.1)
+    aw = dict(native.defaults("adamw"))
     state = {n: (torch.zeros_like(p), torch.zeros(p.shape[0]) if algo[n] == "normuon" else torch.zeros_like(p))
              for n, p in plain.items()}
     own = dict.fromkeys(names, 0)  # each parameter's own count, as torch's AdamW keeps it
@@ -190,20 +190,12 @@ def test_optimizer_equals_reference_functions_called_directly():
         assert torch.equal(p.detach(), plain[n]), n
 
 
-def test_reference_without_native_equals_reference_with_native(monkeypatch, native):
-    from normuon import optim as optim_module
-
-    with_native = run_model("reference", skip_every=4)
-    monkeypatch.setattr(optim_module, "_C", None)
-    compare(with_native, run_model("reference", skip_every=4))
-
-
 def test_reference_invariants():
     """Spec section 3.4 on reference.py: the update norm is lr*kappa*||O||_F; at step 1 every row of the
     normalised update has the same RMS (fp32 Newton-Schulz, no decay)."""
     torch.manual_seed(3)
     g = torch.randn(24, 40) * torch.logspace(-3, 3, 24, base=2.0).unsqueeze(1)
-    h = dict(reference.NORMUON_DEFAULTS, ns_precision="fp32", lr=0.5)
+    h = dict(native.defaults("normuon"), ns_precision="fp32", lr=0.5)
     p = torch.zeros(24, 40)
     M, v = torch.zeros(24, 40), torch.zeros(24)
     reference.normuon_update(p, g, M, v, h, True)

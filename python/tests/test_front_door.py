@@ -115,3 +115,119 @@ def test_a_non_contiguous_gradient_is_read_correctly():
     opt_b.step()
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
+
+
+def python_calls_per_step(n_matrices, dtype=torch.float32):
+    """Python-level calls (functions and builtins called from Python) inside one step() on a model of
+    n_matrices hidden matrices, counted with sys.setprofile."""
+    import sys
+
+    model = torch.nn.ModuleDict({f"m{i}": torch.nn.Linear(8, 8, bias=False).to(dtype) for i in range(n_matrices)})
+    opt = normuon.NorMuonAdamW(model.named_parameters(), backend="fast")
+    for step in range(3):  # the first steps read the masters; the third is what every later one is
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.01 * (step + 1))
+        if step < 2:
+            opt.step()
+    calls = []
+
+    def profile(frame, event, arg):
+        if event in ("call", "c_call"):
+            calls.append(f"{frame.f_code.co_name}" if event == "call" else getattr(arg, "__name__", str(arg)))
+
+    sys.setprofile(profile)
+    try:
+        opt.step()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_python_does_no_per_parameter_work_in_a_step(dtype):
+    """The step is one native call: the same Python calls for 10 matrices as for 1,000."""
+    small, large = python_calls_per_step(10, dtype), python_calls_per_step(1000, dtype)
+    assert len(small) == len(large), sorted(set(large) - set(small)) or (len(small), len(large))
+
+
+def test_the_call_count_can_tell():
+    """The measure sees per-parameter work: the reference's step grows with the model."""
+    def reference_calls(n):
+        model = torch.nn.ModuleDict({f"m{i}": torch.nn.Linear(8, 8, bias=False) for i in range(n)})
+        opt = normuon.NorMuonAdamW(model.named_parameters(), backend="reference")
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        import sys
+        calls = []
+        sys.setprofile(lambda frame, event, arg: calls.append(event) if event in ("call", "c_call") else None)
+        try:
+            opt.step()
+        finally:
+            sys.setprofile(None)
+        return len(calls)
+
+    assert reference_calls(20) > reference_calls(10)
+
+
+def test_a_bf16_parameter_given_new_data_gets_its_master_from_it():
+    """p.data = t on a bf16 parameter: the next step reads its master from t (it kept the old master, and
+    the step wrote the old values back)."""
+    model = make_model(dtype=torch.bfloat16)
+    opt = normuon.NorMuonAdamW(model.named_parameters(), lr=0.0, adamw_lr=0.0)
+    fill_grads(model, 1)
+    opt.step()
+    w = model.blocks[0].attn.weight
+    fresh = torch.randn(w.shape).to(torch.bfloat16)
+    w.data = fresh.clone()
+    fill_grads(model, 2)
+    opt.step()  # lr 0, no weight decay: the parameter is its master rounded, i.e. unchanged
+    assert torch.equal(w.detach(), fresh)
+    assert torch.equal(opt.state_dict()["state"][0]["master_param"], fresh.float())
+
+
+def test_threads_follow_torch_unless_given():
+    model = make_model()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert normuon.NorMuonAdamW(model.named_parameters())._engine.threads == 1
+        assert normuon.NorMuonAdamW(model.named_parameters(), threads=2)._engine.threads == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_torch_keywords_are_taken_or_named():
+    model = make_model()
+    normuon.NorMuonAdamW(model.named_parameters(), foreach=True, fused=None, amsgrad=False, maximize=False)
+    with pytest.raises(TypeError, match=r"no betas=: NorMuon's pair is beta1= .* AdamW's is adamw_betas="):
+        normuon.NorMuonAdamW(model.named_parameters(), betas=(0.9, 0.95))
+    with pytest.raises(TypeError, match=r"no eps=: AdamW's is adamw_eps="):
+        normuon.NorMuonAdamW(model.named_parameters(), eps=1e-8)
+    with pytest.raises(ValueError, match=r"does not support amsgrad=True"):
+        normuon.NorMuonAdamW(model.named_parameters(), amsgrad=True)
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile needs torch 2.x")
+def test_torch_compile_of_the_step_runs():
+    """torch.compile(opt.step), and a compiled train step that calls opt.step(), give the eager bits."""
+    def run(compiled):
+        torch.manual_seed(0)
+        model = make_model()
+        opt = normuon.NorMuonAdamW(model.named_parameters())
+        step = torch.compile(opt.step) if compiled == "step" else opt.step
+
+        def train(x):
+            loss = model.lm_head(model.wte(x)).square().mean()
+            loss.backward()
+            step()
+            return loss
+
+        train_step = torch.compile(train) if compiled == "train" else train
+        for i in range(3):
+            opt.zero_grad()
+            train_step(torch.arange(8) % 64)
+        return [p.detach().clone() for p in model.parameters()]
+
+    eager = run(None)
+    for compiled in ("step", "train"):
+        assert all(torch.equal(a, b) for a, b in zip(eager, run(compiled))), compiled

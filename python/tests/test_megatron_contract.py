@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Python tests need it")
 
-from normuon import reference  # noqa: E402
+from normuon import native, reference  # noqa: E402
 from normuon.megatron import MegatronNorMuon, init_state_fn  # noqa: E402
 import normuon.megatron as nm  # noqa: E402
 from megatron_helpers import random_params, scheduler_step, set_grads  # noqa: E402
@@ -51,7 +51,7 @@ def megatron_groups(params_a, params_b):
 def spec_hypers(lr, wd, momentum=0.95, beta2=0.95, eps=1e-8, nesterov=True, lr_scale="official",
                 ns_precision="bf16"):
     """The spec's values that MegatronNorMuon's documented mapping gives (written out here by hand)."""
-    return dict(reference.NORMUON_DEFAULTS, lr=lr, weight_decay=wd, beta1=momentum, beta2=beta2,
+    return dict(native.defaults("normuon"), lr=lr, weight_decay=wd, beta1=momentum, beta2=beta2,
                 denom_eps=eps, nesterov=nesterov, ns_coefficients="quintic", ns_precision=ns_precision,
                 reduce_axis="longer_dim", lr_scale=lr_scale, weight_decay_mode="decoupled",
                 eps_placement="clamp")

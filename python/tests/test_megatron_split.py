@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Python tests need it")
 
-from normuon import reference  # noqa: E402
+from normuon import native, reference  # noqa: E402
 from normuon.megatron import MegatronNorMuon, init_state_fn  # noqa: E402
 from megatron_helpers import set_grads  # noqa: E402
 
@@ -36,7 +36,7 @@ def build(params, backend, **kw):
 
 def spec(backend):
     """The spec's values MegatronNorMuon maps HYPERS onto (shape_scaling: no folded constant)."""
-    return dict(reference.NORMUON_DEFAULTS, lr=HYPERS["lr"], weight_decay=HYPERS["weight_decay"],
+    return dict(native.defaults("normuon"), lr=HYPERS["lr"], weight_decay=HYPERS["weight_decay"],
                 beta1=HYPERS["momentum"], beta2=HYPERS["beta2"], denom_eps=HYPERS["eps"], nesterov=True,
                 ns_coefficients="quintic", ns_precision=NS_PRECISION[backend], reduce_axis="longer_dim",
                 lr_scale="official", weight_decay_mode="decoupled", eps_placement="clamp")

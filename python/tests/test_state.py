@@ -130,7 +130,7 @@ def test_load_state_dict_errors_change_nothing(backend):
          r"the state dict has 1 param groups, this optimizer 2 \(normuon, adamw\)"),
         (lambda sd: sd["param_groups"][0]["names"].__setitem__(0, "renamed.weight"),
          r"parameter names differ \('renamed.weight' saved vs 'blocks.0.attn.weight' here\)"),
-        (lambda sd: sd["param_groups"][1].update(lr=float("nan")), r"lr=nan is not finite"),
+        (lambda sd: sd["param_groups"][1].update(lr=float("nan")), r"option 'adamw.lr': 'nan' is not a finite number"),
         (lambda sd: sd["param_groups"][0].update(reduce_axis="longer_dim"), r"reduce_axis is 'longer_dim' in the state"),
         (lambda sd: sd.update(extra=1), "expected the keys 'state' and 'param_groups'"),
     ]

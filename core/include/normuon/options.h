@@ -4,6 +4,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <variant>
 #include <vector>
 
 namespace normuon {
@@ -77,6 +79,21 @@ struct GroupOptions {
   AdamWHyper adamw;
 };
 
+// A hyper-parameter field as the options know it: its name, kind and valid values. The one table of them
+// is in options.cpp; bindings and the command line read it from here rather than restating it.
+struct FieldSpec {
+  enum class Kind { number, integer, boolean, choice };
+  std::string name;
+  Kind kind = Kind::number;
+  double lo = 0, hi = 0;  // number: [lo, hi], or [lo, hi) with below_hi; integer: [lo, hi]
+  bool below_hi = false;
+  std::vector<std::string> choices;  // choice
+  bool optional_in_json = false;     // added after state files existed: a file without it keeps the default
+};
+// A field's value in its kind: number and integer fields take a double (an integer one a whole number),
+// boolean ones a bool (or 0 / 1), choice ones the choice's name.
+using FieldValue = std::variant<double, bool, std::string>;
+
 struct Options {
   NonFinitePolicy nonfinite = NonFinitePolicy::error;
   std::vector<GroupOptions> groups;  // default: "normuon" and "adamw"
@@ -91,11 +108,22 @@ struct Options {
   // values throw std::invalid_argument with the list of valid choices.
   void set(const std::string& key, const std::string& value);
   void set(const std::string& assignment);  // "key=value"
+  // Typed values for one group (by index), checked as set() checks text, and together
+  // (group_values_invalid_reason); all or nothing: on an error (std::invalid_argument naming GROUP.FIELD
+  // or the group) nothing changed.
+  void set_group(size_t group, const std::vector<std::pair<std::string, FieldValue>>& values);
+  FieldValue get(size_t group, const std::string& field) const;  // throws for an unknown field
+
+  // The fields of a group of this algorithm, in order.
+  static std::vector<FieldSpec> fields(Algorithm algorithm);
 
   // Lossless text form (JSON object); doubles are written with 17 significant digits.
   std::string to_json() const;
   static Options from_json(const std::string& text);  // throws std::invalid_argument
 };
+
+// Why a group's values cannot run together (a Polar Express schedule longer than its 5 triples), or empty.
+std::string group_values_invalid_reason(const GroupOptions& g);
 
 // Shape factor kappa of an lr_scale rule for a rows x cols matrix (docs/spec.md section 3.1, step 9).
 double lr_scale_factor(LrScale rule, int64_t rows, int64_t cols);

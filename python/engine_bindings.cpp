@@ -1,0 +1,297 @@
+// normuon._C.Engine: the native engine (core/include/normuon/engine.h) on the fast CPU backend, with the
+// caller's torch tensors walked here, in C++, once per step: their addresses, gradients and version
+// counters go into the engine's table without a Python-level call per parameter. No libtorch: the
+// tensors are reached through their Python attributes (data_ptr, grad, _version, ...).
+#include "engine_bindings.h"
+
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "normuon/backend_choice.h"
+#include "normuon/engine.h"
+#include "normuon/low_precision.h"
+#ifdef NORMUON_HAVE_FAST_CPU
+#include "fast_cpu_backend.h"
+#endif
+
+namespace py = pybind11;
+
+namespace normuon {
+namespace {
+
+// A field's checked value as Python has it: an integer field as an int.
+py::object to_python(const FieldSpec& spec, const FieldValue& v) {
+  if (spec.kind == FieldSpec::Kind::integer) return py::int_(static_cast<int64_t>(std::get<double>(v)));
+  return std::visit([](const auto& x) -> py::object { return py::cast(x); }, v);
+}
+
+const FieldSpec& field_spec(Algorithm algorithm, const std::string& name) {
+  static const std::vector<FieldSpec> specs[2] = {Options::fields(Algorithm::normuon), Options::fields(Algorithm::adamw)};
+  for (const FieldSpec& s : specs[algorithm == Algorithm::normuon ? 0 : 1])
+    if (s.name == name) return s;
+  throw std::invalid_argument("a " + std::string(to_string(algorithm)) + " group has no field '" + name + "'");
+}
+
+#ifdef NORMUON_HAVE_FAST_CPU
+
+// One layout entry's tensor as the walk sees it.
+struct BoundTensor {
+  py::object tensor;  // the parameter, or the fused tensor a block of rows lies in
+  int64_t offset = 0; // elements into it where the block starts (0: the whole tensor)
+  RowRuns runs;       // the block's rows in it (dense: the whole tensor)
+  py::object shape;   // torch.Size when bound: a parameter moved to another shape is refused
+  uintptr_t address = 0;
+  int64_t version = -1;  // -1: its master not read yet
+};
+
+// The engine with the torch tensors it steps.
+class TorchEngine {
+ public:
+  TorchEngine(const Manifest& manifest, const Options& options, int threads)
+      : engine_(manifest, options, [this, threads](const Layout& l, const Options& o) {
+          const std::string reason = FastCpuBackend::unsupported_reason(l, o);
+          if (!reason.empty()) throw std::invalid_argument("the fast CPU backend cannot serve this request: " + reason);
+          auto backend = std::make_unique<FastCpuBackend>(l, o, threads);
+          backend_ = backend.get();
+          return backend;
+        }) {
+    const py::module_ torch = py::module_::import("torch");
+    dtypes_[0] = {torch.attr("float32"), DType::f32};
+    dtypes_[1] = {torch.attr("bfloat16"), DType::bf16};
+    dtypes_[2] = {torch.attr("float16"), DType::f16};
+  }
+
+  Engine& engine() { return engine_; }
+  int threads() const { return backend_->threads(); }
+
+  // The tensors, one per layout entry, with each block of rows's (offset, run, pitch) in elements or
+  // (0, 0, 0) for a whole tensor. Their masters are read at the next step.
+  void bind(const py::list& tensors, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& blocks) {
+    const size_t n = engine_.layout().entries.size();
+    if (tensors.size() != n || (!blocks.empty() && blocks.size() != n))
+      throw std::invalid_argument("Engine.bind: " + std::to_string(tensors.size()) + " tensors for " +
+                                  std::to_string(n) + " layout entries");
+    std::vector<BoundTensor> bound(n);
+    for (size_t e = 0; e < n; ++e) {
+      bound[e].tensor = tensors[e];
+      if (!blocks.empty()) {
+        const auto& [offset, run, pitch] = blocks[e];
+        bound[e].offset = offset;
+        bound[e].runs = RowRuns{run, pitch};
+      }
+      bound[e].shape = bound[e].tensor.attr("shape");
+    }
+    bound_ = std::move(bound);
+  }
+
+  // Reads every tensor's address, version and gradient into the engine's table, then steps with the
+  // GIL released. grad_scale, found_inf: host addresses of a scaler's fp32 scalars, or 0.
+  StepResult step(uintptr_t grad_scale, uintptr_t found_inf) {
+    if (bound_.size() != engine_.layout().entries.size()) throw std::logic_error("Engine.step before Engine.bind");
+    std::unordered_map<PyObject*, py::object> contiguous;  // a non-contiguous gradient, copied once
+    ParamTable& table = engine_.table();
+    for (size_t e = 0; e < bound_.size(); ++e) {
+      BoundTensor& b = bound_[e];
+      const LayoutEntry& le = engine_.layout().entries[e];
+      const uintptr_t address = b.tensor.attr("data_ptr")().cast<uintptr_t>();
+      const bool moved = address != b.address;  // p.data = t, or the first step
+      if (moved) check_parameter(b, le);         // the same kind of tensor?
+      b.address = address;
+      table.params[e].data = reinterpret_cast<char*>(address) + b.offset * static_cast<int64_t>(dtype_bytes(le.dtype));
+      table.params[e].runs = b.runs;
+      // Written from outside (its version moved) or new storage: a bf16 / fp16 master is read again.
+      const auto version = b.tensor.attr("_version").cast<int64_t>();
+      if (moved || version != b.version) engine_.refresh_master(static_cast<int>(e));
+      b.version = version;
+      py::object grad = b.tensor.attr("grad");
+      if (grad.is_none()) {
+        table.grads[e] = TensorRef{};
+        continue;
+      }
+      const DType dtype = grad_dtype(grad, b, le);
+      if (!grad.attr("is_contiguous")().cast<bool>()) {
+        auto [it, fresh] = contiguous.try_emplace(grad.ptr());
+        if (fresh) it->second = grad.attr("contiguous")();
+        grad = it->second;
+      }
+      const uintptr_t g = grad.attr("data_ptr")().cast<uintptr_t>();
+      table.grads[e] = TensorRef{reinterpret_cast<char*>(g) + b.offset * static_cast<int64_t>(dtype_bytes(dtype)), dtype, b.runs};
+    }
+    const auto* scale = reinterpret_cast<const float*>(grad_scale);
+    const auto* found = reinterpret_cast<const float*>(found_inf);
+    py::gil_scoped_release release;
+    return engine_.step(scale, found);
+  }
+
+  // Every master read again from its parameter at the next step (after a write the version counter
+  // does not see, or a load).
+  void forget_versions() {
+    for (auto& b : bound_) b.version = -1;
+  }
+
+ private:
+  void check_parameter(const BoundTensor& b, const LayoutEntry& le) const {
+    const py::object t = b.tensor;
+    const py::object dtype = t.attr("dtype");
+    const bool same = py::object(t.attr("shape")).equal(b.shape) && dtype.is(dtype_object(le.dtype)) &&
+                      !t.attr("is_cuda").cast<bool>();
+    if (!same)
+      throw std::runtime_error("parameter '" + le.name + "' is now " + py::str(t.attr("dtype")).cast<std::string>() +
+                               " " + py::str(t.attr("shape")).cast<std::string>() + " on " +
+                               py::str(t.attr("device")).cast<std::string>() + "; it was " +
+                               py::str(dtype_object(le.dtype)).cast<std::string>() + " " +
+                               py::str(b.shape).cast<std::string>() + " on cpu when the optimizer was built");
+    if (!t.attr("is_contiguous")().cast<bool>())
+      throw std::runtime_error("parameter '" + le.name + "' is not contiguous; NorMuonAdamW steps parameters in place");
+  }
+
+  DType grad_dtype(const py::object& grad, const BoundTensor& b, const LayoutEntry& le) const {
+    if (grad.attr("is_sparse").cast<bool>())
+      throw std::runtime_error("parameter '" + le.name + "' has a sparse gradient, which NorMuonAdamW does not support");
+    const py::object dtype = grad.attr("dtype");
+    for (const auto& [object, d] : dtypes_)
+      if (dtype.is(object) && py::object(grad.attr("shape")).equal(py::object(b.tensor.attr("shape"))) && !grad.attr("is_cuda").cast<bool>())
+        return d;
+    throw std::runtime_error("parameter '" + le.name + "': its gradient is " + py::str(dtype).cast<std::string>() + " " +
+                             py::str(grad.attr("shape")).cast<std::string>() + " on " +
+                             py::str(grad.attr("device")).cast<std::string>() +
+                             "; expected float32, bfloat16 or float16 " + py::str(b.tensor.attr("shape")).cast<std::string>() +
+                             " on cpu");
+  }
+
+  py::object dtype_object(DType d) const {
+    for (const auto& [object, dtype] : dtypes_)
+      if (dtype == d) return object;
+    throw std::logic_error("unknown dtype");
+  }
+
+  const FastCpuBackend* backend_ = nullptr;  // engine_'s, set while it is built (so declared first)
+  Engine engine_;
+  std::vector<BoundTensor> bound_;
+  std::pair<py::object, DType> dtypes_[3];
+};
+
+template <typename T>
+py::array_t<T> view(T* data, int64_t size, py::handle owner) {
+  return py::array_t<T>({static_cast<py::ssize_t>(size)}, {static_cast<py::ssize_t>(sizeof(T))}, data, owner);
+}
+
+#endif  // NORMUON_HAVE_FAST_CPU
+
+}  // namespace
+
+void bind_engine(py::module_& m) {
+  m.def(
+      "fields",
+      [](const std::string& algorithm) {
+        std::vector<std::string> out;
+        for (const FieldSpec& s : Options::fields(parse_algorithm(algorithm))) out.push_back(s.name);
+        return out;
+      },
+      py::arg("algorithm"), "The hyper-parameter fields of a 'normuon' or 'adamw' group, in order (options.h)");
+  m.def(
+      "check_values",
+      [](const std::string& group, const std::string& algorithm, const py::dict& values) {
+        Options o;
+        o.groups.resize(1);
+        o.groups[0].name = group;
+        o.groups[0].algorithm = parse_algorithm(algorithm);
+        o.set_group(0, typed_values(values));
+        py::dict out;
+        for (const auto& [field, value] : values) {
+          const std::string name = field.cast<std::string>();
+          out[py::str(name)] = to_python(field_spec(o.groups[0].algorithm, name), o.get(0, name));
+        }
+        return out;
+      },
+      py::arg("group"), py::arg("algorithm"), py::arg("values"),
+      "A group's {field: value} checked by the core's rules (ValueError naming GROUP.FIELD), in canonical types");
+
+  m.def(
+      "resolve_backend_choice",
+      [](const std::string& request) { return std::string(to_string(resolve_backend_choice(request))); },
+      py::arg("request") = "",
+      "'auto' | 'fast' | 'reference': the request (empty: none), else NORMUON_BACKEND, else auto; ValueError for "
+      "anything else, naming where it came from");
+
+#ifdef NORMUON_HAVE_FAST_CPU
+  py::class_<TorchEngine>(m, "Engine",
+                          "The native engine on the fast CPU backend: layout, options, state, counters; the "
+                          "caller's torch tensors stepped in place (core/include/normuon/engine.h)")
+      .def(py::init<const Manifest&, const Options&, int>(), py::arg("manifest"), py::arg("options"),
+           py::arg("threads") = 0)
+      .def_property_readonly("layout", [](TorchEngine& t) -> const Layout& { return t.engine().layout(); },
+                             py::return_value_policy::reference_internal)
+      .def_property_readonly("backend", [](TorchEngine& t) { return t.engine().backend_name(); })
+      .def_property_readonly("threads", &TorchEngine::threads)
+      .def_property_readonly("fixed_fields", [](TorchEngine& t) { return t.engine().fixed_fields(); })
+      .def("set_group",
+           [](TorchEngine& t, size_t group, const py::dict& values) { t.engine().set_group(group, typed_values(values)); },
+           py::arg("group"), py::arg("values"), "New values for one group by index; all or nothing")
+      .def("set_nonfinite",
+           [](TorchEngine& t, const std::string& policy) {
+             Options o;
+             o.set("nonfinite", policy);
+             t.engine().set_nonfinite(o.nonfinite);
+           },
+           py::arg("policy"))
+      .def("hyper", [](TorchEngine& t, size_t group) {
+             const Options& o = t.engine().options();
+             if (group >= o.groups.size()) throw py::index_error("group index out of range");
+             py::dict out;
+             for (const FieldSpec& s : Options::fields(o.groups[group].algorithm))
+               out[py::str(s.name)] = to_python(s, o.get(group, s.name));
+             return out;
+           }, py::arg("group"), "A group's values as the engine holds them")
+      .def_property_readonly("options", [](TorchEngine& t) { return t.engine().options(); })
+      .def("bind", &TorchEngine::bind, py::arg("tensors"),
+           py::arg("blocks") = std::vector<std::tuple<int64_t, int64_t, int64_t>>{},
+           "The tensors, one per layout entry (a block of rows: its fused tensor with (offset, run, pitch))")
+      .def("step", &TorchEngine::step, py::arg("grad_scale") = 0, py::arg("found_inf") = 0,
+           "One step over the bound tensors (one native call: addresses, gradients, versions, then the step)")
+      .def(
+          "step_bound",
+          [](TorchEngine& t) {
+            py::gil_scoped_release release;
+            return t.engine().step();
+          },
+          "The step over the table as the last step() bound it, reading no tensor again: the C++ step alone "
+          "(bench/python_step.py; the tensors must still be where they were)")
+      .def("forget_versions", &TorchEngine::forget_versions,
+           "Every master is read again from its parameter at the next step")
+      .def_property_readonly("group_steps", [](TorchEngine& t) { return t.engine().group_steps(); })
+      .def_property_readonly("entry_steps", [](TorchEngine& t) { return t.engine().entry_steps(); })
+      .def("set_steps", [](TorchEngine& t, const std::vector<int64_t>& group_steps,
+                           const std::optional<std::vector<int64_t>>& entry_steps) {
+             t.engine().set_steps(group_steps, entry_steps ? *entry_steps : std::vector<int64_t>{});
+           }, py::arg("group_steps"), py::arg("entry_steps") = py::none(),
+           "Both counters, checked first; entry_steps None: each parameter at its group's counter")
+      .def_property_readonly("table_state", [](TorchEngine& t) -> TableState& { return t.engine().state(); },
+                             py::return_value_policy::reference_internal)
+      .def_property_readonly("table", [](TorchEngine& t) -> ParamTable& { return t.engine().table(); },
+                             py::return_value_policy::reference_internal)
+      .def("buffers", [](py::object self) {
+             TableState& s = self.cast<TorchEngine&>().engine().state();
+             py::dict out;
+             out["masters"] = view(s.masters.data(), s.masters.size(), self);
+             out["momentum"] = view(s.momentum.data(), s.momentum.size(), self);
+             out["row_var"] = view(s.row_var.data(), s.row_var.size(), self);
+             out["exp_avg"] = view(s.exp_avg.data(), s.exp_avg.size(), self);
+             out["exp_avg_sq"] = view(s.exp_avg_sq.data(), s.exp_avg_sq.size(), self);
+             return out;
+           }, "The engine's own memory as numpy views: masters and the state buffers")
+      .def("memory_report", [](TorchEngine& t) {
+             const MemoryReport r = t.engine().memory_report();
+             return py::dict(py::arg("state_bytes") = r.state_bytes, py::arg("master_bytes") = r.master_bytes,
+                             py::arg("workspace_bytes") = r.workspace_bytes);
+           });
+#endif
+}
+
+}  // namespace normuon
