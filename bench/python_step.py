@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The front door, measured: one command, one run, the same threads, GPT-2 124M shapes (fp32, CPU).
+"""The front door, measured: one command, one run, the same threads, on one of the core's presets (CPU;
+the preset's dtypes: gpt2-124m is fp32, moe-8x64 bf16).
 
 Times, side by side in this one process:
   python     normuon.NorMuonAdamW.step() (table mode: the model's own tensors, in place)
@@ -14,6 +15,7 @@ launches per step from its plan and the host syncs per step of NorMuonAdamW (1, 
 verdict="deferred"). Writes <out>/python-step-<preset>.md and .csv.
 
   python3 bench/python_step.py                     # gpt2-124m, all processors
+  python3 bench/python_step.py --preset moe-8x64 --skip-reference   # 1,595 parameters, bf16 (about 15 GB)
   python3 bench/python_step.py --preset tiny --repeats 1   # seconds: the smoke test
 """
 import argparse
@@ -30,29 +32,23 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import normuon
-from normuon import optim
+import normuon.native
 
-PRESETS = {  # vocab, context, width, layers
-    "gpt2-124m": (50257, 1024, 768, 12),
-    "tiny": (512, 64, 64, 2),
-}
+class PresetParameters(nn.Module):
+    """The parameters of one of the core's presets (`normuon presets`), named, shaped, typed as its manifest
+    says; no forward needed. roles: {name: role} for the optimizer, as the manifest has them."""
 
-
-class GPT2Shapes(nn.Module):
-    """The parameters of GPT-2 (tied head), named as Hugging Face names them; no forward needed."""
-
-    def __init__(self, vocab, ctx, d, layers):
+    def __init__(self, name):
         super().__init__()
-        self.wte = nn.Embedding(vocab, d)
-        self.wpe = nn.Embedding(ctx, d)
-        self.h = nn.ModuleList()
-        for _ in range(layers):
-            block = nn.Module()
-            block.ln_1, block.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
-            block.c_attn, block.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-            block.c_fc, block.mlp_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-            self.h.append(block)
-        self.ln_f = nn.LayerNorm(d)
+        manifest = normuon.native.require("python_step").preset_manifest(name)
+        dtypes = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+        self.named = []
+        self.roles = {}
+        for k, spec in enumerate(manifest.params):
+            p = nn.Parameter(torch.randn(spec.shape, dtype=dtypes[spec.dtype]) * 0.02)
+            self.register_parameter(f"p{k}", p)
+            self.named.append((spec.name, p))
+            self.roles[spec.name] = spec.role
 
 
 def fill_grads(model, step):
@@ -101,7 +97,8 @@ def torch_state_bytes(opt):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="gpt2-124m")
+    ap.add_argument("--preset", choices=normuon.native.require("python_step").preset_names(), default="gpt2-124m",
+                    help="a preset of the core (normuon presets): the same model as the command line's")
     ap.add_argument("--threads", type=int, default=0, help="threads of every contender (0: one per processor)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
@@ -114,13 +111,13 @@ def main(argv=None):
     torch.set_num_threads(threads)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     torch.manual_seed(0)
-    model = GPT2Shapes(*PRESETS[args.preset])
+    model = PresetParameters(args.preset)
     numel = sum(p.numel() for p in model.parameters())
     log(f"{args.preset}: {numel / 1e6:.1f}M parameters, {threads} threads")
     rows = []
 
-    opt = normuon.NorMuonAdamW(model.named_parameters(), threads=threads)
-    cuda, _ = optim.cuda_module()  # the CUDA backend's module, where this build has one
+    opt = normuon.NorMuonAdamW(model.named, roles=model.roles, threads=threads)
+    cuda, _ = normuon.native.cuda_module()  # the CUDA backend's module, where this build has one
     launches = cuda.cuda_launches_per_step(opt.layout, opt._engine.options) if cuda is not None else None
     mem = opt.memory_report()
     held = mem["state_bytes"] + mem["master_bytes"] + mem["workspace_bytes"]
@@ -138,7 +135,7 @@ def main(argv=None):
     del opt
 
     if not args.skip_reference:
-        ref = normuon.NorMuonAdamW(model.named_parameters(), backend="reference")
+        ref = normuon.NorMuonAdamW(model.named, roles=model.roles, backend="reference")
         mem = ref.memory_report()
         t, ops = measure("reference", ref.step, model, min(args.warmup, 1), 1, log)
         rows.append(dict(contender="reference", ms=t, ops=ops,

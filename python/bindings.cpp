@@ -24,6 +24,7 @@
 #include "normuon/ns_algorithm.h"
 #include "normuon/options.h"
 #include "normuon/param_table.h"
+#include "normuon/presets.h"
 #include "normuon/state_file.h"
 
 namespace py = pybind11;
@@ -200,6 +201,14 @@ PYBIND11_MODULE(_C, m) {
         return "ParamSpec(" + p.name + ", [" + shape_to_string(p.shape) + "], " + to_string(p.dtype) + ", " +
                to_string(p.role) + ")";
       });
+
+  // The built-in presets, so Python benchmarks and tests build the same models as the command line.
+  m.def("preset_names", [] {
+    std::vector<std::string> out;
+    for (const auto& p : list_presets()) out.push_back(p.name);
+    return out;
+  });
+  m.def("preset_manifest", &preset_manifest, py::arg("name"), "A built-in preset's manifest (presets.h)");
 
   // The C++ count of one matrix's Newton-Schulz FLOPs, so that the Python side's own integer count (the
   // distributed owners' cost) can be checked against it.

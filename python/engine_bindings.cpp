@@ -72,7 +72,9 @@ class TorchEngine {
 
   // The tensors, one per layout entry, with each block of rows's (offset, run, pitch) in elements or
   // (0, 0, 0) for a whole tensor. Their masters are read at the next step.
-  void bind(const py::list& tensors, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& blocks) {
+  // frozen: tensors outside the layout (no state) that frozen_with_grad() watches.
+  void bind(const py::list& tensors, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& blocks,
+            const py::list& frozen) {
     const size_t n = engine_.layout().entries.size();
     if (tensors.size() != n || (!blocks.empty() && blocks.size() != n))
       throw std::invalid_argument("Engine.bind: " + std::to_string(tensors.size()) + " tensors for " +
@@ -88,6 +90,15 @@ class TorchEngine {
       bound[e].shape = bound[e].tensor.attr("shape");
     }
     bound_ = std::move(bound);
+    frozen_ = frozen;
+  }
+
+  // Positions in the frozen list of the tensors that now have a gradient (to be laid out).
+  std::vector<size_t> frozen_with_grad() const {
+    std::vector<size_t> out;
+    for (size_t i = 0; i < frozen_.size(); ++i)
+      if (!py::object(frozen_[i].attr("grad")).is_none()) out.push_back(i);
+    return out;
   }
 
   // Reads every tensor's address, version and gradient into the engine's table, then steps with the
@@ -174,6 +185,7 @@ class TorchEngine {
   const FastCpuBackend* backend_ = nullptr;  // engine_'s, set while it is built (so declared first)
   Engine engine_;
   std::vector<BoundTensor> bound_;
+  py::list frozen_;
   std::pair<py::object, DType> dtypes_[3];
 };
 
@@ -251,8 +263,11 @@ void bind_engine(py::module_& m) {
            }, py::arg("group"), "A group's values as the engine holds them")
       .def_property_readonly("options", [](TorchEngine& t) { return t.engine().options(); })
       .def("bind", &TorchEngine::bind, py::arg("tensors"),
-           py::arg("blocks") = std::vector<std::tuple<int64_t, int64_t, int64_t>>{},
-           "The tensors, one per layout entry (a block of rows: its fused tensor with (offset, run, pitch))")
+           py::arg("blocks") = std::vector<std::tuple<int64_t, int64_t, int64_t>>{}, py::arg("frozen") = py::list(),
+           "The tensors, one per layout entry (a block of rows: its fused tensor with (offset, run, pitch)); "
+           "frozen: tensors outside the layout, watched by frozen_with_grad")
+      .def("frozen_with_grad", &TorchEngine::frozen_with_grad,
+           "Positions in the frozen list of the tensors that have a gradient now")
       .def("step", &TorchEngine::step, py::arg("grad_scale") = 0, py::arg("found_inf") = 0,
            "One step over the bound tensors (one native call: addresses, gradients, versions, then the step)")
       .def(

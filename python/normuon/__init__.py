@@ -7,7 +7,9 @@
 from . import reference
 from .distributed import DistributedNorMuonAdamW  # docs/distributed.md
 from .native import StateFileError, native_error
-from .optim import NorMuonAdamW, infer_role, route
+from .optim import NorMuonAdamW
+from .plan import route
+from .routing import infer_role
 
 __version__ = "0.1.0"
 

@@ -149,7 +149,7 @@ class DistributedNorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             local_groups.append(dict({k: g[k] for k in keys}, params=[p.tensor for p in members],
                                      names=[p.name for p in members], name=g["name"], algorithm=g["algorithm"]))
         self._local = NorMuonAdamW(local_groups, backend=self._backend_choice, threads=self._threads,
-                                   nonfinite=self.nonfinite)
+                                   nonfinite=self.nonfinite, _state_for_frozen=True)
         self._local_entry = {e.name: e for e in self._local._entries}  # fp32 masters of what it steps
         for p in mine:
             if p.owner in (None, self.rank):
@@ -370,7 +370,7 @@ class DistributedNorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             if getattr(self, "_built", False):  # its warnings (unnamed matrices) were given at construction
                 warnings.simplefilter("ignore")
             return cls(params, *self._ctor_args, backend=backend, threads=self._threads,
-                       nonfinite=self.nonfinite, **self._ctor_kwargs)
+                       nonfinite=self.nonfinite, _state_for_frozen=True, **self._ctor_kwargs)
 
     def _my_state(self):
         """{name: state tensors} of what this rank answers for: what it owns, plus (rank 0) what every rank

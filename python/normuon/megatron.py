@@ -302,7 +302,8 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
                                    **self._inner_defaults()))
             try:
                 inner = _optim.NorMuonAdamW(groups, backend=self._choice, threads=self._threads,
-                                            nonfinite=self.nonfinite, verdict=self.verdict, _row_blocks=all_blocks)
+                                            nonfinite=self.nonfinite, verdict=self.verdict, _row_blocks=all_blocks,
+                                            _state_for_frozen=True)
             except ValueError as error:
                 raise ValueError(f"{self._label}: {error} (gI.pK is param_groups[I]['params'][K])") from None
             entries = {id(e.tensor): e for e in inner._entries}

@@ -15,34 +15,15 @@ import torch
 
 from . import reference
 from .native import (_C, StateFileError, check_values, cuda_module, cuda_unavailable_reason, defaults,  # noqa: F401
-                     fields, native_error, require)
-from .routing import (infer_role, module_roles, output_layer_doubts, routing_text, strip_wrappers,
-                      vocabulary_lookalikes)
+                     native_error, require)
+from .plan import (ADAMW_KEYS, ADAMW_PREFIXED, DTYPES, NORMUON_FIELDS, _normuon_betas, plan_groups,  # noqa: F401
+                   resolve_inputs, route)
+from .routing import infer_role, output_layer_doubts, routing_text, strip_wrappers, vocabulary_lookalikes  # noqa: F401
 
-NORMUON_FIELDS = fields("normuon") if _C is not None else ()  # the core's fields of a NorMuon group
-NORMUON_KNOBS = NORMUON_FIELDS[6:]                            # everything after lr .. ns_steps
-ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
-ADAMW_PREFIXED = tuple("adamw_" + k for k in ADAMW_KEYS)  # AdamW values inside an "auto" group
+NORMUON_KNOBS = NORMUON_FIELDS[6:]  # everything after lr .. ns_steps
 FIXED_FIELDS = ("reduce_axis",)  # it decides the shape of the NorMuon second moment (the layout)
 # The fast CUDA backend plans its Newton-Schulz GEMMs from these at construction (docs/fast-cuda.md).
 CUDA_FIXED_FIELDS = ("ns_precision", "ns_coefficients", "ns_steps", "ns_eps", "ns_algorithm")
-
-_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-
-
-def route(name, shape, role, override=None):
-    """(algorithm, why): the core's routing rule (manifest.h), or an explicit override; NorMuon on a
-    non-2-D tensor is a ValueError."""
-    if override not in (None, "auto", "normuon", "adamw"):
-        raise ValueError(f"parameter '{name}': unknown algorithm {override!r} (choose auto | normuon | adamw)")
-    explicit = override if override in ("normuon", "adamw") else None
-    algorithm = require("routing").route(_C.ParamSpec(name, list(shape), "f32", role, "", explicit))
-    if explicit:
-        return algorithm, "override"
-    if algorithm == "normuon":
-        return algorithm, "rule: 2-D matrix"
-    return algorithm, f"rule: {role}" if role in ("embedding", "head") else f"rule: {len(shape)}-D"
-
 
 class NotCopyable:
     """The optimizers of this package refuse pickling and copying with a TypeError: a copy would share or
@@ -61,49 +42,6 @@ class NotCopyable:
 
     def __deepcopy__(self, memo):
         self._refuse()
-
-
-class _Entry:
-    """One parameter: the user's tensor, its state (views of the optimizer's buffers) and, when it is
-    bf16/fp16, its fp32 master."""
-
-    __slots__ = ("index", "name", "tensor", "shape", "dtype", "role", "evidence", "algorithm", "why", "group", "override",
-                 "master", "version", "grad", "state", "stats_per_row", "stat_len", "has_grad", "block")
-
-    @property
-    def low_precision(self):
-        return self.dtype != torch.float32
-
-    @property
-    def source(self):
-        """The tensor that holds the values: the parameter, or the one a block of rows lies in (RowBlock)."""
-        return self.tensor if self.block is None else self.block.param
-
-    @property
-    def param(self):
-        """The fp32 values a step reads and writes: the parameter itself, or the master of a bf16/fp16 one
-        (and, for the Python reference, of a block of rows)."""
-        return self.master if self.master is not None else self.tensor.detach()
-
-    def values(self):
-        """The parameter's values as they are now, shape self.shape (a block's: a copy)."""
-        t = self.source.detach()
-        return t if self.block is None else self.block.values(t)
-
-    def read_into(self, out):
-        """Copies the parameter's values as they are now into `out` (self.shape, any dtype): one copy."""
-        t = self.source.detach()
-        if self.block is None:
-            out.copy_(t)
-        else:
-            self.block.read_into(t, out)
-
-    def write(self, values):
-        """Writes `values` (self.shape) into the parameter, rounded to its dtype."""
-        if self.block is None:
-            self.tensor.detach().copy_(values)
-        else:
-            self.block.write(self.block.param.detach(), values)
 
 
 class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
@@ -138,7 +76,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     def __init__(self, params=None, lr=None, beta1=None, beta2=None, weight_decay=None, nesterov=None, ns_steps=None,
                  *, momentum=None, adamw_lr=None, adamw_betas=None, adamw_eps=None, adamw_weight_decay=None,
                  normuon_params=None, adamw_params=None, model=None, overrides=None, roles=None, backend=None,
-                 threads=None, nonfinite="error", verdict="sync", _row_blocks=(), **knobs):
+                 threads=None, nonfinite="error", verdict="sync", _row_blocks=(), _state_for_frozen=False, **knobs):
         require("NorMuonAdamW")
         knobs = _torch_keywords(knobs)
         unknown = sorted(set(knobs) - set(NORMUON_KNOBS))
@@ -164,6 +102,10 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self.nonfinite = nonfinite
         self.verdict = verdict
         self._pending_steps_before = None
+        # Frozen parameters (requires_grad=False, no gradient) get no state until they have a gradient.
+        # The wrappers hand over tensors that are no autograd leaves (Megatron's main parameters, a rank's
+        # shards): they lay out everything.
+        self._state_for_frozen = _state_for_frozen
         # The Megatron adapter's split QKV: RowBlocks, each standing in the groups as its key tensor.
         self._row_blocks = {id(b.key): b for b in _row_blocks}
         overrides = dict(overrides or {})
@@ -175,7 +117,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             if isinstance(model if model is not None else params, torch.nn.Module) else None
         self._threads = threads
         self._choice = _resolve_choice(backend)
-        groups, entries = self._build_groups(params, normuon_defaults, adamw_defaults, overrides, roles)
+        groups, entries = plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, self._row_blocks)
         # torch's schedulers read the keys of `defaults`: "betas" makes OneCycleLR and CyclicLR cycle betas[0]
         # (beta1) in every group; NorMuon groups carry their (beta1, beta2) as betas too.
         super().__init__(groups, dict(lr=normuon_defaults["lr"], betas=(normuon_defaults["beta1"], normuon_defaults["beta2"]),
@@ -197,13 +139,18 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------- building
 
-    def _build(self, entries):
-        """Everything below the param groups: checked values, layout, buffers, backend, the state views."""
+    def _build(self, entries, keep=()):
+        """Everything below the param groups: checked values, layout, buffers, backend, the state views.
+        Frozen parameters are left out of the layout (self._frozen), unless their id is in `keep` (they
+        had state)."""
         devices = sorted({str(e.tensor.device) for e in entries})
         if len(devices) > 1:
             raise ValueError(f"NorMuonAdamW needs every parameter on one device; got {', '.join(devices)}")
-        self._entries = entries
         self._device = entries[0].tensor.device if entries else torch.device("cpu")
+        self._frozen = [] if self._state_for_frozen else [
+            e for e in entries if not e.tensor.requires_grad and e.tensor.grad is None and id(e.tensor) not in keep]
+        frozen = {id(e) for e in self._frozen}
+        self._entries = entries = [e for e in entries if id(e) not in frozen]
         self._betas_seen = [(g["beta1"], g["beta2"]) if g["algorithm"] == "normuon" else None
                             for g in self.param_groups]
         self._hypers = [self._validated(i, g) for i, g in enumerate(self.param_groups)]  # checked values
@@ -213,120 +160,6 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self.state = defaultdict(dict)
         for e in entries:  # live views, for inspection as with torch's optimizers
             self.state[e.tensor] = self._state_views(e)
-
-    def _build_groups(self, params, normuon_defaults, adamw_defaults, overrides, roles):
-        """User input -> (param groups of one algorithm each, entries in manifest order). roles: {name: role
-        or (role, evidence)} (resolve_inputs); a parameter without one is judged by its name (routing.py)."""
-        params = list(params)
-        if not params:
-            raise ValueError("NorMuonAdamW got an empty parameter list")
-        if isinstance(params[0], dict):
-            user_groups, named = params, False
-        else:
-            user_groups, named = [{"params": params}], True
-        unnamed = []  # auto-routed matrices with neither a name nor a module to tell their role
-        entries, groups, seen_names, seen_tensors = [], [], set(), set()
-        for gi, ug in enumerate(user_groups):
-            if not isinstance(ug, dict) or "params" not in ug:
-                raise ValueError(f"param group #{gi} is not a dict with 'params'")
-            algorithm = ug.get("algorithm", "auto")
-            if algorithm not in ("auto", "normuon", "adamw"):
-                raise ValueError(f"param group #{gi}: algorithm={algorithm!r} (choose auto | normuon | adamw)")
-            allowed = {"params", "names", "name", "algorithm"}
-            if algorithm == "adamw":
-                allowed |= set(ADAMW_KEYS)
-            else:
-                allowed |= set(NORMUON_FIELDS) | {"momentum", "betas"}
-            if algorithm == "auto":
-                allowed |= set(ADAMW_PREFIXED)
-            unknown = sorted(set(ug) - allowed)
-            if unknown:
-                raise ValueError(f"param group #{gi} ({algorithm}): unknown key(s) {', '.join(unknown)} "
-                                 f"(allowed: {', '.join(sorted(allowed))})")
-            pairs = _named_tensors(ug["params"], ug.get("names"), gi, "param" if named else f"group{gi}.")
-            # Hyper-parameters of this user group, per algorithm.
-            nm = dict(normuon_defaults)
-            aw = dict(adamw_defaults)
-            if algorithm == "adamw":
-                aw.update({k: ug[k] for k in ADAMW_KEYS if k in ug})
-            else:
-                nm.update({k: ug[k] for k in NORMUON_FIELDS if k in ug})
-                if "momentum" in ug:
-                    nm["beta1"] = ug["momentum"]
-                if "betas" in ug:  # the pair itself; beta1 / beta2 given beside it must agree with it
-                    nm["betas"] = ug["betas"]
-                    if not any(k in ug for k in ("beta1", "beta2", "momentum")):
-                        nm.pop("beta1"), nm.pop("beta2")
-                aw.update({k[len("adamw_"):]: ug[k] for k in ADAMW_PREFIXED if k in ug})
-            aw["betas"] = tuple(aw["betas"])
-            base = ug.get("name", None if named else f"group{gi}")
-            if named:  # the default groups of the C++ options: a CLI-made state file fits
-                names = {"normuon": "normuon", "adamw": "adamw"}
-            elif algorithm == "auto":
-                names = {"normuon": f"{base}_normuon", "adamw": f"{base}_adamw"}
-            else:
-                names = {algorithm: base}
-            try:
-                _normuon_betas(nm, None)  # both forms of NorMuon's pair, as the schedulers expect
-            except ValueError as error:
-                raise ValueError(f"param group #{gi}: {error}") from None
-            sub = {alg: {"params": [], "names": [], "name": n, "algorithm": alg,
-                         **(nm if alg == "normuon" else aw)} for alg, n in names.items()}
-            for name, tensor, given in pairs:
-                if id(tensor) in seen_tensors:
-                    raise ValueError(f"parameter '{name}' appears twice (the same tensor under two names or groups)")
-                if name in seen_names:
-                    raise ValueError(f"two parameters are named '{name}'")
-                seen_names.add(name)
-                seen_tensors.add(id(tensor))
-                told = roles.pop(name, (None, "name"))
-                role, evidence = told if isinstance(told, tuple) else (told, "roles=")
-                e = _make_entry(len(entries), name, tensor, role, self._row_blocks.get(id(tensor)))
-                e.evidence = evidence
-                explicit = overrides.pop(name, None)
-                override = explicit
-                if algorithm != "auto":  # the group's algorithm is an override of all its parameters
-                    if explicit not in (None, "auto", algorithm):
-                        raise ValueError(f"parameter '{name}' is overridden to {explicit} but sits in the "
-                                         f"{algorithm} group '{base}'")
-                    override = algorithm
-                e.override = override if override in ("normuon", "adamw") else None
-                e.algorithm, e.why = route(name, e.shape, e.role, override)
-                if e.block is not None and e.algorithm != "normuon":
-                    raise ValueError(f"parameter '{name}' is a block of rows of a larger tensor, which only a "
-                                     f"NorMuon group may hold (it went to {e.algorithm}: {e.why})")
-                if algorithm != "auto" and explicit not in ("normuon", "adamw"):
-                    e.why = f"group '{base}'"
-                elif e.why.startswith("rule: ") and e.role in ("embedding", "head"):
-                    e.why += f" ({evidence})"  # what told the role: a module, the name, or roles=
-                if not given and evidence == "name" and e.algorithm == "normuon" and override is None:
-                    unnamed.append(name)
-                sub[e.algorithm]["params"].append(tensor)
-                sub[e.algorithm]["names"].append(name)
-                entries.append(e)
-            for alg, g in sub.items():
-                if named or algorithm != "auto" or g["params"]:  # drop the empty half of a split group
-                    groups.append(g)
-        if unnamed:
-            warnings.warn(f"NorMuonAdamW got matrices without names ({', '.join(unnamed[:4])}"
-                          f"{', ...' if len(unnamed) > 4 else ''}), so it cannot tell embeddings and the output head "
-                          "from hidden matrices: every 2-D tensor goes to NorMuon. Pass the model "
-                          "(NorMuonAdamW(model) or model=model), model.named_parameters(), normuon_params= / "
-                          "adamw_params=, or roles/overrides by these names", stacklevel=3)
-        if overrides:
-            raise ValueError(f"overrides name unknown parameter(s): {', '.join(sorted(overrides))}")
-        if roles:
-            raise ValueError(f"roles name unknown parameter(s): {', '.join(sorted(roles))}")
-        group_names = [g["name"] for g in groups]
-        for n in group_names:
-            if not isinstance(n, str) or not n or "." in n or "=" in n or group_names.count(n) > 1:
-                raise ValueError(f"group name {n!r} must be a unique non-empty string without '.' or '='")
-        by_tensor = {id(e.tensor): e for e in entries}
-        for gi, g in enumerate(groups):
-            g["step"] = 0
-            for t in g["params"]:
-                by_tensor[id(t)].group = gi
-        return groups, entries
 
     def _allocate(self, threads):
         """The manifest, layout, the optimizer's own memory and the backend. Table mode: the step reads the
@@ -368,7 +201,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         groups = [g["name"] for g in self.param_groups]
         default_group = {"normuon": "normuon", "adamw": "adamw"}
         names = names or [e.name for e in self._entries]
-        return [_C.ParamSpec(n, list(e.shape), _DTYPES[e.dtype], e.role,
+        return [_C.ParamSpec(n, list(e.shape), DTYPES[e.dtype], e.role,
                              "" if groups[e.group] == default_group[e.algorithm] else groups[e.group], e.override)
                 for n, e in zip(names, self._entries)]
 
@@ -396,7 +229,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self._synced = [dict(h) for h in self._hypers]
         self._layout = engine.layout
         blocks = [(0, 0, 0) if e.block is None else (e.block.offset, *e.block.runs) for e in self._entries]
-        engine.bind([e.source for e in self._entries], blocks if self._row_blocks else [])
+        engine.bind([e.source for e in self._entries], blocks if self._row_blocks else [],
+                    [e.tensor for e in self._frozen])
         return {k: torch.from_numpy(v) for k, v in engine.buffers().items()}
 
     def _allocate_cuda(self):
@@ -480,34 +314,50 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             set(ADAMW_KEYS) | set(ADAMW_PREFIXED)
         new_extra = {k: v for k, v in param_group.items() if k not in known}  # a scheduler's initial_lr, ...
         added, roles = resolve_inputs([{k: v for k, v in param_group.items() if k in known}], model=model)
-        old = {id(e.tensor): e for e in self._entries}
-        roles.update({e.name: (e.role, e.evidence) for e in self._entries})
-        groups, entries = self._build_groups(kept + added, *self._defaults_by_algorithm, {}, roles)
+        old = {id(e.tensor): e for e in self._entries + self._frozen}
+        roles.update({e.name: (e.role, e.evidence) for e in old.values()})
+        groups, entries = plan_groups(kept + added, *self._defaults_by_algorithm, {}, roles, self._row_blocks)
         devices = sorted({str(e.tensor.device) for e in entries})
         if len(devices) > 1:
             raise ValueError(f"NorMuonAdamW needs every parameter on one device; got {', '.join(devices)}")
         for i, g in enumerate(groups):  # every value checked before anything is swapped
             self._validated(i, dict(g))
-        saved = {i: ([t.clone() for t in e.state], e.master.clone() if e.low_precision else None)
-                 for i, e in old.items()}
+        for e in entries:
+            if id(e.tensor) in old:  # routing as it was
+                was = old[id(e.tensor)]
+                e.role, e.evidence, e.why, e.override = was.role, was.evidence, was.why, was.override
         steps = {g["name"]: t for g, t in zip(self.param_groups, self._steps)}
-        own_steps = {id(e.tensor): t for e, t in zip(self._entries, self._entry_steps)}
         self.param_groups = []
         for g in groups:
             g.update(extra.get(g["name"], new_extra))
             super().add_param_group(g)
-        self._build(entries)
-        for e in entries:
-            if id(e.tensor) in old:  # routing as it was, state and masters as they were
-                was = old[id(e.tensor)]
-                e.role, e.evidence, e.why, e.override = was.role, was.evidence, was.why, was.override
+        self._rebuild(entries, [steps.get(g["name"], 0) for g in self.param_groups])
+
+    def _rebuild(self, entries, steps):
+        """The layout, buffers and backend built again over `entries` (every parameter of param_groups):
+        the parameters laid out before keep their state, masters and own counts (a new one starts at 0);
+        steps: the group counters."""
+        old = {id(e.tensor): e for e in self._entries}
+        saved = {i: ([t.clone() for t in e.state], e.master.clone() if e.low_precision else None)
+                 for i, e in old.items()}
+        own_steps = {id(e.tensor): t for e, t in zip(self._entries, self._entry_steps)}
+        self._build(entries, keep=set(old))
+        for e in self._entries:
+            if id(e.tensor) in old:
                 state, master = saved[id(e.tensor)]
                 for dst, src in zip(e.state, state):
                     dst.copy_(src)
                 if master is not None:
                     e.master.copy_(master)
-        self._set_steps([steps.get(g["name"], 0) for g in self.param_groups],
-                        [own_steps.get(id(e.tensor), 0) for e in entries])  # a new parameter starts at 0
+        self._set_steps(steps, [own_steps.get(id(e.tensor), 0) for e in self._entries])
+
+    def _unfreeze_if_needed(self):
+        """Frozen parameters that now have a gradient are laid out (state from zero), as torch's optimizers
+        start a parameter's state at its first gradient. One native call finds them on the engine."""
+        woken = (self._engine.frozen_with_grad() if self._engine is not None
+                 else [i for i, e in enumerate(self._frozen) if e.tensor.grad is not None])
+        if woken:
+            self._rebuild(sorted(self._entries + self._frozen, key=lambda e: e.index), list(self._steps))
 
     # ------------------------------------------------------------------------------ hyper-parameters
 
@@ -609,7 +459,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 grads.append(0)
                 dtypes.append("f32")
             else:
-                dtype = _DTYPES.get(g.dtype)
+                dtype = DTYPES.get(g.dtype)
                 if dtype is None or g.shape != t.shape or g.device != self._device:
                     raise RuntimeError(f"parameter '{e.name}': its gradient is {g.dtype} {list(g.shape)} on "
                                        f"{g.device}; expected float32, bfloat16 or float16 {list(t.shape)} on "
@@ -686,6 +536,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         hypers = self._sync_hyper()
+        if self._frozen:
+            self._unfreeze_if_needed()
         scaler = self._scaler(kwargs.get("grad_scaler"))
         if self._engine is not None:  # one native call: the tensors' addresses, versions and gradients, the step
             scale, found = (0, 0) if scaler is None else (0 if scaler[0] is None else scaler[0].data_ptr(),
@@ -879,10 +731,12 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
 
     def routing_table(self):
         """One row per parameter (manifest order): which algorithm and group it got, and why."""
-        return [dict(index=e.index, name=e.name, shape=tuple(e.shape), dtype=_DTYPES[e.dtype], role=e.role,
-                     algorithm=e.algorithm, group=self.param_groups[e.group]["name"], why=e.why,
-                     stats=("" if e.algorithm == "adamw" else "rows" if e.stats_per_row else "cols"))
-                for e in self._entries]
+        frozen = {id(e) for e in self._frozen}
+        return [dict(index=e.index, name=e.name, shape=tuple(e.shape), dtype=DTYPES[e.dtype], role=e.role,
+                     algorithm=e.algorithm, group=self.param_groups[e.group]["name"],
+                     why=e.why + (" (frozen: no state until it has a gradient)" if id(e) in frozen else ""),
+                     stats=("" if e.algorithm == "adamw" or id(e) in frozen else "rows" if e.stats_per_row else "cols"))
+                for e in sorted(self._entries + self._frozen, key=lambda e: e.index)]
 
     def routing_text(self):
         return routing_text("NorMuonAdamW", self.routing_table(),
@@ -920,6 +774,9 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             packed = {k: (list(v) if isinstance(v, list) else v) for k, v in g.items() if k != "params"}
             packed["params"] = list(range(index, index + len(g["params"])))
             for t in g["params"]:
+                if id(t) not in by_tensor:  # frozen: no state, as torch has none for a parameter never stepped
+                    index += 1
+                    continue
                 e, own = by_tensor[id(t)]
                 s = {k: v.clone() for k, v in self._state_views(e).items()}
                 if e.low_precision:
@@ -983,6 +840,13 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                                      f"the {'layout' if k in FIXED_FIELDS else 'CUDA Newton-Schulz plan'})")
             new_groups.append(new)
             for idx, t in zip(sg["params"], g["params"]):
+                if id(t) not in by_tensor:  # frozen here
+                    if saved_state.get(idx):
+                        name = g["names"][g["params"].index(t)]
+                        raise ValueError(f"{where}: the state dict has state for parameter '{name}', which is "
+                                         "frozen here (requires_grad=False, so it has none): make it trainable "
+                                         "(requires_grad_()) before loading")
+                    continue
                 e = by_tensor[id(t)]
                 s = saved_state.get(idx)
                 if s is None:
@@ -1088,32 +952,6 @@ _GROUP_OWN_KEYS = {"params", "names", "name", "algorithm", "step", "betas"}  # t
 FOUND_INF_REASON = "the gradient scaler found inf/NaN gradients; step skipped"
 
 
-def _normuon_betas(group, seen):
-    """A NorMuon group keeps its pair as beta1 and beta2 (the spec's names) and as betas (what torch's
-    schedulers cycle). Whichever form changed since `seen` (the pair last read) wins; both changed and
-    different is a ValueError. Writes both forms back."""
-    pair = (group.get("beta1"), group.get("beta2"))
-    betas = group.get("betas")
-    if betas is not None:
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"betas={betas!r} is not a pair")
-        betas = tuple(betas)
-    if betas is None or betas == pair:
-        resolved = pair
-    elif None in pair or (seen is not None and pair == tuple(seen)):
-        resolved = betas  # given as betas, or a scheduler moved betas
-    elif seen is not None and betas == tuple(seen):
-        resolved = pair  # beta1 / beta2 were set
-    else:
-        raise ValueError(f"betas={betas!r} and beta1={pair[0]!r}, beta2={pair[1]!r} disagree (betas is "
-                         "(beta1, beta2) for torch's schedulers: set one form)")
-    group["beta1"], group["beta2"] = resolved
-    group["betas"] = resolved
-    return resolved
-
-
-
-
 # torch.optim keywords: those that change nothing here are taken; the others name what they map to.
 _TORCH_NEUTRAL = {"foreach": None, "fused": None, "amsgrad": False, "maximize": False, "capturable": None,
                   "differentiable": False}  # None: any value (the step is always one fused native call)
@@ -1142,95 +980,6 @@ def _resolve_choice(backend):
     return require("NorMuonAdamW").resolve_backend_choice(backend or "")
 
 
-def _named_tensors(params, names, group_index, prefix):
-    """(name, tensor, given) triples from tensors (named prefix + position), (name, tensor) pairs, or tensors
-    with a parallel names list; given: the caller named it."""
-    if isinstance(params, torch.Tensor):
-        params = [params]
-    params = list(params)
-    if names is not None:
-        names = list(names)
-        if len(names) != len(params):
-            raise ValueError(f"param group #{group_index}: {len(names)} names for {len(params)} parameters")
-        params = list(zip(names, params))
-    triples = []
-    for k, p in enumerate(params):
-        if isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str):
-            (name, tensor), given = p, True
-        else:
-            name, tensor, given = f"{prefix}{k}", p, False
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"parameter '{name}' is a {type(tensor).__name__}, not a torch.Tensor")
-        triples.append((name, tensor, given))
-    return triples
-
-
-def resolve_inputs(params, normuon_params=None, adamw_params=None, model=None, roles=None):
-    """(params, roles) from the constructor's forms: an nn.Module (routed by its modules), parameters or
-    groups (model= adds the modules' evidence and names the bare tensors of the model), or an explicit split
-    into normuon_params / adamw_params (as Muon users split by hand). roles: {name: role} from roles= (which
-    wins) and {name: (role, evidence)} from the modules."""
-    if isinstance(params, torch.nn.Module):
-        if model is not None and model is not params:
-            raise ValueError("NorMuonAdamW got a module as params and another one as model=")
-        model, params = params, list(params.named_parameters())
-    if model is not None and not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model= must be a torch.nn.Module, not {type(model).__name__}")
-    if normuon_params is None and adamw_params is None:
-        if params is None:
-            raise TypeError("NorMuonAdamW needs params (a model, its named_parameters() or param groups) or "
-                            "normuon_params= / adamw_params=")
-    elif params is not None:
-        raise ValueError("NorMuonAdamW: pass either params or normuon_params= / adamw_params=, not both")
-    else:
-        params = []
-        for name, given in (("normuon", normuon_params), ("adamw", adamw_params)):
-            if isinstance(given, torch.nn.Module):
-                given = list(given.named_parameters())
-            given = [] if given is None else [given] if isinstance(given, torch.Tensor) else list(given)
-            if given:
-                params.append({"params": given, "algorithm": name, "name": name})
-    told = {}
-    if model is not None:
-        by_module = module_roles(model)
-        params = _named_by(params, {id(p): n for n, p in model.named_parameters()})
-        told = {n: by_module[id(t)] for n, t in _pairs(params) if id(t) in by_module}
-    told.update(roles or {})
-    return params, told
-
-
-def _pairs(params):
-    """Every (name, tensor) that params names, in groups or not."""
-    for item in params:
-        if isinstance(item, dict) and "params" in item:
-            ps = item["params"]
-            ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-            if "names" in item:
-                yield from zip(item["names"], ps)
-            else:
-                yield from (x for x in ps if isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], str))
-        elif isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str):
-            yield item
-
-
-def _named_by(params, names):
-    """params with each bare tensor that `names` knows (by identity) as a (name, tensor) pair."""
-    def name(x):
-        return (names[id(x)], x) if isinstance(x, torch.Tensor) and id(x) in names else x
-
-    params = [params] if isinstance(params, torch.Tensor) else list(params)
-    out = []
-    for item in params:
-        if isinstance(item, dict) and "params" in item:
-            ps = item["params"]
-            ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)  # walked again: no generators
-            item = dict(item, params=ps if "names" in item else [name(x) for x in ps])
-        elif not isinstance(item, dict):
-            item = name(item)
-        out.append(item)
-    return out
-
-
 def _own_step(value, group_step, where):
     """A parameter's saved 'step' (an int, or a 0-d tensor as torch's optimizers save it) as an int in
     [0, group_step]; ValueError otherwise."""
@@ -1252,29 +1001,6 @@ def _dense_grad(e):
     return g
 
 
-def _make_entry(index, name, tensor, role, block=None):
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:  # lone surrogates (os.fsdecode of a bad byte): the C++ manifest needs UTF-8
-        raise ValueError(f"parameter name {name!r} is not valid UTF-8 (the manifest and state files store names "
-                         "as UTF-8): rename it") from None
-    if tensor.dtype not in _DTYPES:
-        raise ValueError(f"parameter '{name}' is {tensor.dtype}; NorMuonAdamW takes float32, bfloat16 or float16")
-    if tensor.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"parameter '{name}' is on {tensor.device}; NorMuonAdamW runs on CPU or CUDA tensors")
-    if tensor.is_sparse:
-        raise ValueError(f"parameter '{name}' is sparse")
-    e = _Entry()
-    e.index, e.name, e.tensor, e.block = index, name, tensor, block
-    e.shape, e.dtype = tuple(tensor.shape) if block is None else block.shape, tensor.dtype
-    e.role = role if role is not None else infer_role(name, e.shape)
-    if e.role not in ("matrix", "embedding", "head", "norm", "bias", "other"):
-        raise ValueError(f"parameter '{name}': unknown role {e.role!r} (matrix | embedding | head | norm | bias | other)")
-    e.has_grad = False
-    e.stats_per_row, e.stat_len = True, 0
-    return e
-
-
 class _CudaArray:
     """A device buffer of the native CUDA backend as __cuda_array_interface__, for a zero-copy torch view.
     The view keeps this object, and so the backend that owns the memory, alive."""
@@ -1284,10 +1010,10 @@ class _CudaArray:
         self.__cuda_array_interface__ = {"shape": (n,), "typestr": typestr, "data": (ptr, False), "version": 2}
 
 
-_TYPESTR_DTYPES = {"<f4": torch.float32, "|u1": torch.uint8, "<i8": torch.int64, "<i2": torch.int16}
+_TYPESTRDTYPES = {"<f4": torch.float32, "|u1": torch.uint8, "<i8": torch.int64, "<i2": torch.int16}
 
 
 def _device_view(owner, ptr, n, typestr, device):
     if n == 0:
-        return torch.zeros(0, dtype=_TYPESTR_DTYPES[typestr], device=device)
+        return torch.zeros(0, dtype=_TYPESTRDTYPES[typestr], device=device)
     return torch.as_tensor(_CudaArray(owner, ptr, n, typestr), device=device)

@@ -231,3 +231,39 @@ def test_torch_compile_of_the_step_runs():
     eager = run(None)
     for compiled in ("step", "train"):
         assert all(torch.equal(a, b) for a, b in zip(eager, run(compiled))), compiled
+
+
+def test_frozen_parameters_get_no_state_until_they_have_a_gradient():
+    """A model whose only trainable tensor is the head (LoRA-style fine-tuning): the optimizer holds the
+    head's state only, in fp32 or with bf16 masters, and a layer unfrozen later is laid out at its first
+    gradient with state from zero, the rest kept."""
+    for dtype in (torch.float32, torch.bfloat16):
+        model = make_model(dtype=dtype)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        head = model.lm_head.weight
+        head.requires_grad_(True)
+        opt = normuon.NorMuonAdamW(model.named_parameters())
+        mem = opt.memory_report()
+        assert mem["state_bytes"] == 2 * 4 * _padded(head.numel())  # exp_avg and exp_avg_sq: AdamW on the head
+        assert mem["master_bytes"] == (4 * head.numel() if dtype == torch.bfloat16 else 0)
+        frozen = model.blocks[0].attn.weight
+        before = frozen.detach().clone()
+        head.grad = torch.ones_like(head)
+        opt.step()
+        assert torch.equal(frozen.detach(), before) and len(opt.state[frozen]) == 0
+        assert "frozen" in {r["name"]: r["why"] for r in opt.routing_table()}["blocks.0.attn.weight"]
+        sd = opt.state_dict()
+        assert len(sd["state"]) == 1
+        exp_avg = opt.state[head]["exp_avg"].clone()
+        frozen.requires_grad_(True)  # unfrozen: laid out at its first gradient
+        frozen.grad = torch.ones_like(frozen)
+        head.grad = torch.ones_like(head)
+        opt.step()
+        assert not torch.equal(frozen.detach(), before)
+        assert set(opt.state[frozen]) == {"momentum_buffer", "moment2_buffer"}
+        order = [id(t) for g in opt.param_groups for t in g["params"]]
+        assert order.index(id(frozen)) in opt.state_dict()["state"]
+        assert not torch.equal(opt.state[head]["exp_avg"], exp_avg)  # kept and stepped, not restarted
+        assert [g["step"] for g in opt.param_groups] == [1, 2]  # NorMuon had no gradient at step 1
+        normuon.NorMuonAdamW(model.named_parameters()).load_state_dict(opt.state_dict())  # loads back
