@@ -88,8 +88,17 @@ class TorchEngine {
         bound[e].runs = RowRuns{run, pitch};
       }
       bound[e].shape = bound[e].tensor.attr("shape");
+      const auto numel = bound[e].tensor.attr("numel")().cast<int64_t>();
+      const LayoutEntry& le = engine_.layout().entries[e];
+      const int64_t needs = bound[e].runs.dense() ? le.numel + bound[e].offset
+                                                  : bound[e].offset + (le.numel / bound[e].runs.run - 1) * bound[e].runs.pitch +
+                                                        bound[e].runs.run;
+      if (bound[e].offset < 0 || numel < needs)
+        throw std::invalid_argument("Engine.bind: tensor " + std::to_string(e) + " has " + std::to_string(numel) +
+                                    " elements; layout entry '" + le.name + "' needs " + std::to_string(needs));
     }
     bound_ = std::move(bound);
+    table_bound_ = false;
     frozen_ = frozen;
   }
 
@@ -105,6 +114,8 @@ class TorchEngine {
   // GIL released. grad_scale, found_inf: host addresses of a scaler's fp32 scalars, or 0.
   StepResult step(uintptr_t grad_scale, uintptr_t found_inf) {
     if (bound_.size() != engine_.layout().entries.size()) throw std::logic_error("Engine.step before Engine.bind");
+    table_bound_ = false;  // until every entry is read: step_bound refuses a half-read table
+    keep_.clear();         // the gradients this step reads, held while the GIL is released (and for step_bound)
     std::unordered_map<PyObject*, py::object> contiguous;  // a non-contiguous gradient, copied once
     ParamTable& table = engine_.table();
     for (size_t e = 0; e < bound_.size(); ++e) {
@@ -112,7 +123,7 @@ class TorchEngine {
       const LayoutEntry& le = engine_.layout().entries[e];
       const uintptr_t address = b.tensor.attr("data_ptr")().cast<uintptr_t>();
       const bool moved = address != b.address;  // p.data = t, or the first step
-      if (moved) check_parameter(b, le);         // the same kind of tensor?
+      check_parameter(b, le);                    // still the kind of tensor it was (p.data = other)?
       b.address = address;
       table.params[e].data = reinterpret_cast<char*>(address) + b.offset * static_cast<int64_t>(dtype_bytes(le.dtype));
       table.params[e].runs = b.runs;
@@ -131,13 +142,33 @@ class TorchEngine {
         if (fresh) it->second = grad.attr("contiguous")();
         grad = it->second;
       }
+      keep_.push_back(grad);
       const uintptr_t g = grad.attr("data_ptr")().cast<uintptr_t>();
       table.grads[e] = TensorRef{reinterpret_cast<char*>(g) + b.offset * static_cast<int64_t>(dtype_bytes(dtype)), dtype, b.runs};
     }
+    table_bound_ = true;
     const auto* scale = reinterpret_cast<const float*>(grad_scale);
     const auto* found = reinterpret_cast<const float*>(found_inf);
     py::gil_scoped_release release;
     return engine_.step(scale, found);
+  }
+
+  // The step over the table as the last step() read it (the benchmark's C++ step alone).
+  StepResult step_bound() {
+    if (!table_bound_) throw std::logic_error("Engine.step_bound: no complete step() has bound the table");
+    py::gil_scoped_release release;
+    return engine_.step();
+  }
+
+  // The tensors as they are now are what the masters hold (Python just wrote both: a load, the masters
+  // made at construction): their addresses and versions are recorded, no master is read again.
+  void mark_current() {
+    for (size_t e = 0; e < bound_.size(); ++e) {
+      BoundTensor& b = bound_[e];
+      check_parameter(b, engine_.layout().entries[e]);
+      b.address = b.tensor.attr("data_ptr")().cast<uintptr_t>();
+      b.version = b.tensor.attr("_version").cast<int64_t>();
+    }
   }
 
   // Every master read again from its parameter at the next step (after a write the version counter
@@ -185,6 +216,8 @@ class TorchEngine {
   const FastCpuBackend* backend_ = nullptr;  // engine_'s, set while it is built (so declared first)
   Engine engine_;
   std::vector<BoundTensor> bound_;
+  std::vector<py::object> keep_;  // the gradients the table points at
+  bool table_bound_ = false;
   py::list frozen_;
   std::pair<py::object, DType> dtypes_[3];
 };
@@ -270,14 +303,11 @@ void bind_engine(py::module_& m) {
            "Positions in the frozen list of the tensors that have a gradient now")
       .def("step", &TorchEngine::step, py::arg("grad_scale") = 0, py::arg("found_inf") = 0,
            "One step over the bound tensors (one native call: addresses, gradients, versions, then the step)")
-      .def(
-          "step_bound",
-          [](TorchEngine& t) {
-            py::gil_scoped_release release;
-            return t.engine().step();
-          },
-          "The step over the table as the last step() bound it, reading no tensor again: the C++ step alone "
-          "(bench/python_step.py; the tensors must still be where they were)")
+      .def("step_bound", &TorchEngine::step_bound,
+           "The step over the table as the last step() bound it, reading no tensor again: the C++ step alone "
+           "(bench/python_step.py; the tensors must still be where they were)")
+      .def("mark_current", &TorchEngine::mark_current,
+           "The tensors hold what the masters hold now (after Python wrote both): no master is read again")
       .def("forget_versions", &TorchEngine::forget_versions,
            "Every master is read again from its parameter at the next step")
       .def_property_readonly("group_steps", [](TorchEngine& t) { return t.engine().group_steps(); })

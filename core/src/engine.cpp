@@ -1,6 +1,7 @@
 #include "normuon/engine.h"
 
 #include <algorithm>
+#include <sstream>
 #include <stdexcept>
 
 #include "normuon/low_precision.h"
@@ -35,7 +36,9 @@ void Engine::set_group(size_t group, const std::vector<std::pair<std::string, Fi
         const auto text = [](const FieldValue& v) {
           if (const auto* s = std::get_if<std::string>(&v)) return "'" + *s + "'";
           if (const auto* b = std::get_if<bool>(&v)) return std::string(*b ? "true" : "false");
-          return std::to_string(std::get<double>(v));
+          std::ostringstream out;
+          out << std::get<double>(v);
+          return out.str();
         };
         throw std::invalid_argument("option '" + g.name + "." + field + "': it was " + text(was) +
                                     " when the optimizer was built and decides its " +

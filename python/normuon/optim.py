@@ -60,7 +60,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW defaults.
     overrides: {name: "normuon" | "adamw" | "auto"}, wins over the rule. roles: {name: role}.
     backend: "auto" | "fast" | "reference"; None reads NORMUON_BACKEND, then "auto" (= fast). No fallback.
-    threads: the fast backend's threads (0: one per processor the process may use, within its CPU quota).
+    threads: the fast backend's threads; None (the default) follows torch.get_num_threads(), 0: one per
+        processor the process may use, within its CPU quota.
         nonfinite: "error" | "skip_step".
     verdict: on CUDA, when a step's NaN/Inf verdict reaches the host: "sync" (in step(), one host sync) or
         "deferred" (at the next step(), no sync; a bad step changes nothing on the device either way).
@@ -280,6 +281,13 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             if e.master is not None:
                 e.read_into(e.master)
             e.version = e.source._version
+        self._masters_are_current()
+
+    def _masters_are_current(self):
+        """Python just wrote masters (and parameters): the engine takes the tensors as they are now, so its
+        next step reads no master again (a loaded master keeps its low bits)."""
+        if self._engine is not None:
+            self._engine.mark_current()
 
     @staticmethod
     def _state_views(e):
@@ -337,6 +345,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         """The layout, buffers and backend built again over `entries` (every parameter of param_groups):
         the parameters laid out before keep their state, masters and own counts (a new one starts at 0);
         steps: the group counters."""
+        self._settle()  # a pending verdict and outside writes belong to the layout they were made on
+        self._refresh_masters()
         old = {id(e.tensor): e for e in self._entries}
         saved = {i: ([t.clone() for t in e.state], e.master.clone() if e.low_precision else None)
                  for i, e in old.items()}
@@ -349,6 +359,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                     dst.copy_(src)
                 if master is not None:
                     e.master.copy_(master)
+        self._masters_are_current()
         self._set_steps(steps, [own_steps.get(id(e.tensor), 0) for e in self._entries])
 
     def _unfreeze_if_needed(self):
@@ -440,6 +451,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                     if not (e.low_precision and torch.equal(values, e.master.to(e.dtype))):
                         e.master.copy_(values)
             e.version = version
+        self._masters_are_current()
 
     def _bind(self):
         """The model's current parameters and gradients, by address, into the backend's table: no torch op
@@ -696,6 +708,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 e.master.copy_(values)
             e.write(values)  # rounds to the parameter's dtype
             e.version = e.source._version
+        self._masters_are_current()
         self._set_steps(list(flat.group_steps), list(flat.entry_steps))
 
     # ----------------------------------------------------------------------------------- inspection
@@ -839,13 +852,12 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                     raise ValueError(f"{where}: {k} is {new[k]!r} in the state dict but {g[k]!r} here (it decides "
                                      f"the {'layout' if k in FIXED_FIELDS else 'CUDA Newton-Schulz plan'})")
             new_groups.append(new)
-            for idx, t in zip(sg["params"], g["params"]):
+            for k, (idx, t) in enumerate(zip(sg["params"], g["params"])):
                 if id(t) not in by_tensor:  # frozen here
                     if saved_state.get(idx):
-                        name = g["names"][g["params"].index(t)]
-                        raise ValueError(f"{where}: the state dict has state for parameter '{name}', which is "
-                                         "frozen here (requires_grad=False, so it has none): make it trainable "
-                                         "(requires_grad_()) before loading")
+                        raise ValueError(f"{where}: the state dict has state for parameter '{g['names'][k]}', "
+                                         "which was frozen when this optimizer was built (requires_grad=False, no "
+                                         "gradient: no state): make it trainable before building the optimizer")
                     continue
                 e = by_tensor[id(t)]
                 s = saved_state.get(idx)
@@ -875,6 +887,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             dst.copy_(src)
         for e in self._entries:  # the masters just loaded win over the model's values as they are now
             e.version = e.source._version
+        self._masters_are_current()
         for g, new in zip(self.param_groups, new_groups):
             g.clear()
             g.update(new)

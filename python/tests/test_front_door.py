@@ -267,3 +267,33 @@ def test_frozen_parameters_get_no_state_until_they_have_a_gradient():
         assert not torch.equal(opt.state[head]["exp_avg"], exp_avg)  # kept and stepped, not restarted
         assert [g["step"] for g in opt.param_groups] == [1, 2]  # NorMuon had no gradient at step 1
         normuon.NorMuonAdamW(model.named_parameters()).load_state_dict(opt.state_dict())  # loads back
+
+
+def test_loaded_masters_win_over_the_parameters_as_they_are():
+    """load_state_dict's masters are what the next step starts from, though the bf16 parameters were
+    written since (the engine read its masters again from them and dropped the loaded ones)."""
+    model = make_model(dtype=torch.bfloat16)
+    opt = normuon.NorMuonAdamW(model.named_parameters(), lr=0.0, adamw_lr=0.0)
+    fill_grads(model, 1)
+    opt.step()
+    sd = opt.state_dict()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # written in place: the version counters move
+    opt.load_state_dict(sd)
+    fill_grads(model, 2)
+    opt.step()  # lr 0, no decay: every parameter is its loaded master, rounded
+    for k, p in enumerate(t for g in opt.param_groups for t in g["params"]):  # the state dict's numbering
+        assert torch.equal(p.detach(), sd["state"][k]["master_param"].to(torch.bfloat16)), k
+
+
+def test_a_parameter_viewed_another_way_at_the_same_address_is_refused():
+    model = make_model()
+    opt = normuon.NorMuonAdamW(model.named_parameters())
+    fill_grads(model, 1)
+    opt.step()
+    w = model.blocks[0].attn.weight
+    w.data = w.data.t()  # the same storage, transposed: no longer what the layout says
+    fill_grads(model, 2)
+    with pytest.raises(RuntimeError, match="blocks.0.attn.weight"):
+        opt.step()
