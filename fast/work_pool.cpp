@@ -82,7 +82,18 @@ void WorkPool::run_erased(int64_t items, Call call, void* context) {
   if (items <= 0) return;
   if (threads_ == 1 || items == 1 || tl_pool == this) {  // nothing to share, or nested: inline
     const int slot = tl_pool == this ? tl_slot : 0;
-    for (int64_t i = 0; i < items; ++i) call(context, i, slot);
+    // An item runs on one thread, as it does in the team: a oneDNN call inside it would otherwise take
+    // this thread's OpenMP count, and below AVX-512 its sums follow the thread count (gemm:jit splits the
+    // inner dimension), so a step's bits would depend on the pool's size.
+    const int outer = omp_get_max_threads();
+    omp_set_num_threads(1);
+    try {
+      for (int64_t i = 0; i < items; ++i) call(context, i, slot);
+    } catch (...) {
+      omp_set_num_threads(outer);
+      throw;
+    }
+    omp_set_num_threads(outer);
     return;
   }
   if (items > INT32_MAX) throw std::length_error("WorkPool::run: more than 2^31 - 1 items");

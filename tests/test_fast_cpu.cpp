@@ -20,6 +20,7 @@
 #include "fast_cpu_backend.h"
 #include "newton_schulz.h"
 #include "thread_budget.h"
+#include "work_pool.h"
 #include "normuon/grad_gen.h"
 #include "normuon/manifest.h"
 #include "normuon/param_table.h"
@@ -87,9 +88,12 @@ Options with(const std::string& assignment) {
   return o;
 }
 
-// What one oneDNN execute() allocates inside the library, measured on a batch of our own.
+// What one oneDNN execute() allocates inside the library, measured on a batch of our own run as a step
+// runs its products: a matrix per pool item, on one thread (oneDNN's allocations follow its thread count:
+// below AVX-512 a product on two threads allocates more).
 long onednn_allocations_per_gemm() {
-  fast::BatchedNewtonSchulz ns({{8, 16, 2}});
+  fast::WorkPool pool(1);
+  fast::BatchedNewtonSchulz ns({{8, 16, 2}}, pool, fast::NsSplit::per_matrix);
   std::vector<float> buf(2 * 8 * 16, 0.5f);
   const float* in[2] = {buf.data(), buf.data() + 128};
   float* out[2] = {buf.data(), buf.data() + 128};

@@ -23,6 +23,18 @@ def require_native():
     pytest.skip(why)
 
 
+def torch_bf16_matmul_error():
+    """Why torch cannot multiply bf16 matrices on this processor (torch 1.13 goes to oneDNN, which has no
+    bf16 matmul below AVX-512, e.g. under ONEDNN_MAX_CPU_ISA=AVX2), or None. A bf16 model's forward needs it;
+    normuon itself does not."""
+    a = torch.ones(32, 32, dtype=torch.bfloat16)
+    try:
+        a @ a
+    except RuntimeError as error:
+        return f"torch {torch.__version__} has no bf16 matmul on this processor ({error})"
+    return None
+
+
 @pytest.fixture
 def native():
     require_native()

@@ -227,9 +227,17 @@ def runs(tmp_path_factory):
 
 
 def single(variant, last=STEPS):
-    model, opt, sched = build(variant, False)
-    train(model, opt, sched, 1, last)
-    return record(model, opt)
+    """The single-process run, with the workers' one torch thread: torch's own bf16 matmuls (the model's
+    forward and backward) sum in an order that follows its thread count where oneDNN has no bf16 kernel
+    (ONEDNN_MAX_CPU_ISA=AVX2), and the gradients must be the workers'."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, opt, sched = build(variant, False)
+        train(model, opt, sched, 1, last)
+        return record(model, opt)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def assert_same(got, want):

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torch", reason="PyTorch is not importable: the Python tests need it")
 
-from conftest import require_native  # noqa: E402
+from conftest import require_native, torch_bf16_matmul_error  # noqa: E402
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "train_tiny.py")
 
@@ -18,6 +18,8 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "train_
 def test_train_tiny_example(args, tmp_path):
     if "reference" not in args:
         require_native()
+    if "--bf16" in args and torch_bf16_matmul_error():
+        pytest.skip(torch_bf16_matmul_error())  # the model's own forward, not the optimizer
     out = subprocess.run([sys.executable, EXAMPLE, *args, "--save", str(tmp_path / "s.safetensors")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
