@@ -54,13 +54,7 @@ struct BoundTensor {
 class TorchEngine {
  public:
   TorchEngine(const Manifest& manifest, const Options& options, int threads)
-      : engine_(manifest, options, [this, threads](const Layout& l, const Options& o) {
-          const std::string reason = FastCpuBackend::unsupported_reason(l, o);
-          if (!reason.empty()) throw std::invalid_argument("the fast CPU backend cannot serve this request: " + reason);
-          auto backend = std::make_unique<FastCpuBackend>(l, o, threads);
-          backend_ = backend.get();
-          return backend;
-        }) {
+      : engine_(manifest, options, fast_cpu(threads)) {
     const py::module_ torch = py::module_::import("torch");
     dtypes_[0] = {torch.attr("float32"), DType::f32};
     dtypes_[1] = {torch.attr("bfloat16"), DType::bf16};
@@ -69,6 +63,10 @@ class TorchEngine {
 
   Engine& engine() { return engine_; }
   int threads() const { return backend_->threads(); }
+  // The fast CPU backend again with `threads` threads (torch's count changed): the state stays.
+  void set_threads(int threads) {
+    if (threads != backend_->threads()) engine_.set_backend(fast_cpu(threads));
+  }
 
   // The tensors, one per layout entry, with each block of rows's (offset, run, pitch) in elements or
   // (0, 0, 0) for a whole tensor. Their masters are read at the next step.
@@ -178,6 +176,16 @@ class TorchEngine {
   }
 
  private:
+  Engine::BackendFactory fast_cpu(int threads) {
+    return [this, threads](const Layout& l, const Options& o) {
+      const std::string reason = FastCpuBackend::unsupported_reason(l, o);
+      if (!reason.empty()) throw std::invalid_argument("the fast CPU backend cannot serve this request: " + reason);
+      auto backend = std::make_unique<FastCpuBackend>(l, o, threads);
+      backend_ = backend.get();
+      return backend;
+    };
+  }
+
   void check_parameter(const BoundTensor& b, const LayoutEntry& le) const {
     const py::object t = b.tensor;
     const py::object dtype = t.attr("dtype");
@@ -275,6 +283,8 @@ void bind_engine(py::module_& m) {
                              py::return_value_policy::reference_internal)
       .def_property_readonly("backend", [](TorchEngine& t) { return t.engine().backend_name(); })
       .def_property_readonly("threads", &TorchEngine::threads)
+      .def("set_threads", &TorchEngine::set_threads, py::arg("threads"),
+           "The fast CPU backend again with this many threads (0: one per processor); the state stays")
       .def_property_readonly("fixed_fields", [](TorchEngine& t) { return t.engine().fixed_fields(); })
       .def("set_group",
            [](TorchEngine& t, size_t group, const py::dict& values) { t.engine().set_group(group, typed_values(values)); },

@@ -18,6 +18,12 @@ Engine::Engine(const Manifest& manifest, const Options& options, const BackendFa
   if (!backend_) throw std::logic_error("Engine: the backend factory returned no backend");
 }
 
+void Engine::set_backend(const BackendFactory& make_backend) {
+  std::unique_ptr<TableBackend> next = make_backend(*layout_, options_);
+  if (!next) throw std::logic_error("Engine: the backend factory returned no backend");
+  backend_ = std::move(next);
+}
+
 std::vector<std::string> Engine::fixed_fields() const {
   std::vector<std::string> out{"reduce_axis"};
   for (auto& f : backend_->fixed_fields())

@@ -551,6 +551,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         if self._frozen:
             self._unfreeze_if_needed()
         scaler = self._scaler(kwargs.get("grad_scaler"))
+        if self._engine is not None and self._threads is None and torch.get_num_threads() != self._engine.threads:
+            self._engine.set_threads(torch.get_num_threads())  # torch's count changed: follow it
         if self._engine is not None:  # one native call: the tensors' addresses, versions and gradients, the step
             scale, found = (0, 0) if scaler is None else (0 if scaler[0] is None else scaler[0].data_ptr(),
                                                           scaler[1].data_ptr())

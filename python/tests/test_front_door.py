@@ -186,12 +186,23 @@ def test_a_bf16_parameter_given_new_data_gets_its_master_from_it():
 
 
 def test_threads_follow_torch_unless_given():
-    model = make_model()
+    a, b = make_model(), make_model()
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert normuon.NorMuonAdamW(model.named_parameters())._engine.threads == 1
-        assert normuon.NorMuonAdamW(model.named_parameters(), threads=2)._engine.threads == 2
+        follows = normuon.NorMuonAdamW(a.named_parameters())
+        given = normuon.NorMuonAdamW(b.named_parameters(), threads=1)
+        assert follows._engine.threads == 1 and given._engine.threads == 1
+        for step in (1, 2):
+            if step == 2:
+                torch.set_num_threads(2)  # later too: the next step runs on torch's new count
+            fill_grads(a, step)
+            fill_grads(b, step)
+            follows.step()
+            given.step()
+        assert follows._engine.threads == 2 and given._engine.threads == 1
+        # The state went on where it was (and the backend's bits do not depend on its thread count).
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     finally:
         torch.set_num_threads(before)
 

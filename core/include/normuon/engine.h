@@ -51,6 +51,9 @@ class Engine {
   const Layout& layout() const { return *layout_; }
   const Options& options() const { return options_; }
   std::string backend_name() const { return backend_->name(); }
+  // Another backend over the same layout, options and state (another thread count): nothing of the state
+  // changes.
+  void set_backend(const BackendFactory& make_backend);
 
   // New values for one group (Options::set_group: all or nothing). A field the layout or the backend's
   // plan was built from (fixed_fields) may be given only with its current value.
