@@ -280,7 +280,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         for e in self._entries:
             if e.master is not None:
                 e.read_into(e.master)
-            e.version = e.source._version
+            e.version = _seen(e)
         self._masters_are_current()
 
     def _masters_are_current(self):
@@ -433,16 +433,17 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
 
     def _refresh_masters(self):
         """Outside writes to the model's parameters. An fp32 parameter is its own master: nothing to do. A
-        bf16/fp16 one whose version counter moved (load_state_dict, an in-place op under no_grad) gets its
-        master from it, unless it still holds the rounded master (a model reloaded after the optimizer:
-        the master keeps its low bits). Writes through .data bypass the counter and are not seen."""
+        bf16/fp16 one whose version counter moved (load_state_dict, an in-place op under no_grad) or whose
+        storage is new (p.data = t) gets its master from it, unless it still holds the rounded master (a
+        model reloaded after the optimizer: the master keeps its low bits). In-place writes through .data
+        bypass the counter and are not seen."""
         for e in self._entries:
             t = e.source
             shape = e.shape if e.block is None else e.block.param_shape
             if tuple(t.shape) != shape or t.dtype != e.dtype or t.device != self._device:
                 raise RuntimeError(f"parameter '{e.name}' is now {t.dtype} {list(t.shape)} on {t.device}; it was "
                                    f"{e.dtype} {list(shape)} on {self._device} when the optimizer was built")
-            version = e.source._version
+            version = _seen(e)
             if e.block is not None and e.master is not None and not e.low_precision:
                 e.read_into(e.master)  # the reference's working copy of a block: writes through .data too
             elif version != e.version:
@@ -621,7 +622,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             for e in self._entries:
                 if e.has_grad and e.master is not None:
                     e.write(e.master)  # rounds to the parameter's dtype
-                e.version = e.source._version
+                e.version = _seen(e)
         return skipped
 
     def _cuda_step(self, scaler=None):
@@ -709,7 +710,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             if e.master is not None:
                 e.master.copy_(values)
             e.write(values)  # rounds to the parameter's dtype
-            e.version = e.source._version
+            e.version = _seen(e)
         self._masters_are_current()
         self._set_steps(list(flat.group_steps), list(flat.entry_steps))
 
@@ -888,7 +889,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         for dst, src in writes:
             dst.copy_(src)
         for e in self._entries:  # the masters just loaded win over the model's values as they are now
-            e.version = e.source._version
+            e.version = _seen(e)
         self._masters_are_current()
         for g, new in zip(self.param_groups, new_groups):
             g.clear()
@@ -1006,6 +1007,12 @@ def _own_step(value, group_step, where):
         raise ValueError(f"state of {where}: step={value!r} is not an integer in [0, its group's step "
                          f"{group_step}]")
     return value
+
+
+def _seen(e):
+    """What tells an outside write to a parameter: its storage and its version counter."""
+    t = e.source
+    return t.data_ptr(), t._version
 
 
 def _dense_grad(e):

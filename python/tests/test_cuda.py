@@ -212,10 +212,18 @@ def test_deferred_steps_make_no_torch_sync():
     opt = normuon.NorMuonAdamW(gpu.named_parameters(), verdict="deferred")
     _grads(gpu, 1)
     opt.step()  # the first step uploads the address table
+    # The gradients are made on the device before the checked steps: made on the host, their copy to the
+    # device is itself a synchronising (pageable) copy, and the check failed before the optimizer ran.
+    grads = {}
+    for step in range(2, 5):
+        _grads(gpu, step)
+        grads[step] = [p.grad for p in gpu.parameters()]
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for step in range(2, 5):
-            _grads(gpu, step)
+            for p, g in zip(gpu.parameters(), grads[step]):
+                p.grad = g
             opt.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")

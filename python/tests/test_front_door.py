@@ -169,11 +169,12 @@ def test_the_call_count_can_tell():
     assert reference_calls(20) > reference_calls(10)
 
 
-def test_a_bf16_parameter_given_new_data_gets_its_master_from_it():
+@pytest.mark.parametrize("backend", ["fast", "reference"])
+def test_a_bf16_parameter_given_new_data_gets_its_master_from_it(backend):
     """p.data = t on a bf16 parameter: the next step reads its master from t (it kept the old master, and
-    the step wrote the old values back)."""
+    the step wrote the old values back; the reference and CUDA paths follow the same rule in Python)."""
     model = make_model(dtype=torch.bfloat16)
-    opt = normuon.NorMuonAdamW(model.named_parameters(), lr=0.0, adamw_lr=0.0)
+    opt = normuon.NorMuonAdamW(model.named_parameters(), lr=0.0, adamw_lr=0.0, backend=backend)
     fill_grads(model, 1)
     opt.step()
     w = model.blocks[0].attn.weight
