@@ -210,8 +210,7 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("preset_manifest", &preset_manifest, py::arg("name"), "A built-in preset's manifest (presets.h)");
 
-  // The C++ count of one matrix's Newton-Schulz FLOPs, so that the Python side's own integer count (the
-  // distributed owners' cost) can be checked against it.
+  // One matrix's Newton-Schulz FLOPs: the distributed optimizer's owners are balanced by it.
   m.def(
       "ns_dense_flops",
       [](const std::string& algorithm, int64_t rows, int64_t cols, int steps) {

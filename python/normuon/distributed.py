@@ -12,9 +12,11 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .optim import ADAMW_KEYS, NORMUON_FIELDS, NorMuonAdamW, NotCopyable, resolve_inputs
+from .native import require
+from .optim import NorMuonAdamW, NotCopyable
+from .plan import ADAMW_KEYS, NORMUON_FIELDS, resolve_inputs
+from .reference import nonfinite_gradient
 from .routing import ROUTING_COLUMNS, routing_text
-from .reference import gram_iteration, nonfinite_gradient
 
 # Group keys that are bookkeeping, not hyper-parameters: never copied into the per-rank optimizer.
 _GROUP_BOOKKEEPING = ("params", "names", "name", "algorithm", "step")
@@ -22,23 +24,9 @@ _GROUP_BOOKKEEPING = ("params", "names", "name", "algorithm", "step")
 
 def newton_schulz_flops(rows, cols, ns_steps, ns_algorithm="standard"):
     """FLOPs (2 per multiply-add) of one Newton-Schulz run on a rows x cols matrix, every product in full:
-    ns_dense_flops of core/include/normuon/ns_algorithm.h (spec section 3.2), in integers so that every
-    rank computes the same owners. With a = min(rows, cols) <= b = max(rows, cols):
-    standard: per iteration X X^T (2a^2 b), (cA) A (2a^3) and B X (2a^2 b).
-    gram (rows != cols; a square matrix takes the standard iteration): R = X X^T and the final Q X; per
-    restart Q X and X X^T again; per iteration (cR) R, Q Z (after the first of a stretch), and R Z, Z (RZ)
-    unless the next iteration restarts or ends: 8a^2 b + 28a^3 for 5 iterations (restart before the third)."""
-    a, b = min(rows, cols), max(rows, cols)
-    if ns_algorithm not in ("standard", "gram"):
-        raise ValueError(f"unknown ns_algorithm {ns_algorithm!r} (choose standard | gram)")
-    if ns_algorithm == "standard" or rows == cols:
-        return ns_steps * (4 * a * a * b + 2 * a * a * a)
-    aab, aaa = 2, 0  # products of a x a x b and of a x a x a multiply-adds
-    for k in range(ns_steps):
-        restart, fresh, update_r = gram_iteration(k, ns_steps)
-        aab += 2 if restart else 0
-        aaa += (1 if fresh else 2) + (2 if update_r else 0)
-    return 2 * (aab * a * a * b + aaa * a * a * a)
+    the core's count (ns_dense_flops, core/include/normuon/ns_algorithm.h), as an integer (exact below
+    2^53), the same on every rank."""
+    return int(require("DistributedNorMuonAdamW").ns_dense_flops(ns_algorithm, rows, cols, ns_steps))
 
 
 def assign_owners(costs, world_size, loads=None):
