@@ -55,14 +55,16 @@ PYBIND11_MODULE(_C_cuda, m) {
            py::arg("layout"), py::arg("options"), py::arg("device") = 0, py::arg("stream") = 0,
            py::arg("grad_dtype") = "f32", py::arg("bf16_params") = false, py::arg("caller_tensors") = false,
            py::keep_alive<1, 2>())
-      .def("set_tensors", &FastCudaBackend::set_tensors, py::arg("table"),
+      // Every call below works on C++ objects only: the GIL is let go, so other Python threads (a data
+      // loader) run while the host plans, copies and enqueues.
+      .def("set_tensors", &FastCudaBackend::set_tensors, py::arg("table"), py::call_guard<py::gil_scoped_release>(),
            "Table mode: the caller's device tensors; uploaded only when an address changed")
       .def(
           "set_grad_scaling",
           [](FastCudaBackend& b, uintptr_t grad_scale, uintptr_t found_inf) {
             b.set_grad_scaling(reinterpret_cast<const float*>(grad_scale), reinterpret_cast<const float*>(found_inf));
           },
-          py::arg("grad_scale"), py::arg("found_inf"),
+          py::arg("grad_scale"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>(),
           "GradScaler's fp32 scale and found_inf (device addresses; 0, 0: none) for the next steps")
       .def("poll_step", &FastCudaBackend::poll_step, py::arg("options"), py::call_guard<py::gil_scoped_release>(),
            "The last enqueued step's verdict, waiting only for that step (deferred NaN/Inf report)")
@@ -78,9 +80,10 @@ PYBIND11_MODULE(_C_cuda, m) {
       .def("set_stream", [stream_of](FastCudaBackend& b, uintptr_t handle) { b.set_stream(stream_of(handle)); },
            py::arg("stream"))
       .def("upload", [](FastCudaBackend& b, const FlatState& s) { b.device_state().upload(s, b.stream()); },
-           py::arg("state"), "Host state -> device (synchronises)")
+           py::arg("state"), py::call_guard<py::gil_scoped_release>(), "Host state -> device (synchronises)")
       .def("download", [](FastCudaBackend& b, FlatState& s) { b.device_state().download(s, b.stream()); },
-           py::arg("state"), "Device state -> host (synchronises; gradients stay on the device)")
+           py::arg("state"), py::call_guard<py::gil_scoped_release>(),
+           "Device state -> host (synchronises; gradients stay on the device)")
       .def(
           "set_options",
           [](FastCudaBackend& b, const Options& o, const std::optional<std::vector<int64_t>>& group_steps,
@@ -88,12 +91,13 @@ PYBIND11_MODULE(_C_cuda, m) {
             b.set_options(o, group_steps ? &*group_steps : nullptr, entry_steps ? &*entry_steps : nullptr);
           },
           py::arg("options"), py::arg("group_steps") = py::none(), py::arg("entry_steps") = py::none(),
+          py::call_guard<py::gil_scoped_release>(),
           "The counts before the next step, for host-exact AdamW bias corrections: entry_steps, each "
           "parameter's own (layout order); without it, group_steps gives every parameter its group's counter")
-      .def("enqueue_step", &FastCudaBackend::enqueue_step)
+      .def("enqueue_step", &FastCudaBackend::enqueue_step, py::call_guard<py::gil_scoped_release>())
       .def("finish_step", &FastCudaBackend::finish_step, py::arg("options"), py::call_guard<py::gil_scoped_release>())
-      .def("capture_graph", &FastCudaBackend::capture_graph)
-      .def("replay_graph", &FastCudaBackend::replay_graph)
+      .def("capture_graph", &FastCudaBackend::capture_graph, py::call_guard<py::gil_scoped_release>())
+      .def("replay_graph", &FastCudaBackend::replay_graph, py::call_guard<py::gil_scoped_release>())
       // name -> (device pointer, elements, __cuda_array_interface__ typestr), for zero-copy torch views.
       .def("buffers",
            [](FastCudaBackend& b) {

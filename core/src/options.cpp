@@ -361,7 +361,9 @@ void Options::set_group(size_t group, const std::vector<std::pair<std::string, F
     throw std::invalid_argument("group index " + std::to_string(group) + " out of range (" +
                                 std::to_string(groups.size()) + " groups)");
   GroupOptions g = groups[group];  // changed as a copy: all or nothing
-  for (const auto& [field, value] : values) {
+  for (const auto& field_value : values) {  // not a structured binding: C++17 lambdas cannot capture one
+    const std::string& field = field_value.first;
+    const FieldValue& value = field_value.second;
     const std::string key = g.name + "." + field;
     if (!with_field(g, field, [&](const auto& f, auto& h) { f.store(h, checked(f.spec, key, value)); }))
       throw std::invalid_argument("option '" + key + "': group '" + g.name + "' (" + to_string(g.algorithm) +

@@ -40,6 +40,34 @@ def lr_scale_factor(rule, rows, cols):
     raise ValueError(f"unknown lr_scale {rule!r} (choose official | spectral | rms_matching)")
 
 
+def fp32(x):
+    """A Python number rounded to fp32, as the spec rounds its scalars (and torch its scalar arguments)."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def fma(x, y, z):
+    """fp32 fma(x, y, z) with one rounding, elementwise (tensors or numbers), on any processor: torch has no
+    fma, and whether its lerp_, addcmul_ and add_(alpha=) fuse depends on ATEN_CPU_CAPABILITY. x*y is exact
+    in float64; the float64 sum is made round-to-odd (an inexact one gets an odd last bit, from its exact
+    error), after which rounding to fp32 is the correctly rounded fma."""
+    x, y, z = (torch.as_tensor(t, dtype=torch.float64) if not torch.is_tensor(t) else t.double() for t in (x, y, z))
+    p = x * y
+    s = p + z
+    bz = s - p  # TwoSum: the exact error of s = p + z
+    e = (p - (s - bz)) + (z - bz)
+    even = (s.view(torch.int64) & 1) == 0 if s.dim() else (s.reshape(1).view(torch.int64) & 1).reshape(()) == 0
+    inexact = (e != 0) & even
+    s = torch.where(inexact, torch.nextafter(s, s + e), s)
+    return s.float()
+
+
+def lerp(a, b, w):
+    """torch's lerp with the spec's rounding (spec section 1): the weight decides which end anchors the fma."""
+    w = fp32(w)
+    d = b - a
+    return fma(w, d, a) if abs(w) < 0.5 else fma(fp32(w - 1.0), d, b)
+
+
 def ieee_sqrt(x):
     """The spec's correctly rounded fp32 sqrt. torch 2.x takes sqrt on the CPU through a vectorised
     approximation (torch 2.11: 17% of fp32 results 1 ULP off); a faithful float64 sqrt rounded once to fp32
@@ -133,15 +161,15 @@ def normuon_update(p, g, M, v, h, per_row):
     """One NorMuon step (spec section 3.1) of one matrix, in place on p, M (momentum) and v (second moment)."""
     rows, cols = p.shape
     # 1-2. momentum (EMA) and the Nesterov blend; never hand M itself to Newton-Schulz.
-    M.lerp_(g, 1 - h["beta1"])
-    U = g.lerp(M, h["beta1"]) if h["nesterov"] else M.clone()
+    M.copy_(lerp(M, g, 1 - h["beta1"]))
+    U = lerp(g, M, h["beta1"]) if h["nesterov"] else M.clone()
     # 3. orthogonalise, back to fp32.
     O = newton_schulz(U, h).contiguous()
     # 4. statistics along the neuron axis, accumulated in double.
     nu = _norm_in_double(O)
     r = O.double().square().mean(1 if per_row else 0).float()
     # 5-6. second moment (no bias correction: it cancels in the re-norm) and its inverse square root.
-    v.lerp_(r, 1 - h["beta2"])
+    v.copy_(lerp(v, r, 1 - h["beta2"]))
     if h["eps_placement"] == "add":
         s = ieee_sqrt(v).add_(h["denom_eps"]).reciprocal()
     elif h["eps_placement"] == "clamp":
@@ -164,8 +192,8 @@ def normuon_update(p, g, M, v, h, per_row):
             p.sub_(p * mask * (lr * wd))
     elif mode != "none":
         raise ValueError(f"unknown weight_decay_mode {mode!r} (choose decoupled | cautious | none)")
-    # 11. the step.
-    p.add_(update, alpha=-lr)
+    # 11. the step: p.add_(update, alpha=-lr), one fma.
+    p.copy_(fma(fp32(-lr), update, p))
 
 
 def adamw_update(p, g, m, v, h, t):
@@ -173,8 +201,8 @@ def adamw_update(p, g, m, v, h, t):
     lr, wd = h["lr"], h["weight_decay"]
     if wd != 0:
         p.mul_(1 - lr * wd)
-    m.lerp_(g, 1 - h["beta1"])
-    v.mul_(h["beta2"]).addcmul_(g, g, value=1 - h["beta2"])
+    m.copy_(lerp(m, g, 1 - h["beta1"]))
+    v.copy_(fma(g * fp32(1 - h["beta2"]), g, v * fp32(h["beta2"])))  # v.mul_(beta2).addcmul_(g, g, 1 - beta2)
     bias_correction1 = 1 - math.pow(h["beta1"], t)
     bias_correction2 = 1 - math.pow(h["beta2"], t)
     step_size = lr / bias_correction1

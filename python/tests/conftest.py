@@ -23,6 +23,18 @@ def require_native():
     pytest.skip(why)
 
 
+def torch_addcmul_fuses():
+    """Whether torch's v.mul_(beta2).addcmul_(g, g, value=1 - beta2) rounds as the spec does, with one fma
+    (its vectorised kernels); with ATEN_CPU_CAPABILITY=default it rounds twice. Only then can a state be
+    compared bit for bit with torch.optim.AdamW's own."""
+    from normuon import reference
+
+    g = torch.Generator().manual_seed(11)
+    v, grad = torch.rand(1 << 12, generator=g), torch.randn(1 << 12, generator=g)
+    ours = reference.fma(grad * reference.fp32(1 - 0.95), grad, v * reference.fp32(0.95))
+    return torch.equal(v.clone().mul_(0.95).addcmul_(grad, grad, value=1 - 0.95), ours)
+
+
 def torch_bf16_matmul_error():
     """Why torch cannot multiply bf16 matrices on this processor (torch 1.13 goes to oneDNN, which has no
     bf16 matmul below AVX-512, e.g. under ONEDNN_MAX_CPU_ISA=AVX2), or None. A bf16 model's forward needs it;

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Pyth
 import normuon  # noqa: E402
 from normuon import native, reference  # noqa: E402
 from conftest import fill_grads, make_model, params_of  # noqa: E402
-from conftest import require_exact_torch_sqrt, torch_sqrt_rounding_errors  # noqa: E402
+from conftest import require_exact_torch_sqrt, torch_addcmul_fuses, torch_sqrt_rounding_errors  # noqa: E402
 from torch import nn  # noqa: E402
 
 ADAM = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -50,7 +50,8 @@ def test_adamw_bitwise_with_torch_when_the_moment_forms_coincide(native):
             assert torch.equal(a[n], b[n]), (n, step)
     state = ours.state_dict()["state"]
     for i, n in enumerate(a):
-        assert torch.equal(state[i]["exp_avg_sq"], theirs.state[b[n]]["exp_avg_sq"]), n
+        if torch_addcmul_fuses():  # else torch's own v rounds twice (ATEN_CPU_CAPABILITY=default)
+            assert torch.equal(state[i]["exp_avg_sq"], theirs.state[b[n]]["exp_avg_sq"]), n
 
 
 def test_adamw_agrees_with_torch_within_fp32_tolerance(native):
@@ -66,7 +67,8 @@ def test_adamw_agrees_with_torch_within_fp32_tolerance(native):
     state = ours.state_dict()["state"]
     for i, n in enumerate(a):
         torch.testing.assert_close(a[n], b[n], rtol=2e-6, atol=1e-7)
-        assert torch.equal(state[i]["exp_avg_sq"], theirs.state[b[n]]["exp_avg_sq"]), n
+        if torch_addcmul_fuses():  # else torch's own v rounds twice (ATEN_CPU_CAPABILITY=default)
+            assert torch.equal(state[i]["exp_avg_sq"], theirs.state[b[n]]["exp_avg_sq"]), n
         torch.testing.assert_close(state[i]["exp_avg"], theirs.state[b[n]]["exp_avg"], rtol=0, atol=1e-6)
     assert ours.param_groups[0]["step"] == 0 and ours.param_groups[1]["step"] == 20
 

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Pyth
 from normuon import reference  # noqa: E402
 from normuon.megatron import MegatronAdamW, MegatronNorMuon  # noqa: E402
 from megatron_helpers import megatron_groups, random_params, scheduler_step, set_grads  # noqa: E402
-from conftest import require_exact_torch_sqrt, torch_sqrt_rounding_errors  # noqa: E402
+from conftest import require_exact_torch_sqrt, torch_addcmul_fuses, torch_sqrt_rounding_errors  # noqa: E402
 
 
 SHAPES = [(6, 5), (17,), (0,), (4, 3, 2), ()]
@@ -178,7 +178,8 @@ def test_agrees_with_torch_adamw_within_the_documented_tolerance(backend):
             assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
-        assert torch.equal(opt.state[a]["exp_avg_sq"], torch_opt.state[b]["exp_avg_sq"])
+        if torch_addcmul_fuses():  # else torch's own v rounds twice (ATEN_CPU_CAPABILITY=default)
+            assert torch.equal(opt.state[a]["exp_avg_sq"], torch_opt.state[b]["exp_avg_sq"])
         torch.testing.assert_close(opt.state[a]["exp_avg"], torch_opt.state[b]["exp_avg"], rtol=0, atol=1e-6)
     sd = opt.state_dict()["state"]
     assert all(float(sd[i]["step"]) == float(torch_opt.state[b]["step"]) == 10 for i, b in enumerate(theirs))
