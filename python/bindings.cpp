@@ -32,12 +32,6 @@ using namespace normuon;
 
 namespace {
 
-// A 1-D numpy array over `size` elements at `data`, owned by `owner` (kept alive as the array's base).
-template <typename T>
-py::array_t<T> view(T* data, int64_t size, py::handle owner) {
-  return py::array_t<T>({static_cast<py::ssize_t>(size)}, {static_cast<py::ssize_t>(sizeof(T))}, data, owner);
-}
-
 // A numpy view of one of a state's buffers, for def_property_readonly (FlatState and TableState alike).
 template <typename State>
 auto buffer_view(AlignedBuffer State::*member) {

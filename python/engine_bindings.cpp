@@ -230,11 +230,6 @@ class TorchEngine {
   std::pair<py::object, DType> dtypes_[3];
 };
 
-template <typename T>
-py::array_t<T> view(T* data, int64_t size, py::handle owner) {
-  return py::array_t<T>({static_cast<py::ssize_t>(size)}, {static_cast<py::ssize_t>(sizeof(T))}, data, owner);
-}
-
 #endif  // NORMUON_HAVE_FAST_CPU
 
 }  // namespace

@@ -1,6 +1,7 @@
 // normuon._C's engine: the native optimizer Python's NorMuonAdamW is a client of (engine_bindings.cpp).
 #pragma once
 
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -13,6 +14,13 @@
 namespace normuon {
 
 void bind_engine(pybind11::module_& m);
+
+// A 1-D numpy array over `size` elements at `data`, owned by `owner` (kept alive as the array's base).
+template <typename T>
+pybind11::array_t<T> view(T* data, int64_t size, pybind11::handle owner) {
+  return pybind11::array_t<T>({static_cast<pybind11::ssize_t>(size)}, {static_cast<pybind11::ssize_t>(sizeof(T))},
+                              data, owner);
+}
 
 // {field: value} from Python in the core's typed form (unchecked: the core checks).
 inline std::vector<std::pair<std::string, FieldValue>> typed_values(const pybind11::dict& values) {
