@@ -47,23 +47,18 @@ auto buffer_view(AlignedBuffer State::*member) {
 // parameters counts of their own.
 template <typename State>
 void set_group_steps(State& s, const std::vector<int64_t>& steps) {
-  if (steps.size() != s.layout->group_names.size())
-    throw std::invalid_argument(std::to_string(steps.size()) + " group steps for " +
-                                std::to_string(s.layout->group_names.size()) + " groups");
-  for (int64_t t : steps)
-    if (t < 0) throw std::invalid_argument("a group step is negative: " + std::to_string(t));
-  std::vector<int64_t> entries = entry_steps_from_groups(*s.layout, steps);
+  s.entry_steps = checked_entry_steps(*s.layout, steps, {});
   s.group_steps = steps;
-  s.entry_steps = std::move(entries);
 }
 
 // entry_steps of a FlatState or TableState (one per layout entry, each in [0, its group's counter]),
 // checked before anything is written.
 template <typename State>
 void set_entry_steps(State& s, const std::vector<int64_t>& steps) {
-  const std::string reason = entry_steps_invalid_reason(*s.layout, s.group_steps, steps);
-  if (!reason.empty()) throw std::invalid_argument("entry_steps: " + reason);
-  s.entry_steps = steps;
+  if (steps.empty() && !s.layout->entries.empty())  // (empty would mean "from the groups" below)
+    throw std::invalid_argument("entry_steps: 0 entry steps for " + std::to_string(s.layout->entries.size()) +
+                                " parameters");
+  s.entry_steps = checked_entry_steps(*s.layout, s.group_steps, steps);
 }
 
 std::optional<Algorithm> parse_override(const std::optional<std::string>& text) {

@@ -1,7 +1,8 @@
-// normuon._C.Engine: the native engine (core/include/normuon/engine.h) on the fast CPU backend, with the
-// caller's torch tensors walked here, in C++, once per step: their addresses, gradients and version
-// counters go into the engine's table without a Python-level call per parameter. No libtorch: the
-// tensors are reached through their Python attributes (data_ptr, grad, _version, ...).
+// normuon._C.Engine: the native engine (core/include/normuon/engine.h) on the fast CPU backend or on a
+// device backend another module builds (normuon._C_cuda's engine_backend), with the caller's torch
+// tensors walked here, in C++, once per step: their addresses, gradients and version counters go into the
+// engine's table without a Python-level call per parameter. No libtorch: the tensors are reached through
+// their Python attributes (data_ptr, grad, _version, get_device, ...).
 #include "engine_bindings.h"
 
 #include <pybind11/numpy.h>
@@ -38,8 +39,6 @@ const FieldSpec& field_spec(Algorithm algorithm, const std::string& name) {
   throw std::invalid_argument("a " + std::string(to_string(algorithm)) + " group has no field '" + name + "'");
 }
 
-#ifdef NORMUON_HAVE_FAST_CPU
-
 // One layout entry's tensor as the walk sees it.
 struct BoundTensor {
   py::object tensor;  // the parameter, or the fused tensor a block of rows lies in
@@ -50,22 +49,36 @@ struct BoundTensor {
   int64_t version = -1;  // -1: its master not read yet
 };
 
-// The engine with the torch tensors it steps.
+// The engine with the torch tensors it steps, all on one device: `device` as torch's get_device() says it
+// (-1: the CPU).
 class TorchEngine {
  public:
-  TorchEngine(const Manifest& manifest, const Options& options, int threads)
-      : engine_(manifest, options, fast_cpu(threads)) {
+  TorchEngine(const Manifest& manifest, const Options& options, const Engine::BackendFactory& factory, int device)
+      : engine_(manifest, options, factory), device_(device) {
     const py::module_ torch = py::module_::import("torch");
     dtypes_[0] = {torch.attr("float32"), DType::f32};
     dtypes_[1] = {torch.attr("bfloat16"), DType::bf16};
     dtypes_[2] = {torch.attr("float16"), DType::f16};
   }
+#ifdef NORMUON_HAVE_FAST_CPU
+  TorchEngine(const Manifest& manifest, const Options& options, int threads)
+      : TorchEngine(manifest, options, fast_cpu(threads, &cpu_), -1) {}
+#endif
 
   Engine& engine() { return engine_; }
-  int threads() const { return backend_->threads(); }
+  int threads() const {
+#ifdef NORMUON_HAVE_FAST_CPU
+    if (cpu_) return cpu_->threads();
+#endif
+    return 0;
+  }
   // The fast CPU backend again with `threads` threads (torch's count changed): the state stays.
   void set_threads(int threads) {
-    if (threads != backend_->threads()) engine_.set_backend(fast_cpu(threads));
+#ifdef NORMUON_HAVE_FAST_CPU
+    if (cpu_ && threads != cpu_->threads()) engine_.set_backend(fast_cpu(threads, &cpu_));
+#else
+    (void)threads;
+#endif
   }
 
   // The tensors, one per layout entry, with each block of rows's (offset, run, pitch) in elements or
@@ -109,9 +122,11 @@ class TorchEngine {
   }
 
   // Reads every tensor's address, version and gradient into the engine's table, then steps with the
-  // GIL released. grad_scale, found_inf: host addresses of a scaler's fp32 scalars, or 0.
-  StepResult step(uintptr_t grad_scale, uintptr_t found_inf) {
+  // GIL released. grad_scale, found_inf: addresses of a scaler's fp32 scalars on the tensors' device, or
+  // 0; stream: a device backend's stream for this step (a cudaStream_t handle), or 0.
+  StepResult step(uintptr_t grad_scale, uintptr_t found_inf, uintptr_t stream) {
     if (bound_.size() != engine_.layout().entries.size()) throw std::logic_error("Engine.step before Engine.bind");
+    if (stream) engine_.set_stream(reinterpret_cast<void*>(stream));  // before a master refresh enqueues work
     table_bound_ = false;  // until every entry is read: step_bound refuses a half-read table
     keep_.clear();         // the gradients this step reads, held while the GIL is released (and for step_bound)
     std::unordered_map<PyObject*, py::object> contiguous;  // a non-contiguous gradient, copied once
@@ -151,6 +166,11 @@ class TorchEngine {
     return engine_.step(scale, found);
   }
 
+  StepResult settle() {
+    py::gil_scoped_release release;
+    return engine_.settle();
+  }
+
   // The step over the table as the last step() read it (the benchmark's C++ step alone).
   StepResult step_bound() {
     if (!table_bound_) throw std::logic_error("Engine.step_bound: no complete step() has bound the table");
@@ -176,27 +196,33 @@ class TorchEngine {
   }
 
  private:
-  Engine::BackendFactory fast_cpu(int threads) {
-    return [this, threads](const Layout& l, const Options& o) {
+#ifdef NORMUON_HAVE_FAST_CPU
+  // The fast CPU backend; `made` learns it (the engine owns it).
+  static Engine::BackendFactory fast_cpu(int threads, FastCpuBackend** made) {
+    return [threads, made](const Layout& l, const Options& o) {
       const std::string reason = FastCpuBackend::unsupported_reason(l, o);
       if (!reason.empty()) throw std::invalid_argument("the fast CPU backend cannot serve this request: " + reason);
       auto backend = std::make_unique<FastCpuBackend>(l, o, threads);
-      backend_ = backend.get();
+      *made = backend.get();
       return backend;
     };
   }
+#endif
+
+  std::string device_name() const { return device_ < 0 ? "cpu" : "cuda:" + std::to_string(device_); }
 
   void check_parameter(const BoundTensor& b, const LayoutEntry& le) const {
     const py::object t = b.tensor;
     const py::object dtype = t.attr("dtype");
     const bool same = py::object(t.attr("shape")).equal(b.shape) && dtype.is(dtype_object(le.dtype)) &&
-                      !t.attr("is_cuda").cast<bool>();
+                      t.attr("get_device")().cast<int>() == device_;
     if (!same)
       throw std::runtime_error("parameter '" + le.name + "' is now " + py::str(t.attr("dtype")).cast<std::string>() +
                                " " + py::str(t.attr("shape")).cast<std::string>() + " on " +
                                py::str(t.attr("device")).cast<std::string>() + "; it was " +
                                py::str(dtype_object(le.dtype)).cast<std::string>() + " " +
-                               py::str(b.shape).cast<std::string>() + " on cpu when the optimizer was built");
+                               py::str(b.shape).cast<std::string>() + " on " + device_name() +
+                               " when the optimizer was built");
     if (!t.attr("is_contiguous")().cast<bool>())
       throw std::runtime_error("parameter '" + le.name + "' is not contiguous; NorMuonAdamW steps parameters in place");
   }
@@ -206,13 +232,14 @@ class TorchEngine {
       throw std::runtime_error("parameter '" + le.name + "' has a sparse gradient, which NorMuonAdamW does not support");
     const py::object dtype = grad.attr("dtype");
     for (const auto& [object, d] : dtypes_)
-      if (dtype.is(object) && py::object(grad.attr("shape")).equal(py::object(b.tensor.attr("shape"))) && !grad.attr("is_cuda").cast<bool>())
+      if (dtype.is(object) && py::object(grad.attr("shape")).equal(py::object(b.tensor.attr("shape"))) &&
+          grad.attr("get_device")().cast<int>() == device_)
         return d;
     throw std::runtime_error("parameter '" + le.name + "': its gradient is " + py::str(dtype).cast<std::string>() + " " +
                              py::str(grad.attr("shape")).cast<std::string>() + " on " +
                              py::str(grad.attr("device")).cast<std::string>() +
                              "; expected float32, bfloat16 or float16 " + py::str(b.tensor.attr("shape")).cast<std::string>() +
-                             " on cpu");
+                             " on " + device_name());
   }
 
   py::object dtype_object(DType d) const {
@@ -221,16 +248,17 @@ class TorchEngine {
     throw std::logic_error("unknown dtype");
   }
 
-  const FastCpuBackend* backend_ = nullptr;  // engine_'s, set while it is built (so declared first)
+#ifdef NORMUON_HAVE_FAST_CPU
+  FastCpuBackend* cpu_ = nullptr;  // engine_'s backend when it is the fast CPU one (set while it is built)
+#endif
   Engine engine_;
+  int device_;
   std::vector<BoundTensor> bound_;
   std::vector<py::object> keep_;  // the gradients the table points at
   bool table_bound_ = false;
   py::list frozen_;
   std::pair<py::object, DType> dtypes_[3];
 };
-
-#endif  // NORMUON_HAVE_FAST_CPU
 
 }  // namespace
 
@@ -261,6 +289,13 @@ void bind_engine(py::module_& m) {
       py::arg("group"), py::arg("algorithm"), py::arg("values"),
       "A group's {field: value} checked by the core's rules (ValueError naming GROUP.FIELD), in canonical types");
 
+#ifdef NORMUON_HAVE_FAST_CPU
+  m.attr("has_fast_cpu") = true;
+#else
+  m.attr("has_fast_cpu") = false;
+#endif
+  m.attr("FOUND_INF_REASON") = kFoundInfReason;
+  m.def("layout_fields", &Engine::layout_fields, "The fields the layout is built from: fixed once it is built");
   m.def(
       "resolve_backend_choice",
       [](const std::string& request) { return std::string(to_string(resolve_backend_choice(request))); },
@@ -268,12 +303,32 @@ void bind_engine(py::module_& m) {
       "'auto' | 'fast' | 'reference': the request (empty: none), else NORMUON_BACKEND, else auto; ValueError for "
       "anything else, naming where it came from");
 
-#ifdef NORMUON_HAVE_FAST_CPU
   py::class_<TorchEngine>(m, "Engine",
-                          "The native engine on the fast CPU backend: layout, options, state, counters; the "
-                          "caller's torch tensors stepped in place (core/include/normuon/engine.h)")
+                          "The native engine: layout, options, state, counters; the caller's torch tensors "
+                          "stepped in place (core/include/normuon/engine.h)")
+#ifdef NORMUON_HAVE_FAST_CPU
       .def(py::init<const Manifest&, const Options&, int>(), py::arg("manifest"), py::arg("options"),
-           py::arg("threads") = 0)
+           py::arg("threads") = 0, "On the fast CPU backend (threads 0: one per processor)")
+#endif
+      .def(py::init([](const Manifest& manifest, const Options& options, const py::capsule& backend, int device) {
+             return std::make_unique<TorchEngine>(manifest, options, backend_factory(backend), device);
+           }),
+           py::arg("manifest"), py::arg("options"), py::arg("backend"), py::arg("device"),
+           "On a device backend another module made (normuon._C_cuda.engine_backend), over tensors on `device` "
+           "(torch's get_device(): -1 for the CPU)")
+      .def_property_readonly("on_device", [](TorchEngine& t) { return t.engine().on_device(); })
+      .def_property("verdict",
+                    [](TorchEngine& t) { return t.engine().verdict() == Verdict::sync ? "sync" : "deferred"; },
+                    [](TorchEngine& t, const std::string& v) {
+                      if (v != "sync" && v != "deferred")
+                        throw std::invalid_argument("verdict='" + v + "': choose sync | deferred");
+                      t.engine().set_verdict(v == "sync" ? Verdict::sync : Verdict::deferred);
+                    },
+                    "When a device step's NaN/Inf verdict reaches the host: 'sync' (in step) or 'deferred' (at "
+                    "the next step or settle)")
+      .def("settle", &TorchEngine::settle,
+           "The pending device step's verdict now (rolling its counters back if it was skipped)")
+      .def_property_readonly("pending", [](TorchEngine& t) { return t.engine().pending(); })
       .def_property_readonly("layout", [](TorchEngine& t) -> const Layout& { return t.engine().layout(); },
                              py::return_value_policy::reference_internal)
       .def_property_readonly("backend", [](TorchEngine& t) { return t.engine().backend_name(); })
@@ -306,8 +361,9 @@ void bind_engine(py::module_& m) {
            "frozen: tensors outside the layout, watched by frozen_with_grad")
       .def("frozen_with_grad", &TorchEngine::frozen_with_grad,
            "Positions in the frozen list of the tensors that have a gradient now")
-      .def("step", &TorchEngine::step, py::arg("grad_scale") = 0, py::arg("found_inf") = 0,
-           "One step over the bound tensors (one native call: addresses, gradients, versions, then the step)")
+      .def("step", &TorchEngine::step, py::arg("grad_scale") = 0, py::arg("found_inf") = 0, py::arg("stream") = 0,
+           "One step over the bound tensors (one native call: addresses, gradients, versions, then the step; "
+           "enqueued on `stream` for a device backend)")
       .def("step_bound", &TorchEngine::step_bound,
            "The step over the table as the last step() bound it, reading no tensor again: the C++ step alone "
            "(bench/python_step.py; the tensors must still be where they were)")
@@ -322,26 +378,21 @@ void bind_engine(py::module_& m) {
              t.engine().set_steps(group_steps, entry_steps ? *entry_steps : std::vector<int64_t>{});
            }, py::arg("group_steps"), py::arg("entry_steps") = py::none(),
            "Both counters, checked first; entry_steps None: each parameter at its group's counter")
-      .def_property_readonly("table_state", [](TorchEngine& t) -> TableState& { return t.engine().state(); },
-                             py::return_value_policy::reference_internal)
       .def_property_readonly("table", [](TorchEngine& t) -> ParamTable& { return t.engine().table(); },
                              py::return_value_policy::reference_internal)
       .def("buffers", [](py::object self) {
-             TableState& s = self.cast<TorchEngine&>().engine().state();
              py::dict out;
-             out["masters"] = view(s.masters.data(), s.masters.size(), self);
-             out["momentum"] = view(s.momentum.data(), s.momentum.size(), self);
-             out["row_var"] = view(s.row_var.data(), s.row_var.size(), self);
-             out["exp_avg"] = view(s.exp_avg.data(), s.exp_avg.size(), self);
-             out["exp_avg_sq"] = view(s.exp_avg_sq.data(), s.exp_avg_sq.size(), self);
+             for (const BufferView& b : self.cast<TorchEngine&>().engine().buffers())
+               out[py::str(b.name)] = b.device ? py::object(py::make_tuple(reinterpret_cast<uintptr_t>(b.data), b.size, "<f4"))
+                                               : py::object(view(static_cast<float*>(b.data), b.size, self));
              return out;
-           }, "The engine's own memory as numpy views: masters and the state buffers")
+           }, "The engine's own memory, masters and state buffers: numpy views of host memory, (address, "
+              "elements, typestr) of device memory (for __cuda_array_interface__)")
       .def("memory_report", [](TorchEngine& t) {
              const MemoryReport r = t.engine().memory_report();
              return py::dict(py::arg("state_bytes") = r.state_bytes, py::arg("master_bytes") = r.master_bytes,
                              py::arg("workspace_bytes") = r.workspace_bytes);
            });
-#endif
 }
 
 }  // namespace normuon

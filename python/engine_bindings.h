@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "normuon/engine.h"
 #include "normuon/options.h"
 
 namespace normuon {
@@ -31,6 +32,22 @@ inline std::vector<std::pair<std::string, FieldValue>> typed_values(const pybind
     out.emplace_back(field, value.cast<FieldValue>());
   }
   return out;
+}
+
+// A backend factory handed from one of the package's native modules to normuon._C.Engine: a capsule of
+// this name owning an Engine::BackendFactory (the modules of one build agree on its layout).
+constexpr const char* kBackendFactoryCapsule = "normuon.BackendFactory";
+
+inline pybind11::capsule backend_capsule(Engine::BackendFactory factory) {
+  return pybind11::capsule(new Engine::BackendFactory(std::move(factory)), kBackendFactoryCapsule, [](PyObject* o) {
+    delete static_cast<Engine::BackendFactory*>(PyCapsule_GetPointer(o, kBackendFactoryCapsule));
+  });
+}
+
+inline const Engine::BackendFactory& backend_factory(const pybind11::capsule& capsule) {
+  if (std::string(capsule.name() ? capsule.name() : "") != kBackendFactoryCapsule)
+    throw pybind11::type_error("not a backend of normuon's native modules");
+  return *capsule.get_pointer<Engine::BackendFactory>();
 }
 
 }  // namespace normuon

@@ -22,7 +22,7 @@ namespace {
 struct DeviceBytes {
   std::vector<float> storage;  // float-aligned; bf16 batches read it as twice as many halves
 
-  explicit DeviceBytes(int64_t floats = 0) : storage(static_cast<size_t>(floats)) {
+  explicit DeviceBytes(int64_t bytes = 0) : storage(static_cast<size_t>((bytes + 3) / 4)) {
     std::memset(static_cast<void*>(storage.data()), 0xff, storage.size() * sizeof(float));
   }
   template <typename T>
@@ -35,19 +35,19 @@ struct DeviceBytes {
 struct NsBatch {
   cuda::NsBatchShape shape;
   cuda::NsBatchGeometry geometry;
-  DeviceBytes x;  // the batch's own: P(U) in, O out
 };
 
-// Shared by the batches and sized for the largest, as BatchedNewtonSchulz allocates them: A, C/B, T
-// (s x s) and U (X-shaped), Gram's Q, Z and T2 (s x s, only with a Gram batch), the norm kernels' partial
-// sums.
+// Shared by the batches and sized for the largest, as BatchedNewtonSchulz allocates them: X (each batch's
+// P(U) in, O out), A, C/B, T (s x s) and U (X-shaped), Gram's Q, Z and T2 (s x s, only with a Gram batch),
+// the norm kernels' partial sums.
 struct NsWorkspace {
-  DeviceBytes gram, bmat, tmat, umat, qmat, zmat, t2mat;
+  DeviceBytes x, gram, bmat, tmat, umat, qmat, zmat, t2mat;
   std::vector<double> partials;
 
   void size_for(const std::vector<NsBatch>& batches) {
     cuda::NsWorkspaceSizes sizes;
     for (const NsBatch& b : batches) sizes.add(b.shape, b.geometry);
+    x = DeviceBytes(sizes.x);
     gram = DeviceBytes(sizes.square);
     bmat = DeviceBytes(sizes.square);
     tmat = DeviceBytes(sizes.square);
@@ -59,23 +59,14 @@ struct NsWorkspace {
   }
 };
 
-NsBatch make_batch(const cuda::NsBatchShape& shape) {
-  NsBatch b;
-  b.shape = shape;
-  b.geometry = cuda::ns_batch_geometry(shape);
-  if (!b.geometry.empty) {
-    const int64_t x_elements = shape.count * b.geometry.x.stride;
-    b.x = DeviceBytes(shape.precision == NsPrecision::bf16 ? (x_elements + 1) / 2 : x_elements);
-  }
-  return b;
-}
+NsBatch make_batch(const cuda::NsBatchShape& shape) { return NsBatch{shape, cuda::ns_batch_geometry(shape)}; }
 
 // BatchedNewtonSchulz::run on the host: the same run_newton_schulz or run_gram_newton_schulz, the GEMMs
 // emulated. Returns the number of GEMMs.
 template <typename T>
 int64_t run_batch_as(NsBatch& b, NsWorkspace& w) {
   const cuda::NsBatchGeometry& g = b.geometry;
-  const cuda::NsBuffers<LtBuffer<T>> whole{b.x.as<T>(),    w.gram.as<T>(), w.bmat.as<T>(), w.tmat.as<T>(),
+  const cuda::NsBuffers<LtBuffer<T>> whole{w.x.as<T>(),    w.gram.as<T>(), w.bmat.as<T>(), w.tmat.as<T>(),
                                            w.umat.as<T>(), w.qmat.as<T>(), w.zmat.as<T>(), w.t2mat.as<T>()};
   int64_t gemms = 0;
   auto gemm = [&](cuda::NsGemm which, int part, const cuda::NsGemmSpec& spec) {
@@ -120,7 +111,7 @@ struct EmulatedCudaBackend::Impl {
   int64_t gemms = 0;
 
   Impl(const Layout& l, const Options& options, Config c)
-      : layout(l), config(c), plan(cuda::StepPlan::build(l, options)) {
+      : layout(l), config(c), plan(cuda::StepPlan::build(l, options, c.ns_budget)) {
     for (cuda::NsBatchShape& shape : plan.batches) {
       shape.panel_width = config.ns_panel_width;  // as FastCudaBackend passes it on
       batches.push_back(make_batch(shape));
@@ -131,8 +122,8 @@ struct EmulatedCudaBackend::Impl {
       cuda::MatrixInfo& info = plan.matrices[m];
       NsBatch& b = batches[static_cast<size_t>(plan.matrix_batch[m])];
       const int64_t at = b.geometry.x.stride * plan.matrix_index[m];
-      info.ns_input = info.ns_bf16 ? static_cast<void*>(b.x.as<__nv_bfloat16>().data + at)
-                                   : static_cast<void*>(b.x.as<float>().data + at);
+      info.ns_input = info.ns_bf16 ? static_cast<void*>(ns.x.as<__nv_bfloat16>().data + at)
+                                   : static_cast<void*>(ns.x.as<float>().data + at);
       info.ns_output = info.ns_input;  // in place
     }
     stat_sums.resize(static_cast<size_t>(layout.stat_floats));
@@ -174,13 +165,14 @@ void EmulatedCudaBackend::enqueue_step(FlatState& state, const Options& options,
 }
 
 void EmulatedCudaBackend::enqueue_step(TableState& state, const ParamTable& table, const Options& options,
-                                       const float* grad_scale, const float* found_inf) {
+                                       const float* grad_scale, const float* found_inf,
+                                       const std::vector<int64_t>* host_entry_steps) {
   Impl& im = *impl_;
   if (state.layout != &im.layout || table.layout != &im.layout)
     throw std::invalid_argument("fast-cuda-emulated: the state has another layout");
   const std::string reason = table.invalid_reason();
   if (!reason.empty()) throw std::invalid_argument(reason);
-  set_scalars(options, &state.entry_steps);
+  set_scalars(options, host_entry_steps ? host_entry_steps : &state.entry_steps);
   // As FastCudaBackend::set_tensors: the caller's tensors, masters for bf16 / fp16 parameters.
   im.operands.resize(im.layout.entries.size());
   im.table_has_grad.resize(im.layout.entries.size());
@@ -238,13 +230,14 @@ void EmulatedCudaBackend::run(float* momentum, float* row_var, float* exp_avg, f
   const int64_t launches_before = simt::launches();
   im.gemms = 0;
   im.status.first_bad = cuda::kNoBadGradient;  // as enqueue_step's memset
-  auto newton_schulz = [&] {
-    for (NsBatch& batch : im.batches)
-      if (!batch.geometry.empty) im.gemms += run_batch(batch, im.ns);
+  auto newton_schulz = [&](int i) {
+    NsBatch& batch = im.batches[static_cast<size_t>(i)];
+    if (!batch.geometry.empty) im.gemms += run_batch(batch, im.ns);
   };
   const cuda::StepPlan& p = im.plan;
   cuda::step_device::run_step(simt::Launch{}, b, p.tables(p.scan_chunks.data(), p.normuon_chunks.data(),
-                                                          p.adamw_chunks.data(), p.stat_tasks.data()),
+                                                          p.adamw_chunks.data(), p.stat_tasks.data(),
+                                                          p.batch_ranges.data()),
                               newton_schulz, [](int) { return 0; });
   launches_last_step_ = simt::launches() - launches_before + im.gemms;
 }
@@ -267,6 +260,54 @@ StepResult EmulatedCudaBackend::step(FlatState& state, const Options& options) {
   return finish_step(options);
 }
 
+cuda::StepStatus& EmulatedCudaBackend::status() { return impl_->status; }
+
+int EmulatedCudaBackend::batches() const { return static_cast<int>(impl_->plan.batches.size()); }
+
+int64_t EmulatedCudaBackend::workspace_bytes() const {
+  const Impl& im = *impl_;
+  int64_t bytes = 0;
+  for (const DeviceBytes* d : {&im.ns.x, &im.ns.gram, &im.ns.bmat, &im.ns.tmat, &im.ns.umat, &im.ns.qmat, &im.ns.zmat, &im.ns.t2mat})
+    bytes += 4 * static_cast<int64_t>(d->storage.size());
+  bytes += 8 * static_cast<int64_t>(im.ns.partials.size() + im.stat_sums.size()) + 4 * static_cast<int64_t>(im.inv_scale.size());
+  return bytes;
+}
+
+EmulatedCudaEngineBackend::EmulatedCudaEngineBackend(const Layout& layout, const Options& options)
+    : layout_(layout), backend_(layout, options), device_(layout) {}
+
+void EmulatedCudaEngineBackend::enqueue(const TableState& state, const ParamTable& table, const Options& options,
+                                        const float* grad_scale, const float* found_inf) {
+  backend_.enqueue_step(device_, table, options, grad_scale, found_inf, &state.entry_steps);
+}
+
+StepResult EmulatedCudaEngineBackend::verdict(const Options& options) {
+  cuda::StepStatus& status = backend_.status();
+  const cuda::StepStatus copy = status;  // as FastCudaBackend reads its pinned copy
+  if (copy.reported_bad != cuda::kNoBadGradient) std::memset(&status, 0xff, sizeof status);  // reported: cleared
+  return cuda::step_verdict(copy, layout_, options);
+}
+
+void EmulatedCudaEngineBackend::set_steps(const TableState& state) {
+  device_.group_steps = state.group_steps;
+  device_.entry_steps = state.entry_steps;
+}
+
+void EmulatedCudaEngineBackend::refresh_master(int e, const ParamTable& table) {
+  unsigned long long all_rounded = 1;
+  cuda::step_device::refresh_master(simt::Launch{}, cuda::entry_operands(table, e, device_.masters.data()),
+                                    layout_.entries[e].numel, &all_rounded);
+}
+
+std::vector<BufferView> EmulatedCudaEngineBackend::buffers() {
+  TableState& s = device_;  // host memory: the emulator's device
+  return {BufferView{"masters", s.masters.data(), s.masters.size(), 'f', false},
+          BufferView{"momentum", s.momentum.data(), s.momentum.size(), 'f', false},
+          BufferView{"row_var", s.row_var.data(), s.row_var.size(), 'f', false},
+          BufferView{"exp_avg", s.exp_avg.data(), s.exp_avg.size(), 'f', false},
+          BufferView{"exp_avg_sq", s.exp_avg_sq.data(), s.exp_avg_sq.size(), 'f', false}};
+}
+
 int64_t device_row_runs_at(cuda::Runs runs, int64_t i) { return cuda::step_device::at(runs, i); }
 
 EmulatedNewtonSchulz emulated_newton_schulz(const cuda::NsBatchShape& shape, const std::vector<float>& inputs) {
@@ -284,21 +325,22 @@ EmulatedNewtonSchulz emulated_newton_schulz(const cuda::NsBatchShape& shape, con
   workspace.size_for(batches);
   const bool bf16 = shape.precision == NsPrecision::bf16;
   const int64_t stride = b.geometry.x.stride;
+  DeviceBytes& x = workspace.x;
   for (int64_t q = 0; q < shape.count; ++q)
     for (int64_t e = 0; e < n; ++e) {
       const float v = inputs[static_cast<size_t>(q * n + e)];
       if (bf16)
-        b.x.as<__nv_bfloat16>().data[q * stride + e] = __float2bfloat16_rn(v);
+        x.as<__nv_bfloat16>().data[q * stride + e] = __float2bfloat16_rn(v);
       else
-        b.x.as<float>().data[q * stride + e] = v;
+        x.as<float>().data[q * stride + e] = v;
     }
   const int64_t before = simt::launches();
   result.launches = run_batch(b, workspace);
   result.launches += simt::launches() - before;
   for (int64_t q = 0; q < shape.count; ++q)
     for (int64_t e = 0; e < n; ++e)
-      result.outputs[static_cast<size_t>(q * n + e)] = bf16 ? __bfloat162float(b.x.as<__nv_bfloat16>().data[q * stride + e])
-                                                            : b.x.as<float>().data[q * stride + e];
+      result.outputs[static_cast<size_t>(q * n + e)] = bf16 ? __bfloat162float(x.as<__nv_bfloat16>().data[q * stride + e])
+                                                            : x.as<float>().data[q * stride + e];
   return result;
 }
 

@@ -15,12 +15,14 @@
 #include <vector>
 
 #include "normuon/backend.h"
+#include "normuon/engine.h"
 #include "normuon/flat_state.h"
 #include "normuon/layout.h"
 #include "normuon/options.h"
 #include "normuon/param_table.h"
 #include "newton_schulz_cuda.h"
 #include "step_kernels.h"
+#include "step_plan.h"
 
 namespace normuon::test {
 
@@ -30,6 +32,7 @@ class EmulatedCudaBackend : public Backend {
     cuda::ElemType grad_type = cuda::ElemType::f32;  // bf16: gradients are rounded to bf16 before the step
     bool bf16_params = false;                         // keep a bf16 copy of the parameters (params_bf16())
     int64_t ns_panel_width = 0;                       // as FastCudaConfig's
+    int64_t ns_budget = 0;                            // as FastCudaConfig's
   };
 
   EmulatedCudaBackend(const Layout& layout, const Options& options, Config config);
@@ -48,14 +51,22 @@ class EmulatedCudaBackend : public Backend {
   StepResult finish_step(const Options& options);
   // Table mode, as FastCudaBackend::set_tensors + enqueue_step: the caller's (host) tensors in place.
   // grad_scale / found_inf: a gradient scaler's (FastCudaBackend::set_grad_scaling), or nullptr.
+  // host_entry_steps: the counts the host keeps, for the bias corrections (as FastCudaBackend's
+  // set_options takes them); nullptr: state's.
   void enqueue_step(TableState& state, const ParamTable& table, const Options& options,
-                    const float* grad_scale = nullptr, const float* found_inf = nullptr);
+                    const float* grad_scale = nullptr, const float* found_inf = nullptr,
+                    const std::vector<int64_t>* host_entry_steps = nullptr);
   StepResult step(TableState& state, const ParamTable& table, const Options& options,
                   const float* grad_scale = nullptr, const float* found_inf = nullptr);
 
+  int batches() const;  // Newton-Schulz batches of its plan
   // Kernel launches and GEMMs of the last enqueue_step, as counted while it ran.
   int64_t launches_last_step() const { return launches_last_step_; }
   const std::vector<uint16_t>& params_bf16() const { return params_bf16_; }
+  // The step status as the last step left it (read back by the engine backend's verdict), and cleared.
+  cuda::StepStatus& status();
+  // Device bytes beyond the state and masters: Newton-Schulz buffers and the step's own arrays.
+  int64_t workspace_bytes() const;
 
  private:
   void set_scalars(const Options& options, const std::vector<int64_t>* entry_steps);  // nullptr: device-derived
@@ -67,6 +78,32 @@ class EmulatedCudaBackend : public Backend {
   std::unique_ptr<Impl> impl_;
   std::vector<uint16_t> params_bf16_;
   int64_t launches_last_step_ = 0;
+};
+
+// The CUDA engine's backend without a GPU (Engine, core/include/normuon/engine.h): FastCudaBackend's table
+// mode as a DeviceTableBackend (the state, masters and counters in the "device" memory, the host's here;
+// the step's launches on the emulator; the verdict from the status word the step leaves; the master refresh
+// kernels), so an Engine, and Python's NorMuonAdamW through it (tests/emulated_engine_module.cpp), takes
+// the CUDA path on any machine.
+class EmulatedCudaEngineBackend : public DeviceTableBackend {
+ public:
+  EmulatedCudaEngineBackend(const Layout& layout, const Options& options);
+  std::string name() const override { return "fast-cuda-emulated"; }
+  int64_t workspace_bytes() const override { return backend_.workspace_bytes(); }
+  std::vector<std::string> fixed_fields() const override { return cuda::planned_fields(); }
+  void enqueue(const TableState& state, const ParamTable& table, const Options& options, const float* grad_scale,
+               const float* found_inf) override;
+  StepResult verdict(const Options& options) override;
+  void set_steps(const TableState& state) override;
+  void refresh_master(int e, const ParamTable& table) override;
+  std::vector<BufferView> buffers() override;
+  void set_stream(void*) override {}  // one "stream": the emulator runs a launch at a time
+  int64_t launches_last_step() const { return backend_.launches_last_step(); }
+
+ private:
+  const Layout& layout_;
+  EmulatedCudaBackend backend_;
+  TableState device_;  // the device's state and counters
 };
 
 // step_kernels.cuh's at(): where the kernels find element i of a matrix whose rows lie in `runs`.

@@ -31,6 +31,7 @@
 #include "emulated_cuda_backend.h"
 #include "knob_variants.h"
 #include "step_checks.h"
+#include "normuon/engine.h"
 #include "normuon/grad_gen.h"
 #include "normuon/low_precision.h"
 #include "normuon/ns_coefficients.h"
@@ -423,6 +424,28 @@ BOOST_AUTO_TEST_CASE(launches_counted_while_running_equal_the_plans_count) {
     }
 }
 
+BOOST_AUTO_TEST_CASE(batches_split_by_the_scratch_budget_step_as_one) {
+  // The batches share one Newton-Schulz input (each batch's passes run before the next batch writes it):
+  // with a budget of one matrix per batch the step is the one-batch-per-shape step bit for bit (each
+  // matrix's products are the same dot products), with more batches and their launches.
+  const Options options;
+  const Layout layout = Layout::build(mini_gpt(), options);
+  EmulatedCudaBackend whole(layout, options), split(layout, options, EmulatedCudaBackend::Config{{}, false, 0, 1});
+  BOOST_TEST(split.batches() > whole.batches());
+  BOOST_TEST(split.batches() == static_cast<int>(cuda::StepPlan::build(layout, options).matrices.size()));
+  FlatState a(layout), b(layout);
+  kGenerator.fill_params(a);
+  kGenerator.fill_params(b);
+  for (int64_t s = 1; s <= 3; ++s) {
+    kGenerator.fill_gradients(a, s);
+    kGenerator.fill_gradients(b, s);
+    BOOST_REQUIRE(!whole.step(a, options).skipped);
+    BOOST_REQUIRE(!split.step(b, options).skipped);
+  }
+  BOOST_TEST(first_difference(a, b) == "");
+  BOOST_TEST(split.launches_last_step() > whole.launches_last_step());
+}
+
 BOOST_AUTO_TEST_CASE(table_mode_steps_the_callers_tensors_as_the_flat_state_in_every_dtype) {
   // The kernels through the operand table of table mode (FastCudaBackend::set_tensors): fp32 parameters
   // in place, bf16 / fp16 ones through masters written back rounded, gradients of all three dtypes read
@@ -788,3 +811,86 @@ BOOST_AUTO_TEST_CASE(gram_does_not_depend_on_the_order_threads_and_blocks_run_in
   BOOST_TEST(first_difference(forward, backward) == "");
 }
 
+
+BOOST_AUTO_TEST_CASE(the_engine_on_the_emulated_device_is_the_backends_table_step_with_deferred_verdicts) {
+  // The CUDA engine's host side (Engine over a DeviceTableBackend) on the emulator: steps enqueued, the
+  // verdict deferred to the next step, the counters rolled back for the step that turned out skipped, the
+  // masters refreshed by the device kernels; bit for bit the backend's own table steps, where the bad step
+  // is reported at once.
+  Options options = odd_options();
+  options.nonfinite = NonFinitePolicy::skip_step;
+  Manifest m = odd_manifest();
+  const DType cycle[] = {DType::f32, DType::bf16, DType::f16};
+  for (size_t i = 0; i < m.params.size(); ++i) m.params[i].dtype = cycle[i % 3];
+  Engine engine(m, options, [](const Layout& l, const Options& o) {
+    return std::make_unique<EmulatedCudaEngineBackend>(l, o);
+  });
+  engine.set_verdict(Verdict::deferred);
+  BOOST_TEST(engine.fixed_fields().size() == 6u);  // reduce_axis and the plan's
+  const Layout& layout = engine.layout();
+  EmulatedCudaBackend backend(layout, options);
+  TableState state(layout);
+  ParamTable table(layout);
+  FlatState values(layout);
+  kGenerator.fill_params(values);
+  std::vector<std::vector<char>> mine(layout.entries.size()), theirs(layout.entries.size());
+  std::vector<std::vector<float>> grads(layout.entries.size());
+  for (size_t e = 0; e < layout.entries.size(); ++e) {
+    const LayoutEntry& le = layout.entries[e];
+    mine[e].resize(static_cast<size_t>(le.numel) * dtype_bytes(le.dtype) + 1);
+    narrow(values.param(static_cast<int>(e)), mine[e].data(), le.dtype, le.numel);
+    theirs[e] = mine[e];
+    grads[e].resize(static_cast<size_t>(le.numel) + 1);
+    engine.table().params[e].data = mine[e].data();
+    table.params[e].data = theirs[e].data();
+    engine.refresh_master(static_cast<int>(e));  // the device kernels: the master from the parameter
+    state.refresh_master(static_cast<int>(e), table);
+  }
+  const auto masters = [&] {
+    for (const BufferView& b : engine.buffers())
+      if (b.name == "masters") return static_cast<float*>(b.data);
+    return static_cast<float*>(nullptr);
+  }();
+  BOOST_TEST(std::memcmp(masters, state.masters.data(), 4 * static_cast<size_t>(layout.master_floats)) == 0);
+  std::vector<std::string> by_engine, by_backend;
+  for (int64_t s = 1; s <= 4; ++s) {
+    kGenerator.fill_gradients(values, s);
+    for (size_t e = 0; e < layout.entries.size(); ++e) {
+      std::copy(values.grad(static_cast<int>(e)), values.grad(static_cast<int>(e)) + layout.entries[e].numel,
+                grads[e].begin());
+      if (s == 2 && e == 1) grads[e][0] = std::numeric_limits<float>::quiet_NaN();
+      const TensorRef g{values.has_grad[e] || e == 1 ? grads[e].data() : nullptr, DType::f32, {}};
+      engine.table().grads[e] = table.grads[e] = g;
+    }
+    const StepResult a = engine.step(), b = backend.step(state, table, options);
+    by_engine.push_back(a.reason);
+    by_backend.push_back(b.reason);
+    if (s == 2) BOOST_TEST(engine.pending());
+  }
+  by_engine.erase(by_engine.begin());  // deferred: each verdict comes one step later
+  by_engine.push_back(engine.settle().reason);
+  BOOST_TEST(by_backend[1].find("step 2: gradient of") == 0);
+  BOOST_TEST(by_engine == by_backend);
+  BOOST_TEST(mine == theirs);
+  BOOST_TEST(engine.group_steps() == state.group_steps);
+  BOOST_TEST(engine.entry_steps() == state.entry_steps);
+  for (const BufferView& b : engine.buffers()) {
+    const float* expected = b.name == "masters" ? state.masters.data() : b.name == "momentum" ? state.momentum.data()
+                            : b.name == "row_var" ? state.row_var.data() : b.name == "exp_avg" ? state.exp_avg.data()
+                                                                                                : state.exp_avg_sq.data();
+    BOOST_TEST(std::memcmp(b.data, expected, 4 * static_cast<size_t>(b.size)) == 0, b.name);
+  }
+  // The refresh kernels' rule: a parameter that still holds its master rounded keeps the master's low bits;
+  // one written from outside gives the master its values.
+  const int e = 1;  // bf16
+  BOOST_REQUIRE(layout.entries[e].dtype == DType::bf16);
+  float* master = masters + layout.entries[e].master_offset;
+  const float kept = master[0];
+  engine.refresh_master(e);
+  BOOST_TEST(master[0] == kept);
+  const float v = 0.75f;
+  narrow(&v, mine[e].data(), DType::bf16, 1);
+  engine.refresh_master(e);
+  BOOST_TEST(master[0] == 0.75f);
+  BOOST_TEST(master[1] == widen_one(mine[e].data(), DType::bf16, 1));
+}

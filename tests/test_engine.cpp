@@ -6,6 +6,8 @@
 #include <boost/test/unit_test.hpp>
 
 #include <cstring>
+#include <limits>
+#include <stdexcept>
 #include <memory>
 #include <string>
 #include <vector>
@@ -201,4 +203,138 @@ BOOST_AUTO_TEST_CASE(the_memory_report_names_every_byte_by_kind) {
   BOOST_TEST(r.workspace_bytes > 0);
   Engine bf16(tiny(DType::bf16), Options(), fast_cpu());
   BOOST_TEST(bf16.memory_report().master_bytes == 4 * bf16.layout().param_floats);
+}
+
+namespace {
+
+// A device backend whose "device" is host memory: its own TableState stands for the device's buffers and
+// counters, a step runs the fast CPU backend's table step on them when it is enqueued (a bad gradient
+// skips it there, as the device's kernels do whatever the policy), and the verdict waits until asked.
+class HostDevice : public DeviceTableBackend {
+ public:
+  HostDevice(const Layout& layout, const Options& options) : cpu_(layout, options, 1), device_(layout) {}
+  std::string name() const override { return "host-device"; }
+  int64_t workspace_bytes() const override { return cpu_.workspace_bytes(); }
+  void enqueue(const TableState& state, const ParamTable& table, const Options& options, const float* grad_scale,
+               const float* found_inf) override {
+    ++enqueued;
+    BOOST_TEST(state.group_steps == device_.group_steps);  // the host's counters follow the device's
+    BOOST_TEST(state.entry_steps == device_.entry_steps);
+    error_.clear();
+    if (found_inf && *found_inf != 0) {
+      last_ = StepResult{true, kFoundInfReason};
+      return;
+    }
+    Options skip = options;
+    skip.nonfinite = NonFinitePolicy::skip_step;
+    last_ = cpu_.step(device_, table, skip, grad_scale);
+    if (last_.skipped && options.nonfinite == NonFinitePolicy::error) error_ = last_.reason;
+  }
+  StepResult verdict(const Options&) override {
+    ++verdicts;
+    if (!error_.empty()) throw std::runtime_error(error_);
+    return last_;
+  }
+  void set_steps(const TableState& state) override {
+    device_.group_steps = state.group_steps;
+    device_.entry_steps = state.entry_steps;
+  }
+  void refresh_master(int e, const ParamTable& table) override { device_.refresh_master(e, table); }
+  std::vector<BufferView> buffers() override {
+    return {BufferView{"momentum", device_.momentum.data(), device_.momentum.size(), 'f', true}};
+  }
+  void set_stream(void*) override {}
+  int enqueued = 0, verdicts = 0;
+
+ private:
+  FastCpuBackend cpu_;
+  TableState device_;
+  StepResult last_;
+  std::string error_;
+};
+
+Engine::BackendFactory host_device() {
+  return [](const Layout& l, const Options& o) { return std::make_unique<HostDevice>(l, o); };
+}
+
+// Steps `engine` through gradients where step `bad` has a NaN, as a host engine does; returns the results.
+std::vector<std::string> run_with_a_bad_step(Engine& engine, Tensors& t, int steps, int bad) {
+  std::vector<std::string> reasons;
+  for (int step = 1; step <= steps; ++step) {
+    t.fill_grads(step);
+    if (step == bad) t.grads[1][3] = std::numeric_limits<float>::quiet_NaN();
+    const StepResult r = engine.step();
+    reasons.push_back(r.skipped ? r.reason : "");
+  }
+  const StepResult last = engine.settle();
+  reasons.push_back(last.skipped ? last.reason : "");
+  return reasons;
+}
+
+}  // namespace
+
+BOOST_AUTO_TEST_CASE(a_device_step_is_enqueued_and_its_counters_roll_back_when_it_turns_out_skipped) {
+  Options options;
+  options.set("nonfinite=skip_step");
+  Engine host(tiny(), options, fast_cpu());
+  Engine sync(tiny(), options, host_device());
+  Engine deferred(tiny(), options, host_device());
+  deferred.set_verdict(Verdict::deferred);
+  BOOST_TEST(sync.on_device());
+  BOOST_TEST(sync.state().momentum.size() == 0);  // the device backend's buffers are its own
+  BOOST_TEST(sync.buffers().at(0).device);
+  Tensors a(host), b(sync), c(deferred);
+  const auto on_host = run_with_a_bad_step(host, a, 4, 2);
+  const auto now = run_with_a_bad_step(sync, b, 4, 2);
+  const auto later = run_with_a_bad_step(deferred, c, 4, 2);
+  // In step() (sync) the verdict is this step's; deferred, it is the step before's, the last at settle().
+  BOOST_TEST(on_host[1].find("step 2: gradient of") == 0);
+  BOOST_TEST(now == on_host);
+  BOOST_TEST(later[0].empty());
+  BOOST_TEST(later[2] == on_host[1]);
+  BOOST_TEST(later[1].empty());
+  BOOST_TEST(a.params == b.params);
+  BOOST_TEST(a.params == c.params);
+  for (Engine* e : {&sync, &deferred}) {
+    BOOST_TEST(e->group_steps() == host.group_steps());
+    BOOST_TEST(e->entry_steps() == host.entry_steps());
+    BOOST_TEST(!e->pending());
+  }
+  BOOST_TEST(host.group_steps() == (std::vector<int64_t>{3, 3}));
+}
+
+BOOST_AUTO_TEST_CASE(a_deferred_error_is_raised_at_the_next_step_before_it_is_enqueued) {
+  HostDevice* device = nullptr;
+  Engine engine(tiny(), Options(), [&](const Layout& l, const Options& o) {  // nonfinite=error
+    auto made = std::make_unique<HostDevice>(l, o);
+    device = made.get();
+    return made;
+  });
+  engine.set_verdict(Verdict::deferred);
+  Tensors t(engine);
+  t.fill_grads(1);
+  BOOST_TEST(!engine.step().skipped);
+  t.grads[1][3] = std::numeric_limits<float>::infinity();
+  BOOST_TEST(!engine.step().skipped);  // enqueued; its verdict is out
+  BOOST_TEST(engine.group_steps() == (std::vector<int64_t>{2, 2}));
+  t.fill_grads(3);
+  BOOST_CHECK_EXCEPTION(engine.step(), std::runtime_error,
+                        [](const auto& e) { return message_contains(e, "step 2: gradient of"); });
+  BOOST_TEST(device->enqueued == 2);  // the third step was not enqueued
+  BOOST_TEST(engine.group_steps() == (std::vector<int64_t>{1, 1}));
+  BOOST_TEST(!engine.pending());
+  // The scaler's found_inf (device memory): skipped, the counters as they were.
+  const float found = 1.f;
+  BOOST_TEST(!engine.step(nullptr, &found).skipped);
+  BOOST_TEST(engine.group_steps() == (std::vector<int64_t>{2, 2}));
+  BOOST_TEST(engine.settle().reason == kFoundInfReason);
+  BOOST_TEST(engine.group_steps() == (std::vector<int64_t>{1, 1}));
+  // set_steps settles a pending step first, then the device's counters follow the host's.
+  BOOST_TEST(!engine.step().skipped);
+  const int verdicts = device->verdicts;
+  engine.set_steps({7, 9});
+  BOOST_TEST(device->verdicts == verdicts + 1);
+  BOOST_TEST(!engine.step().skipped);
+  BOOST_TEST(engine.settle().reason.empty());
+  BOOST_TEST(engine.group_steps() == (std::vector<int64_t>{8, 10}));
 }

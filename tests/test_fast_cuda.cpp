@@ -135,16 +135,15 @@ FlatState run_cuda(const Layout& layout, const Options& options, int64_t steps, 
 // parameter has elements, four (momentum, statistics, finalize, update) when a NorMuon matrix has
 // elements, one when an AdamW parameter has elements. Resetting the status word is a memset, no launch.
 int64_t expected_launches(const Layout& layout, const Options& options, int64_t panel_width = 0) {
-  bool any_elements = false, normuon_elements = false, adamw_elements = false;
+  bool any_elements = false, adamw_elements = false;
   for (const LayoutEntry& e : layout.entries) {
     if (e.numel == 0) continue;
     any_elements = true;
-    if (e.algorithm == Algorithm::normuon)
-      normuon_elements = true;
-    else
-      adamw_elements = true;
+    adamw_elements = adamw_elements || e.algorithm == Algorithm::adamw;
   }
-  int64_t n = 1 + (any_elements ? 1 : 0) + (normuon_elements ? 4 : 0) + (adamw_elements ? 1 : 0);
+  // The step counters, the scan, AdamW; per batch (small layouts: one per bucket and group, within the
+  // scratch budget) momentum, statistics, finalize and update, then Newton-Schulz's.
+  int64_t n = 1 + (any_elements ? 1 : 0) + (adamw_elements ? 1 : 0);
   for (const ShapeBucket& bucket : layout.buckets) {
     if (bucket.rows * bucket.cols == 0) continue;
     std::set<int> groups;
@@ -154,9 +153,9 @@ int64_t expected_launches(const Layout& layout, const Options& options, int64_t 
       int64_t count = 0;  // the batch: the bucket's matrices in this group
       for (int e : bucket.entries) count += layout.entries[e].group == g;
       const int p = static_cast<int>(cuda::ns_panels(std::min(bucket.rows, bucket.cols), count, panel_width).size());
-      n += h.ns_algorithm == NsAlgorithm::gram && bucket.rows != bucket.cols
+      n += 4 + (h.ns_algorithm == NsAlgorithm::gram && bucket.rows != bucket.cols
                ? cuda::ns_gram_launches(h.ns_steps, p)
-               : 2 + (4 + 2 * p) * static_cast<int64_t>(h.ns_steps);
+               : 2 + (4 + 2 * p) * static_cast<int64_t>(h.ns_steps));
     }
   }
   return n;
@@ -212,6 +211,8 @@ BOOST_AUTO_TEST_CASE(launches_per_step_follow_the_layout) {
       FastCudaBackend backend(layout, options, config);
       BOOST_TEST_MESSAGE(backend.describe());
       BOOST_TEST(backend.launches_per_step() == expected_launches(layout, options, config.ns_panel_width));
+      // Every device byte beyond the state and masters is the plan's (computed on the host).
+      BOOST_TEST(backend.workspace_bytes() == cuda::StepPlan::build(layout, options).workspace_bytes());
       BOOST_TEST(backend.newton_schulz_flops() > 0.0);
       BOOST_TEST(backend.name() == "fast-cuda");
       BOOST_TEST(!backend.has_graph());
@@ -550,7 +551,7 @@ BOOST_AUTO_TEST_CASE(graph_kernel_nodes_do_not_grow_with_layers) {
   BOOST_TEST_MESSAGE("2 layers: " << two.launches << " launches, " << two.nodes << " kernel nodes; " << two.gemms);
   BOOST_TEST_MESSAGE("6 layers: " << six.launches << " launches, " << six.nodes << " kernel nodes; " << six.gemms);
   BOOST_TEST(two.launches == six.launches);
-  BOOST_TEST(two.launches == 135);  // 7 elementwise + 4 buckets x (2 + 6 x 5)
+  BOOST_TEST(two.launches == 147);  // 3 + 4 batches x (4 elementwise + 2 + 6 x 5)
   // Every launch is at least one kernel; cuBLASLt may add a split-K reduction kernel to a matmul.
   for (const Captured& c : {two, six}) {
     BOOST_TEST(c.nodes >= c.launches);

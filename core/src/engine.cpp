@@ -6,26 +6,36 @@
 
 #include "normuon/low_precision.h"
 #include "normuon/row_runs.h"
+#include "normuon/step_prologue.h"
 
 namespace normuon {
+
+std::unique_ptr<TableBackend> Engine::checked(std::unique_ptr<TableBackend> backend) {
+  if (!backend) throw std::logic_error("Engine: the backend factory returned no backend");
+  return backend;
+}
 
 Engine::Engine(const Manifest& manifest, const Options& options, const BackendFactory& make_backend)
     : options_(options),
       layout_(std::make_unique<Layout>(Layout::build(manifest, options))),
       table_(*layout_),
-      state_(*layout_),
-      backend_(make_backend(*layout_, options_)) {
-  if (!backend_) throw std::logic_error("Engine: the backend factory returned no backend");
-}
+      backend_(checked(make_backend(*layout_, options_))),
+      device_(dynamic_cast<DeviceTableBackend*>(backend_.get())),
+      state_(*layout_, device_ == nullptr) {}
 
 void Engine::set_backend(const BackendFactory& make_backend) {
-  std::unique_ptr<TableBackend> next = make_backend(*layout_, options_);
-  if (!next) throw std::logic_error("Engine: the backend factory returned no backend");
+  std::unique_ptr<TableBackend> next = checked(make_backend(*layout_, options_));
+  if (device_ || dynamic_cast<DeviceTableBackend*>(next.get()))  // the state would stay behind
+    throw std::logic_error("Engine::set_backend: only between host backends");
   backend_ = std::move(next);
 }
 
+void Engine::set_stream(void* stream) {
+  if (device_) device_->set_stream(stream);
+}
+
 std::vector<std::string> Engine::fixed_fields() const {
-  std::vector<std::string> out{"reduce_axis"};
+  std::vector<std::string> out = layout_fields();
   for (auto& f : backend_->fixed_fields())
     if (std::find(out.begin(), out.end(), f) == out.end()) out.push_back(f);
   return out;
@@ -46,9 +56,9 @@ void Engine::set_group(size_t group, const std::vector<std::pair<std::string, Fi
           out << std::get<double>(v);
           return out.str();
         };
-        throw std::invalid_argument("option '" + g.name + "." + field + "': it was " + text(was) +
+        throw std::invalid_argument("option '" + g.name + "." + field + "' was " + text(was) +
                                     " when the optimizer was built and decides its " +
-                                    (field == "reduce_axis" ? std::string("layout") : backend_name() + " plan") +
+                                    (field == layout_fields()[0] ? std::string("layout") : backend_name() + " plan") +
                                     "; it cannot become " + text(now));
       }
     }
@@ -58,37 +68,77 @@ void Engine::set_group(size_t group, const std::vector<std::pair<std::string, Fi
 void Engine::refresh_master(int e) {
   const LayoutEntry& le = layout_->entries[e];
   if (le.master_offset < 0) return;  // fp32: the tensor is the master
+  if (device_) return device_->refresh_master(e, table_);
+  // Chunk by chunk, in the parameter's dtype: does it still hold the master rounded?
   const TensorRef& p = table_.params[e];
-  std::vector<float> now(static_cast<size_t>(le.numel));
-  widen_rows(p.data, le.dtype, p.runs, 0, now.data(), le.numel);
   float* master = state_.master(e);
+  constexpr int64_t kChunk = 256;
+  float now[kChunk];
+  uint16_t low[kChunk];
   bool rounded_master = true;
-  for (int64_t i = 0; i < le.numel && rounded_master; ++i) {
-    uint16_t low = 0;
-    narrow(&master[i], &low, le.dtype, 1);
-    rounded_master = widen_one(&low, le.dtype, 0) == now[static_cast<size_t>(i)];
+  for (int64_t begin = 0; begin < le.numel && rounded_master; begin += kChunk) {
+    const int64_t n = std::min(kChunk, le.numel - begin);
+    widen_rows(p.data, le.dtype, p.runs, begin, now, n);
+    narrow(master + begin, low, le.dtype, n);
+    for (int64_t i = 0; i < n && rounded_master; ++i) rounded_master = widen_one(low, le.dtype, i) == now[i];
   }
-  if (!rounded_master) std::copy(now.begin(), now.end(), master);
+  if (!rounded_master) widen_rows(p.data, le.dtype, p.runs, 0, master, le.numel);
 }
 
 StepResult Engine::step(const float* grad_scale, const float* found_inf) {
-  if (found_inf && *found_inf != 0) return StepResult{true, kFoundInfReason};
   const std::string reason = table_.invalid_reason();
   if (!reason.empty()) throw std::invalid_argument(reason);
-  return backend_->step(state_, table_, options_, grad_scale);
+  if (!device_) {
+    if (found_inf && *found_inf != 0) return StepResult{true, kFoundInfReason};
+    return backend_->step(state_, table_, options_, grad_scale);
+  }
+  StepResult earlier = settle();  // the step before, if its verdict is still out (throws: nothing enqueued)
+  device_->enqueue(state_, table_, options_, grad_scale, found_inf);
+  group_steps_before_ = state_.group_steps;  // into storage kept from earlier steps: nothing allocated
+  entry_steps_before_ = state_.entry_steps;
+  advance_steps(*layout_, [&](size_t e) { return table_.grads[e].data != nullptr; }, state_.group_steps.data(),
+                state_.entry_steps.data());
+  pending_ = true;
+  return verdict_ == Verdict::sync ? settle() : earlier;
+}
+
+StepResult Engine::settle() {
+  if (!pending_) return {};
+  pending_ = false;
+  auto roll_back = [&] {  // the device changed nothing in that step, its counters included
+    state_.group_steps = group_steps_before_;
+    state_.entry_steps = entry_steps_before_;
+  };
+  StepResult result;
+  try {
+    result = device_->verdict(options_);
+  } catch (...) {
+    roll_back();
+    throw;
+  }
+  if (result.skipped) roll_back();
+  return result;
 }
 
 void Engine::set_steps(const std::vector<int64_t>& group_steps, const std::vector<int64_t>& entry_steps) {
-  if (group_steps.size() != layout_->group_names.size())
-    throw std::invalid_argument(std::to_string(group_steps.size()) + " group steps for " +
-                                std::to_string(layout_->group_names.size()) + " groups");
-  for (int64_t t : group_steps)
-    if (t < 0) throw std::invalid_argument("a group step is negative: " + std::to_string(t));
-  std::vector<int64_t> entries = entry_steps.empty() ? entry_steps_from_groups(*layout_, group_steps) : entry_steps;
-  const std::string reason = entry_steps_invalid_reason(*layout_, group_steps, entries);
-  if (!reason.empty()) throw std::invalid_argument("entry_steps: " + reason);
+  std::vector<int64_t> entries = checked_entry_steps(*layout_, group_steps, entry_steps);
+  settle();  // a pending verdict would roll the counters back over the ones set here
   state_.group_steps = group_steps;
   state_.entry_steps = std::move(entries);
+  if (device_) device_->set_steps(state_);
+}
+
+std::vector<BufferView> Engine::buffers() {
+  std::vector<BufferView> out;
+  if (device_) {
+    out = device_->buffers();
+  } else {
+    TableState& s = state_;
+    for (auto [name, buffer] : {std::pair<const char*, AlignedBuffer*>{"masters", &s.masters}, {"momentum", &s.momentum},
+                                {"row_var", &s.row_var}, {"exp_avg", &s.exp_avg}, {"exp_avg_sq", &s.exp_avg_sq}})
+      out.push_back(BufferView{name, buffer->data(), buffer->size(), 'f', false});
+  }
+  return out;
 }
 
 MemoryReport Engine::memory_report() const {

@@ -146,6 +146,19 @@ std::string entry_steps_invalid_reason(const Layout& layout, const std::vector<i
   return "";
 }
 
+std::vector<int64_t> checked_entry_steps(const Layout& layout, const std::vector<int64_t>& group_steps,
+                                         const std::vector<int64_t>& entry_steps) {
+  if (group_steps.size() != layout.group_names.size())
+    throw std::invalid_argument(std::to_string(group_steps.size()) + " group steps for " +
+                                std::to_string(layout.group_names.size()) + " groups");
+  for (int64_t t : group_steps)
+    if (t < 0) throw std::invalid_argument("a group step is negative: " + std::to_string(t));
+  std::vector<int64_t> out = entry_steps.empty() ? entry_steps_from_groups(layout, group_steps) : entry_steps;
+  const std::string reason = entry_steps_invalid_reason(layout, group_steps, out);
+  if (!reason.empty()) throw std::invalid_argument("entry_steps: " + reason);
+  return out;
+}
+
 std::vector<StateTensorRef> state_tensors(FlatState& s, int entry) {
   const LayoutEntry& e = s.layout->entries[entry];
   if (e.algorithm == Algorithm::normuon)

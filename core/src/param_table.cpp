@@ -60,13 +60,13 @@ std::string ParamTable::invalid_reason() const {
   return "";
 }
 
-TableState::TableState(const Layout& l)
+TableState::TableState(const Layout& l, bool buffers)
     : layout(&l),
-      masters(l.master_floats),
-      momentum(l.normuon_floats),
-      row_var(l.stat_floats),
-      exp_avg(l.adam_floats),
-      exp_avg_sq(l.adam_floats),
+      masters(buffers ? l.master_floats : 0),
+      momentum(buffers ? l.normuon_floats : 0),
+      row_var(buffers ? l.stat_floats : 0),
+      exp_avg(buffers ? l.adam_floats : 0),
+      exp_avg_sq(buffers ? l.adam_floats : 0),
       group_steps(l.group_names.size(), 0),
       entry_steps(l.entries.size(), 0) {}
 

@@ -30,16 +30,7 @@ std::optional<StepResult> begin_step(StepOperands& ops, const Options& options, 
         }
     }
   }
-  for (size_t g = 0; g < layout.group_names.size(); ++g)
-    for (size_t e = 0; e < layout.entries.size(); ++e)
-      if (ops.params[e].grad && layout.entries[e].group == static_cast<int>(g)) {
-        ++ops.group_steps[g];
-        break;
-      }
-  // Each parameter's own count: only those with a gradient advance, and never a 0-element one, whose
-  // step does nothing (in table mode an empty tensor has no address to tell a gradient by; spec section 5).
-  for (size_t e = 0; e < layout.entries.size(); ++e)
-    if (ops.params[e].grad && layout.entries[e].numel > 0) ++ops.entry_steps[e];
+  advance_steps(layout, [&](size_t e) { return ops.params[e].grad != nullptr; }, ops.group_steps, ops.entry_steps);
   return std::nullopt;
 }
 

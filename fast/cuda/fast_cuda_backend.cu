@@ -44,6 +44,25 @@ DeviceBuffer<T> to_device(const std::vector<T>& host) {
 const char* kPhaseNames[] = {"normuon.momentum", "normuon.newton_schulz", "normuon.normalisation", "normuon.update",
                              "normuon.adamw"};
 
+// One part of a phase as a step enqueues it: its NVTX range and, on a timed step, events before and after.
+class PhasePart {
+ public:
+  PhasePart(const char* name, cudaStream_t stream, cudaEvent_t begin, cudaEvent_t end)
+      : range_(name), stream_(stream), end_(end) {
+    if (begin) NORMUON_CUDA_CHECK(cudaEventRecord(begin, stream));
+  }
+  ~PhasePart() {
+    if (end_) cudaEventRecord(end_, stream_);  // no throwing from a destructor; finish_step checks the events
+  }
+  PhasePart(const PhasePart&) = delete;
+  PhasePart& operator=(const PhasePart&) = delete;
+
+ private:
+  cuda::NvtxRange range_;
+  cudaStream_t stream_;
+  cudaEvent_t end_;
+};
+
 }  // namespace
 
 std::string FastCudaBackend::unsupported_reason(const Layout& layout, const Options& options, int device) {
@@ -67,7 +86,7 @@ FastCudaBackend::FastCudaBackend(const Layout& layout, const Options& options, c
   caller_tensors_ = config.caller_tensors;
   device_ = std::make_unique<cuda::DeviceFlatState>(layout, config.grad_type, config.bf16_params, config.caller_tensors);
 
-  cuda::StepPlan plan = cuda::StepPlan::build(layout, options);
+  cuda::StepPlan plan = cuda::StepPlan::build(layout, options, config.ns_budget);
   for (cuda::NsBatchShape& shape : plan.batches) shape.panel_width = config.ns_panel_width;
   ns_ = std::make_unique<cuda::BatchedNewtonSchulz>(plan.batches, stream_);
   for (size_t b = 0; b < plan.batches.size(); ++b) {
@@ -90,7 +109,9 @@ FastCudaBackend::FastCudaBackend(const Layout& layout, const Options& options, c
   normuon_chunks_ = to_device(plan.normuon_chunks);
   adamw_chunks_ = to_device(plan.adamw_chunks);
   stat_tasks_ = to_device(plan.stat_tasks);
-  tables_ = plan.tables(scan_chunks_.data(), normuon_chunks_.data(), adamw_chunks_.data(), stat_tasks_.data());
+  batch_ranges_ = plan.batch_ranges;
+  tables_ = plan.tables(scan_chunks_.data(), normuon_chunks_.data(), adamw_chunks_.data(), stat_tasks_.data(),
+                        batch_ranges_.data());
   groups_ = DeviceBuffer<cuda::GroupScalars>(static_cast<int64_t>(layout.group_names.size()));
   entry_scalars_ = DeviceBuffer<cuda::EntryScalars>(static_cast<int64_t>(layout.entries.size()));
   matrix_scalars_ = DeviceBuffer<cuda::MatrixScalars>(tables_.n_matrices);
@@ -148,7 +169,20 @@ FastCudaBackend::FastCudaBackend(const Layout& layout, const Options& options, c
   launches_per_step_ = plan.elementwise_launches();
   for (int i = 0; i < ns_->size(); ++i) launches_per_step_ += ns_->launches(i);
 
-  for (auto& event : events_) NORMUON_CUDA_CHECK(cudaEventCreate(&event));
+  // A timed step's events: two per part of a phase (the prologue and AdamW, four parts per batch).
+  phase_events_.resize(2 * (2 + 4 * batch_ranges_.size()));
+  for (auto& event : phase_events_) NORMUON_CUDA_CHECK(cudaEventCreate(&event));
+  timed_parts_.reserve(phase_events_.size() / 2);
+  // upload_staged's slots: room for the largest set of values uploaded at once (set_options's scalars,
+  // or set_steps's counters), each piece 16-byte aligned.
+  const auto aligned = [](size_t bytes) { return (bytes + 15) / 16 * 16; };
+  ring_bytes_ = std::max(aligned(groups_.bytes()) + aligned(entry_scalars_.bytes()) + aligned(matrix_scalars_.bytes()),
+                         aligned(device_->group_steps.bytes()) + aligned(device_->entry_steps.bytes()));
+  for (size_t i = 0; i < ring_.size(); ++i) {
+    NORMUON_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&ring_[i]), std::max<size_t>(ring_bytes_, 16)));
+    NORMUON_CUDA_CHECK(cudaEventCreateWithFlags(&ring_done_[i], cudaEventDisableTiming));
+  }
+  all_rounded_ = DeviceBuffer<unsigned long long>(1);
   set_options(options);
   // The table copies above ran on the legacy stream, which the backend's non-blocking stream does not
   // wait for: settle everything once, here, at setup.
@@ -162,12 +196,12 @@ FastCudaBackend::~FastCudaBackend() {
                         cudaSetDevice(device_index_) == cudaSuccess;
   cudaStreamSynchronize(stream_);  // no kernel may still read what is freed below
   release_graph();
-  for (auto& event : events_)
+  for (auto& event : phase_events_)
     if (event) cudaEventDestroy(event);
-  for (cudaEvent_t event : {staged_event_, status_event_})
+  for (cudaEvent_t event : {staged_event_, status_event_, ring_done_[0], ring_done_[1]})
     if (event) cudaEventDestroy(event);
   for (void* pinned : {static_cast<void*>(staged_operands_), static_cast<void*>(staged_has_grad_),
-                       static_cast<void*>(polled_status_)})
+                       static_cast<void*>(polled_status_), static_cast<void*>(ring_[0]), static_cast<void*>(ring_[1])})
     if (pinned) cudaFreeHost(pinned);
   ns_.reset();
   if (own_stream_) cudaStreamDestroy(stream_);
@@ -218,15 +252,62 @@ void FastCudaBackend::set_options(const Options& options, const std::vector<int6
   for (size_t g = 0; g < options.groups.size(); ++g) host_groups_.push_back(cuda::group_scalars(options.groups[g]));
   cuda::fill_entry_scalars(layout_, options, group_steps, entry_steps, host_entry_scalars_);
   cuda::fill_matrix_scalars(host_matrices_, options, host_matrix_scalars_);
-  // From pageable memory: the copy is staged before the call returns, so the host vectors may change.
-  NORMUON_CUDA_CHECK(cudaMemcpyAsync(groups_.data(), host_groups_.data(), groups_.bytes(), cudaMemcpyHostToDevice, stream_));
-  if (!host_entry_scalars_.empty())
-    NORMUON_CUDA_CHECK(cudaMemcpyAsync(entry_scalars_.data(), host_entry_scalars_.data(), entry_scalars_.bytes(),
-                                       cudaMemcpyHostToDevice, stream_));
-  if (tables_.n_matrices > 0)
-    NORMUON_CUDA_CHECK(cudaMemcpyAsync(matrix_scalars_.data(), host_matrix_scalars_.data(), matrix_scalars_.bytes(),
-                                       cudaMemcpyHostToDevice, stream_));
+  upload_staged({{groups_.data(), host_groups_.data(), groups_.bytes()},
+                 {entry_scalars_.data(), host_entry_scalars_.data(), host_entry_scalars_.empty() ? 0 : entry_scalars_.bytes()},
+                 {matrix_scalars_.data(), host_matrix_scalars_.data(), tables_.n_matrices > 0 ? matrix_scalars_.bytes() : 0}});
 }
+
+void FastCudaBackend::upload_staged(std::initializer_list<Upload> uploads) {
+  const DeviceScope scope(device_index_);
+  char* slot = ring_[static_cast<size_t>(ring_next_)];
+  cudaEvent_t& done = ring_done_[static_cast<size_t>(ring_next_)];
+  NORMUON_CUDA_CHECK(cudaEventSynchronize(done));  // the copy from this slot, two uploads ago, has run
+  size_t at = 0;
+  for (const Upload& u : uploads) {
+    if (u.bytes == 0) continue;
+    if (at + u.bytes > ring_bytes_) throw std::logic_error("fast-cuda backend: an upload larger than its slot");
+    std::memcpy(slot + at, u.host, u.bytes);
+    NORMUON_CUDA_CHECK(cudaMemcpyAsync(u.device, slot + at, u.bytes, cudaMemcpyHostToDevice, stream_));
+    at += (u.bytes + 15) / 16 * 16;
+  }
+  NORMUON_CUDA_CHECK(cudaEventRecord(done, stream_));
+  ring_next_ ^= 1;
+}
+
+void FastCudaBackend::enqueue(const TableState& state, const ParamTable& table, const Options& options,
+                              const float* grad_scale, const float* found_inf) {
+  set_tensors(table);                              // re-uploaded only when an address changed
+  set_options(options, nullptr, &state.entry_steps);  // the host's counts: host-exact bias corrections
+  set_grad_scaling(grad_scale, found_inf);
+  enqueue_step();
+}
+
+void FastCudaBackend::set_steps(const TableState& state) {
+  if (state.group_steps.size() != layout_.group_names.size() || state.entry_steps.size() != layout_.entries.size())
+    throw std::invalid_argument("fast-cuda backend: counters of another layout");
+  upload_staged({{device_->group_steps.data(), state.group_steps.data(), device_->group_steps.bytes()},
+                 {device_->entry_steps.data(), state.entry_steps.data(), device_->entry_steps.bytes()}});
+}
+
+void FastCudaBackend::refresh_master(int e, const ParamTable& table) {
+  if (!caller_tensors_) throw std::logic_error("fast-cuda backend: refresh_master() needs table mode");
+  const DeviceScope scope(device_index_);
+  // All bits set: "every element still holds its master rounded" until the first kernel finds one that does not.
+  NORMUON_CUDA_CHECK(cudaMemsetAsync(all_rounded_.data(), 0xff, sizeof(unsigned long long), stream_));
+  cuda::step_device::refresh_master(cuda::StreamLaunch{stream_}, cuda::entry_operands(table, e, device_->masters.data()),
+                                    layout_.entries.at(static_cast<size_t>(e)).numel, all_rounded_.data());
+}
+
+std::vector<BufferView> FastCudaBackend::buffers() {
+  cuda::DeviceFlatState& d = *device_;
+  return {BufferView{"masters", d.masters.data(), d.masters.size(), 'f', true},
+          BufferView{"momentum", d.momentum.data(), d.momentum.size(), 'f', true},
+          BufferView{"row_var", d.row_var.data(), d.row_var.size(), 'f', true},
+          BufferView{"exp_avg", d.exp_avg.data(), d.exp_avg.size(), 'f', true},
+          BufferView{"exp_avg_sq", d.exp_avg_sq.data(), d.exp_avg_sq.size(), 'f', true}};
+}
+
+std::vector<std::string> FastCudaBackend::fixed_fields() const { return cuda::planned_fields(); }
 
 void FastCudaBackend::set_tensors(const ParamTable& table) {
   if (!caller_tensors_) throw std::logic_error("fast-cuda backend: set_tensors() needs caller_tensors (table mode)");
@@ -258,7 +339,7 @@ void FastCudaBackend::upload_operands() {
 }
 
 int64_t FastCudaBackend::workspace_bytes() const {
-  return ns_->workspace_bytes() +
+  return ns_->workspace_bytes() + static_cast<int64_t>(all_rounded_.bytes()) +
          static_cast<int64_t>(scan_chunks_.bytes() + normuon_chunks_.bytes() + adamw_chunks_.bytes() +
                               stat_tasks_.bytes() + entries_.bytes() + operands_.bytes() + matrices_.bytes() +
                               groups_.bytes() + entry_scalars_.bytes() + matrix_scalars_.bytes() + stat_sums_.bytes() +
@@ -271,9 +352,9 @@ StepResult FastCudaBackend::poll_step(const Options& options) {
   NORMUON_CUDA_CHECK(cudaEventSynchronize(status_event_));
   status_pending_ = false;
   const cuda::StepStatus status = *polled_status_;
-  if (status.reported_bad == cuda::kNoBadGradient) return {};
-  NORMUON_CUDA_CHECK(cudaMemsetAsync(status_.data(), 0xff, sizeof status, stream_));  // reported: cleared
-  return cuda::step_result(status, layout_, options);
+  if (status.reported_bad != cuda::kNoBadGradient)  // reported: cleared
+    NORMUON_CUDA_CHECK(cudaMemsetAsync(status_.data(), 0xff, sizeof status, stream_));
+  return cuda::step_verdict(status, layout_, options);
 }
 
 void FastCudaBackend::enqueue_step() {
@@ -282,20 +363,20 @@ void FastCudaBackend::enqueue_step() {
   const DeviceScope scope(device_index_);
   const cuda::NvtxRange step_range("normuon.step");
   const bool timed = timing_ && !capturing_;
-  auto mark = [&](int i) {
-    if (timed) NORMUON_CUDA_CHECK(cudaEventRecord(events_[i], stream_));
-  };
   // This step's first_bad only: the reported_* fields keep what earlier steps found until finish_step.
   NORMUON_CUDA_CHECK(cudaMemsetAsync(&status_.data()->first_bad, 0xff, sizeof(unsigned long long), stream_));
-  auto phase = [&](int i) {  // timer event and NVTX range of phase i
-    mark(i);
-    return cuda::NvtxRange(kPhaseNames[i]);
+  timed_parts_.clear();  // within its reserved capacity: nothing allocated
+  auto phase = [&](int i) {  // NVTX range and, timed, events of a part of phase i
+    cudaEvent_t begin = nullptr, end = nullptr;
+    if (timed && 2 * (timed_parts_.size() + 1) <= phase_events_.size()) {
+      begin = phase_events_[2 * timed_parts_.size()];
+      end = phase_events_[2 * timed_parts_.size() + 1];
+      timed_parts_.push_back({i, begin, end});
+    }
+    return PhasePart(kPhaseNames[i], stream_, begin, end);
   };
-  auto newton_schulz = [&] {
-    for (int i = 0; i < ns_->size(); ++i) ns_->run(i);
-  };
+  auto newton_schulz = [&](int i) { ns_->run(i); };
   cuda::step_device::run_step(cuda::StreamLaunch{stream_}, buffers_, tables_, newton_schulz, phase);
-  mark(5);
   if (!capturing_) {
     timed_step_pending_ = timed;
     // This step's status for poll_step(): a small copy behind it, and an event to wait on.
@@ -309,11 +390,14 @@ StepResult FastCudaBackend::finish_step(const Options& options) {
   const DeviceScope scope(device_index_);
   NORMUON_CUDA_CHECK(cudaStreamSynchronize(stream_));
   status_pending_ = false;  // this verdict covers it
-  if (timed_step_pending_) {
-    float ms[5];
-    for (int i = 0; i < 5; ++i) NORMUON_CUDA_CHECK(cudaEventElapsedTime(&ms[i], events_[i], events_[i + 1]));
-    times_ = PhaseTimes{ms[0], ms[1], ms[2], ms[3], ms[4], 0};
-    times_.total = ms[0] + ms[1] + ms[2] + ms[3] + ms[4];
+  if (timed_step_pending_) {  // each phase: the sum of its parts (the NorMuon phases run a batch at a time)
+    double ms[5] = {};
+    for (const TimedPart& part : timed_parts_) {
+      float t = 0;
+      NORMUON_CUDA_CHECK(cudaEventElapsedTime(&t, part.begin, part.end));
+      ms[part.phase] += t;
+    }
+    times_ = PhaseTimes{ms[0], ms[1], ms[2], ms[3], ms[4], ms[0] + ms[1] + ms[2] + ms[3] + ms[4]};
     timed_step_pending_ = false;
   }
   cuda::StepStatus status{};

@@ -1,12 +1,12 @@
 // The fused CUDA backend over the shared flat layout (docs/fast-cuda.md). A step is a fixed sequence of
-// launches on one stream: a NaN/Inf scan and the step counters, one momentum + Nesterov pass over all
-// NorMuon matrices, batched Newton-Schulz per (shape, group) on cuBLASLt, one statistics pass, one
-// per-matrix finalize, one update pass, one AdamW pass. The number of launches depends on the number of
-// shape buckets only. Everything is allocated in the constructor; a step allocates nothing, never
+// launches on one stream: a NaN/Inf scan and the step counters; per Newton-Schulz batch (matrices of one
+// shape and group, as many as the scratch budget allows) a momentum + Nesterov pass, the batched
+// Newton-Schulz on cuBLASLt, a statistics pass, a per-matrix finalize and an update pass; one AdamW pass.
+// The number of launches depends on the number of batches only. Everything is allocated in the constructor; a step allocates nothing, never
 // synchronises and reads its hyper-parameters and step counters from device memory, so it can be
 // captured once in a CUDA graph and replayed.
 //
-// Three ways to use it:
+// Four ways to use it:
 //  - as a Backend: step(FlatState&) uploads the host state, steps and downloads it (synchronising);
 //    the comparator, golden traces and state files work unchanged.
 //  - device-resident: write gradients into device_state(), then set_options(), enqueue_step() (or
@@ -15,17 +15,21 @@
 //    written in place; the pointer table is uploaded from pinned memory, asynchronously, only when an
 //    address changed. Then set_options(), enqueue_step(), and finish_step() (one sync) or, one step
 //    later, poll_step() (no stall).
+//  - as the CUDA engine's backend (DeviceTableBackend, normuon/engine.h): table mode, driven by an
+//    Engine, which keeps the counters and reads each step's verdict (deferred or not) through verdict().
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <array>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "device_state.h"
 #include "normuon/backend.h"
+#include "normuon/engine.h"
 #include "normuon/layout.h"
 #include "normuon/param_table.h"
 #include "step_kernels.h"
@@ -48,9 +52,12 @@ struct FastCudaConfig {
   // mirrored: the lower triangle wins). Each element is the same dot product either way, but a panel's
   // GEMM may run another cuBLASLt algorithm, so widths can differ in the last bits.
   int64_t ns_panel_width = 0;
+  // Bytes a Newton-Schulz batch's buffers may take (StepPlan::build): 0, the plan's choice
+  // (ns_scratch_budget). Smaller splits the shape buckets into more batches (the tests).
+  int64_t ns_budget = 0;
 };
 
-class FastCudaBackend : public Backend {
+class FastCudaBackend : public Backend, public DeviceTableBackend {
  public:
   // The layout must outlive the backend. Options fix the groups and the Newton-Schulz knobs (precision,
   // coefficients, ns_steps, ns_eps, ns_algorithm); the other values may change at every set_options().
@@ -61,6 +68,18 @@ class FastCudaBackend : public Backend {
 
   std::string name() const override { return "fast-cuda"; }
   StepResult step(FlatState& state, const Options& options) override;
+  using DeviceTableBackend::step;
+
+  // --- the engine's backend (DeviceTableBackend; table mode): set_tensors, set_options with the host's
+  // counts, set_grad_scaling, enqueue_step; poll_step for the verdict.
+  void enqueue(const TableState& state, const ParamTable& table, const Options& options, const float* grad_scale,
+               const float* found_inf) override;
+  StepResult verdict(const Options& options) override { return poll_step(options); }
+  void set_steps(const TableState& state) override;  // the device's counters, behind the queued work
+  void refresh_master(int e, const ParamTable& table) override;
+  std::vector<BufferView> buffers() override;
+  void set_stream(void* stream) override { set_stream(static_cast<cudaStream_t>(stream)); }
+  std::vector<std::string> fixed_fields() const override;
 
   // Empty when this backend can run `options` on `layout` on `device`; otherwise why not.
   static std::string unsupported_reason(const Layout& layout, const Options& options, int device = 0);
@@ -97,7 +116,8 @@ class FastCudaBackend : public Backend {
   void enqueue_step();
   // The verdict of the last step enqueued (outside a graph), without stalling the stream: waits only
   // for that step's own status copy (normally long done when the next step begins). As finish_step
-  // for that step; {} when there is none pending.
+  // for that step, and skipped with kFoundInfReason when the gradient scaler's found_inf skipped it
+  // (step_verdict); {} when there is none pending.
   StepResult poll_step(const Options& options);
   // Waits for the stream and reports the steps enqueued since the last call: {} when they all ran;
   // when one had a NaN/Inf gradient (that step changed nothing, the others ran), the first such one as
@@ -113,13 +133,21 @@ class FastCudaBackend : public Backend {
   int64_t graph_kernel_nodes() const { return graph_kernel_nodes_; }  // counted in the captured graph
 
   int64_t launches_per_step() const { return launches_per_step_; }  // kernels and matmuls enqueue_step issues
-  int64_t workspace_bytes() const;  // device memory beyond the state and masters (Newton-Schulz, tables)
+  int64_t workspace_bytes() const override;  // device memory beyond the state and masters (Newton-Schulz, tables)
   double newton_schulz_flops() const;                                // per step
   std::string describe() const;
 
  private:
   void release_graph();
   void upload_operands();  // host_operands_ (and, in table mode, host_has_grad_) to the device
+  // Host-to-device copies of per-step values, asynchronous, from a pinned slot (a copy from pageable
+  // memory may synchronise): two slots used in turn, each written again once the copy from it has run.
+  struct Upload {
+    void* device;
+    const void* host;
+    size_t bytes;
+  };
+  void upload_staged(std::initializer_list<Upload> uploads);
 
   const Layout& layout_;
   int device_index_;
@@ -139,6 +167,7 @@ class FastCudaBackend : public Backend {
   std::vector<cuda::MatrixInfo> host_matrices_;  // for the lr_scale factors
   cuda::DeviceBuffer<cuda::Chunk> scan_chunks_, normuon_chunks_, adamw_chunks_;
   cuda::DeviceBuffer<cuda::StatTask> stat_tasks_;
+  std::vector<cuda::BatchRange> batch_ranges_;  // per Newton-Schulz batch (host memory)
   cuda::StepTables tables_{};  // where the step finds the four tables above
   cuda::DeviceBuffer<cuda::EntryInfo> entries_;
   cuda::DeviceBuffer<cuda::EntryOperands> operands_;
@@ -150,6 +179,11 @@ class FastCudaBackend : public Backend {
   cuda::EntryOperands* staged_operands_ = nullptr;
   uint8_t* staged_has_grad_ = nullptr;
   cudaEvent_t staged_event_ = nullptr;
+  std::array<char*, 2> ring_{};  // upload_staged's pinned slots
+  std::array<cudaEvent_t, 2> ring_done_{};
+  size_t ring_bytes_ = 0;
+  int ring_next_ = 0;
+  cuda::DeviceBuffer<unsigned long long> all_rounded_;  // refresh_master's flag
   // The last step's status, copied to pinned memory after it (poll_step).
   cuda::StepStatus* polled_status_ = nullptr;
   cudaEvent_t status_event_ = nullptr;
@@ -166,7 +200,12 @@ class FastCudaBackend : public Backend {
   std::vector<cuda::MatrixScalars> host_matrix_scalars_;
   cuda::StepBuffers buffers_{};
   int64_t launches_per_step_ = 0;
-  std::array<cudaEvent_t, 6> events_{};
+  struct TimedPart {
+    int phase;
+    cudaEvent_t begin, end;
+  };
+  std::vector<cudaEvent_t> phase_events_;  // a timed step's: two per part of a phase
+  std::vector<TimedPart> timed_parts_;     // the last timed step's parts
   bool timed_step_pending_ = false;
   bool capturing_ = false;
   cudaGraph_t graph_ = nullptr;

@@ -35,7 +35,7 @@
 namespace normuon::cuda {
 namespace {
 
-constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+constexpr size_t kWorkspaceBytes = static_cast<size_t>(kLtWorkspaceBytes);
 
 // ---- cuBLASLt RAII ---------------------------------------------------------------------------------
 
@@ -150,7 +150,6 @@ void plan_gemm(LtGemm& g, cublasLtHandle_t handle, bool bf16, const NsGemmSpec& 
 struct Batch {
   NsBatchShape shape;
   NsBatchGeometry geometry;
-  DeviceBuffer<unsigned char> x;  // the input, and O after run()
   // Planned GEMMs, indexed by NsGemm, then by part (ns_planned_gemm).
   std::vector<std::unique_ptr<LtGemm>> lt[3];
 };
@@ -167,16 +166,17 @@ const char* coefficients_name(NsCoefficients c) {
 struct BatchedNewtonSchulz::Impl {
   cudaStream_t stream = nullptr;
   std::unique_ptr<LtHandle> handle;  // declared first: destroyed after the plans that were made with it
-  // Shared by all batches (runs are stream-ordered): the s x s buffers A, C/B and T, the X-shaped U; and
-  // for Gram batches (only when there is one) the s x s Q, Z and T2.
-  DeviceBuffer<unsigned char> workspace, gram, bmat, tmat, umat, qmat, zmat, t2mat;
+  // Shared by all batches (runs are stream-ordered; NsWorkspaceSizes): X (each batch's input and output,
+  // in place), the s x s buffers A, C/B and T, the X-shaped U; and for Gram batches (only when there is
+  // one) the s x s Q, Z and T2.
+  DeviceBuffer<unsigned char> workspace, xmat, gram, bmat, tmat, umat, qmat, zmat, t2mat;
   DeviceBuffer<double> partials;
   std::vector<std::unique_ptr<Batch>> batches;
 
   template <typename T>
   void run(Batch& b) {
     auto typed = [](DeviceBuffer<unsigned char>& d) { return reinterpret_cast<T*>(d.data()); };
-    const NsBuffers<T*> buf{typed(b.x),    typed(gram), typed(bmat), typed(tmat),
+    const NsBuffers<T*> buf{typed(xmat),    typed(gram), typed(bmat), typed(tmat),
                             typed(umat), typed(qmat), typed(zmat), typed(t2mat)};
     auto gemm = [&](NsGemm which, int part, const NsGemmSpec& spec) {
       matmul(*b.lt[static_cast<int>(which)][static_cast<size_t>(part)], spec, buf);
@@ -225,21 +225,19 @@ BatchedNewtonSchulz::BatchedNewtonSchulz(const std::vector<NsBatchShape>& batche
   }
   if (!any) return;  // nothing to run: no device resources
 
-  // In float sizes: bf16 batches use half of each.
-  auto floats = [](int64_t elements) {
-    return DeviceBuffer<unsigned char>(elements * static_cast<int64_t>(sizeof(float)));
-  };
+  using Bytes = DeviceBuffer<unsigned char>;
   im.handle = std::make_unique<LtHandle>();
-  im.workspace = DeviceBuffer<unsigned char>(static_cast<int64_t>(kWorkspaceBytes));
-  im.gram = floats(sizes.square);
-  im.bmat = floats(sizes.square);
-  im.tmat = floats(sizes.square);
-  im.umat = floats(sizes.x);
+  im.workspace = Bytes(static_cast<int64_t>(kWorkspaceBytes));
+  im.xmat = Bytes(sizes.x);
+  im.gram = Bytes(sizes.square);
+  im.bmat = Bytes(sizes.square);
+  im.tmat = Bytes(sizes.square);
+  im.umat = Bytes(sizes.x);
   im.partials = DeviceBuffer<double>(sizes.partials);
   if (sizes.gram_only > 0) {
-    im.qmat = floats(sizes.gram_only);
-    im.zmat = floats(sizes.gram_only);
-    im.t2mat = floats(sizes.gram_only);
+    im.qmat = Bytes(sizes.gram_only);
+    im.zmat = Bytes(sizes.gram_only);
+    im.t2mat = Bytes(sizes.gram_only);
   }
 
   for (auto& bp : im.batches) {
@@ -247,8 +245,6 @@ BatchedNewtonSchulz::BatchedNewtonSchulz(const std::vector<NsBatchShape>& batche
     const NsBatchGeometry& g = b.geometry;
     if (g.empty) continue;
     const bool bf16 = b.shape.precision == NsPrecision::bf16;
-    const int64_t elem = bf16 ? 2 : 4;
-    b.x = DeviceBuffer<unsigned char>(b.shape.count * g.x.stride * elem);
     const int32_t count = static_cast<int32_t>(b.shape.count);
     cublasLtHandle_t h = im.handle->h;
     for (int i = 0; i < 3; ++i) {
@@ -269,18 +265,21 @@ int BatchedNewtonSchulz::size() const { return static_cast<int>(impl_->batches.s
 
 int64_t BatchedNewtonSchulz::workspace_bytes() const {
   const Impl& im = *impl_;
-  size_t total = im.workspace.bytes() + im.gram.bytes() + im.bmat.bytes() + im.tmat.bytes() + im.umat.bytes() +
-                 im.qmat.bytes() + im.zmat.bytes() + im.t2mat.bytes() + im.partials.bytes();
-  for (const auto& b : im.batches) total += b->x.bytes();
+  const size_t total = im.workspace.bytes() + im.xmat.bytes() + im.gram.bytes() + im.bmat.bytes() + im.tmat.bytes() +
+                       im.umat.bytes() + im.qmat.bytes() + im.zmat.bytes() + im.t2mat.bytes() + im.partials.bytes();
   return static_cast<int64_t>(total);
 }
 
 const NsBatchShape& BatchedNewtonSchulz::shape(int b) const { return impl_->batches.at(static_cast<size_t>(b))->shape; }
 
-void* BatchedNewtonSchulz::input(int b) { return impl_->batches.at(static_cast<size_t>(b))->x.data(); }
+void* BatchedNewtonSchulz::input(int b) {
+  impl_->batches.at(static_cast<size_t>(b));  // range-checked
+  return impl_->xmat.data();  // shared by the batches
+}
 
 const void* BatchedNewtonSchulz::output(int b) const {
-  return impl_->batches.at(static_cast<size_t>(b))->x.data();  // in place
+  impl_->batches.at(static_cast<size_t>(b));
+  return impl_->xmat.data();  // in place
 }
 
 int64_t BatchedNewtonSchulz::stride(int b) const { return impl_->batches.at(static_cast<size_t>(b))->geometry.x.stride; }

@@ -19,6 +19,9 @@
 
 namespace normuon::cuda {
 
+// cuBLASLt's workspace, allocated once when some batch has work.
+constexpr int64_t kLtWorkspaceBytes = int64_t{32} << 20;
+
 struct NsBatchShape {
   int64_t rows = 0, cols = 0;  // of each matrix, as stored (row-major)
   int64_t count = 0;           // matrices in the batch
@@ -46,8 +49,9 @@ class BatchedNewtonSchulz {
   // A batch's input and output: `count` row-major rows x cols matrices, stride(b) elements apart,
   // __nv_bfloat16 in bf16 precision and float in fp32. The caller writes P(U) (values already
   // rounded to the working precision) into input(b) before run(b); run(b) leaves O, the orthogonalised
-  // matrices in the same layout and type, in output(b) (today the same buffer: the run is in place).
-  // Both pointers are fixed for the object's life.
+  // matrices in the same layout and type, in output(b) (the same buffer: the run is in place). Every
+  // batch has the same buffer, sized for the largest (NsWorkspaceSizes): a batch's output must be read
+  // before the next batch's input is written. Both pointers are fixed for the object's life.
   void* input(int b);
   const void* output(int b) const;
   int64_t stride(int b) const;

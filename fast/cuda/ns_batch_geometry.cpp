@@ -67,10 +67,18 @@ NsGemmSpec ns_planned_gemm(const NsBatchGeometry& g, NsGemm which, int part) {
 
 void NsWorkspaceSizes::add(const NsBatchShape& shape, const NsBatchGeometry& g) {
   if (g.empty) return;
-  square = std::max(square, shape.count * g.sym.stride);
-  x = std::max(x, shape.count * g.x.stride);
+  const int64_t element = shape.precision == NsPrecision::bf16 ? 2 : 4;
+  square = std::max(square, shape.count * g.sym.stride * element);
+  x = std::max(x, shape.count * g.x.stride * element);
   partials = std::max(partials, shape.count * g.x.slices);
-  if (g.gram_iteration) gram_only = std::max(gram_only, shape.count * g.sym.stride);
+  if (g.gram_iteration) gram_only = std::max(gram_only, shape.count * g.sym.stride * element);
+}
+
+int64_t ns_bytes_per_matrix(NsBatchShape shape) {
+  shape.count = 1;
+  NsWorkspaceSizes one;
+  one.add(shape, ns_batch_geometry(shape));
+  return one.bytes();
 }
 
 double ns_batch_flops(const NsBatchShape& shape) {

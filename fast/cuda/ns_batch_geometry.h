@@ -64,14 +64,21 @@ enum class NsGemm { gram, square, apply };
 int ns_gemm_parts(const NsBatchGeometry& g, NsGemm which);
 NsGemmSpec ns_planned_gemm(const NsBatchGeometry& g, NsGemm which, int part);
 
-// Device buffers of the batches together, in elements, each sized for the largest batch that uses it (as
-// BatchedNewtonSchulz allocates them, and the tests' emulation too): the s x s buffers A, C/B and T, the
-// X-shaped U, the norm kernels' partial sums (doubles), and Gram's s x s Q, Z and T2 (0 without a Gram
-// batch).
+// Device buffers of the batches together, each sized for the largest batch that uses it, in that batch's
+// working precision (as BatchedNewtonSchulz allocates them, and the tests' emulation too): the X-shaped
+// X (the batch's input, written just before it runs, and its output, read before the next batch runs)
+// and U, the s x s buffers A, C/B and T, Gram's s x s Q, Z and T2 (0 without a Gram batch), and the norm
+// kernels' partial sums.
 struct NsWorkspaceSizes {
-  int64_t square = 0, x = 0, partials = 0, gram_only = 0;
+  int64_t x = 0, square = 0, gram_only = 0;  // bytes of one buffer of each kind
+  int64_t partials = 0;                       // doubles
   void add(const NsBatchShape& shape, const NsBatchGeometry& g);
+  int64_t bytes() const { return 2 * x + 3 * square + 3 * gram_only + 8 * partials; }
 };
+
+// Bytes of those buffers per matrix of a batch of this shape (its count ignored): what the plan divides
+// its budget by.
+int64_t ns_bytes_per_matrix(NsBatchShape shape);
 
 // FLOPs (2 per multiply-add) that one run of the batch computes, its symmetric products as its panels;
 // 0 when it is empty. The full products of the same run: ns_dense_flops (normuon/ns_algorithm.h).

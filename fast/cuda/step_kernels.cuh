@@ -205,10 +205,11 @@ __global__ void statistics_kernel(StepBuffers b, const StatTask* tasks) {
   }
 }
 
-__global__ void finalize_kernel(StepBuffers b) {
+__global__ void finalize_kernel(StepBuffers b, int first_matrix) {
   __shared__ double shared[kBlock];
   if (step_skipped(b.status)) return;
-  const MatrixInfo m = b.matrices[blockIdx.x];
+  const int matrix = first_matrix + static_cast<int>(blockIdx.x);
+  const MatrixInfo m = b.matrices[matrix];
   if (!b.has_grad[m.entry]) return;
   const GroupScalars s = b.groups[m.group];
   const double other_len = m.stats_per_row ? m.cols : m.rows;  // the axis each statistic averages over
@@ -229,7 +230,7 @@ __global__ void finalize_kernel(StepBuffers b) {
   normalised = block_sum(normalised, shared);
   if (threadIdx.x == 0) {
     const float nu = static_cast<float>(sqrt(total));
-    b.matrix_scalars[blockIdx.x].ratio = nu / (static_cast<float>(sqrt(normalised)) + s.renorm_eps);
+    b.matrix_scalars[matrix].ratio = nu / (static_cast<float>(sqrt(normalised)) + s.renorm_eps);
   }
 }
 
@@ -310,13 +311,50 @@ __global__ void adamw_kernel(StepBuffers b, const Chunk* chunks) {
   }
 }
 
+// ---- a master read again after an outside write ---------------------------------------------------
+
+// Engine::refresh_master's rule on the device, for a bf16 / fp16 parameter (op.low) and its master: the
+// master is read again from the parameter unless the parameter still holds the master rounded (a model
+// reloaded after the optimizer: the master keeps its low bits). *all_rounded starts at 1; the first
+// kernel clears it where some element differs, the second then widens every element.
+__global__ void master_rounded_kernel(EntryOperands op, int64_t n, unsigned long long* all_rounded) {
+  bool rounded = true;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n && rounded;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float m = op.master[at(op.master_runs, i)];
+    const int64_t j = at(op.low_runs, i);
+    rounded = op.low_type == ElemType::bf16
+                  ? __bfloat162float(__float2bfloat16_rn(m)) == __bfloat162float(static_cast<const __nv_bfloat16*>(op.low)[j])
+                  : __half2float(__float2half_rn(m)) == __half2float(static_cast<const __half*>(op.low)[j]);
+  }
+  if (!rounded) atomicMin(all_rounded, 0ull);
+}
+
+__global__ void master_refresh_kernel(EntryOperands op, int64_t n, const unsigned long long* all_rounded) {
+  if (*all_rounded) return;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    op.master[at(op.master_runs, i)] = load_grad(op.low, op.low_type, at(op.low_runs, i));  // widened
+}
+
+template <typename Launch>
+void refresh_master(const Launch& launch, const EntryOperands& op, int64_t n, unsigned long long* all_rounded) {
+  if (n == 0 || !op.low) return;
+  const int blocks = static_cast<int>((n + kBlock - 1) / kBlock < 1024 ? (n + kBlock - 1) / kBlock : 1024);
+  launch(master_rounded_kernel, blocks, kBlock, op, n, all_rounded);
+  launch(master_refresh_kernel, blocks, kBlock, op, n, static_cast<const unsigned long long*>(all_rounded));
+}
+
 // ---- one step ---------------------------------------------------------------------------------------
 
-// One fused step, in the order of docs/fast-cuda.md's five phases (the status word's first_bad must be
-// reset before). `launch(kernel, blocks, threads, args...)` launches one kernel: <<<>>> on the GPU, the
-// SIMT emulator in the tests. One block of kBlock threads per work item (chunk, task or matrix); an
-// empty pass launches nothing. `newton_schulz()` runs every batch. `phase(i)` is called as phase i
-// (0..4) begins, and what it returns lives until the phase ends (the backend's NVTX range and timer).
+// One fused step, in docs/fast-cuda.md's five phases (the status word's first_bad must be reset before).
+// `launch(kernel, blocks, threads, args...)` launches one kernel: <<<>>> on the GPU, the SIMT emulator in
+// the tests. One block of kBlock threads per work item (chunk, task or matrix); an empty pass launches
+// nothing. The NorMuon phases run a Newton-Schulz batch at a time, because the batches share one input
+// buffer (NsWorkspaceSizes): the batch's momentum pass writes it, `newton_schulz(i)` runs batch i in
+// place, its statistics, finalize and update passes read it. `phase(i)` is called as phase i (0..4)
+// begins, once per batch for the NorMuon phases, and what it returns lives until that part ends (the
+// backend's NVTX range and timer).
 template <typename Launch, typename NewtonSchulz, typename Phase>
 void run_step(const Launch& launch, const StepBuffers& b, const StepTables& t, const NewtonSchulz& newton_schulz,
               const Phase& phase) {
@@ -327,20 +365,26 @@ void run_step(const Launch& launch, const StepBuffers& b, const StepTables& t, c
     [[maybe_unused]] const auto momentum_phase = phase(0);
     each(scan_gradients_kernel, t.n_scan_chunks, t.scan_chunks);
     launch(advance_steps_kernel, 1, kBlock, b);  // one block; its threads stride the groups and the entries
-    each(momentum_kernel, t.n_normuon_chunks, t.normuon_chunks);
   }
-  {
-    [[maybe_unused]] const auto newton_schulz_phase = phase(1);
-    newton_schulz();
-  }
-  {
-    [[maybe_unused]] const auto normalisation_phase = phase(2);
-    each(statistics_kernel, t.n_stat_tasks, t.stat_tasks);
-    each(finalize_kernel, t.n_matrices);
-  }
-  {
-    [[maybe_unused]] const auto update_phase = phase(3);
-    each(normuon_update_kernel, t.n_normuon_chunks, t.normuon_chunks);
+  for (int i = 0; i < t.n_batches; ++i) {
+    const BatchRange& r = t.batches[i];
+    {
+      [[maybe_unused]] const auto momentum_phase = phase(0);
+      each(momentum_kernel, r.n_chunks, t.normuon_chunks + r.first_chunk);
+    }
+    {
+      [[maybe_unused]] const auto newton_schulz_phase = phase(1);
+      newton_schulz(i);
+    }
+    {
+      [[maybe_unused]] const auto normalisation_phase = phase(2);
+      each(statistics_kernel, r.n_tasks, t.stat_tasks + r.first_task);
+      each(finalize_kernel, r.n_matrices, r.first_matrix);
+    }
+    {
+      [[maybe_unused]] const auto update_phase = phase(3);
+      each(normuon_update_kernel, r.n_chunks, t.normuon_chunks + r.first_chunk);
+    }
   }
   {
     [[maybe_unused]] const auto adamw_phase = phase(4);

@@ -1,9 +1,11 @@
 #include "step_plan.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
 
+#include "normuon/engine.h"
 #include "normuon/step_prologue.h"
 #include "ns_batch_geometry.h"
 
@@ -33,50 +35,68 @@ std::string plan_unsupported_reason(const Layout& layout, const Options& options
   return "";
 }
 
-StepPlan StepPlan::build(const Layout& layout, const Options& options) {
+int64_t ns_scratch_budget(const Layout& layout) {
+  const int64_t state_bytes = 4 * (layout.normuon_floats + layout.stat_floats + 2 * layout.adam_floats);
+  return std::max<int64_t>(state_bytes / 16, int64_t{256} << 20);
+}
+
+StepPlan StepPlan::build(const Layout& layout, const Options& options, int64_t ns_budget) {
   const std::string reason = plan_unsupported_reason(layout, options);
   if (!reason.empty()) throw std::invalid_argument(reason);
   StepPlan plan;
-  std::vector<int> batch_of_entry(layout.entries.size(), -1), index_of_entry(layout.entries.size(), -1);
-  for (const NsBatch& batch : newton_schulz_batches(layout)) {
-    const NorMuonHyper& h = options.groups[batch.group].normuon;
-    const int b = static_cast<int>(plan.batches.size());
-    plan.batches.push_back({batch.rows, batch.cols, static_cast<int64_t>(batch.entries.size()), h.ns_precision,
-                            h.ns_coefficients, h.ns_steps, h.ns_eps, h.ns_algorithm});
-    plan.batch_group.push_back(batch.group);
-    for (size_t k = 0; k < batch.entries.size(); ++k) {
-      batch_of_entry[batch.entries[k]] = b;
-      index_of_entry[batch.entries[k]] = static_cast<int>(k);
-    }
-  }
+  plan.stat_floats = layout.stat_floats;
+  plan.n_groups = static_cast<int64_t>(layout.group_names.size());
   for (int i = 0; i < static_cast<int>(layout.entries.size()); ++i) {
     const LayoutEntry& e = layout.entries[i];
-    EntryInfo info{e.offset, e.adam_offset, e.group, -1, e.numel == 0};
+    plan.entries.push_back(EntryInfo{e.offset, e.adam_offset, e.group, -1, e.numel == 0});
     add_chunks(plan.scan_chunks, i, e.numel);
-    if (e.algorithm == Algorithm::normuon && e.numel > 0) {
-      MatrixInfo m{};
-      m.entry = i;
-      m.group = e.group;
-      m.rows = static_cast<int32_t>(e.rows);
-      m.cols = static_cast<int32_t>(e.cols);
-      m.stats_per_row = e.stats_per_row;
-      m.ns_bf16 = plan.batches[batch_of_entry[i]].precision == NsPrecision::bf16;
-      m.offset = e.offset;
-      m.stat_offset = e.stat_offset;
-      m.stat_len = e.stat_len;
-      info.matrix = static_cast<int32_t>(plan.matrices.size());
-      if (e.stats_per_row)
-        for (int64_t r = 0; r < e.rows; r += kStatRowsPerTask) plan.stat_tasks.push_back({info.matrix, static_cast<int32_t>(r)});
-      else
-        for (int64_t c = 0; c < e.cols; c += kStatColsPerTask) plan.stat_tasks.push_back({info.matrix, static_cast<int32_t>(c)});
-      plan.matrices.push_back(m);
-      plan.matrix_batch.push_back(batch_of_entry[i]);
-      plan.matrix_index.push_back(index_of_entry[i]);
-      add_chunks(plan.normuon_chunks, i, e.numel);
-    } else if (e.algorithm == Algorithm::adamw) {
-      add_chunks(plan.adamw_chunks, i, e.numel);
+    if (e.algorithm == Algorithm::adamw) add_chunks(plan.adamw_chunks, i, e.numel);
+  }
+  if (ns_budget < 0) throw std::invalid_argument("a negative Newton-Schulz budget");
+  const int64_t budget = ns_budget > 0 ? ns_budget : ns_scratch_budget(layout);
+  for (const NsBatch& batch : newton_schulz_batches(layout)) {
+    const NorMuonHyper& h = options.groups[batch.group].normuon;
+    NsBatchShape shape{batch.rows, batch.cols, 0, h.ns_precision, h.ns_coefficients, h.ns_steps, h.ns_eps, h.ns_algorithm};
+    const int64_t n = static_cast<int64_t>(batch.entries.size());
+    const int64_t most = std::max<int64_t>(1, budget / std::max<int64_t>(1, ns_bytes_per_matrix(shape)));
+    const int64_t parts = (n + most - 1) / most, per = (n + parts - 1) / parts;  // as even as they come
+    for (int64_t first = 0; first < n; first += per) {
+      shape.count = std::min(per, n - first);
+      const int b = static_cast<int>(plan.batches.size());
+      plan.batches.push_back(shape);
+      plan.batch_group.push_back(batch.group);
+      BatchRange r{static_cast<int>(plan.normuon_chunks.size()), 0, static_cast<int>(plan.stat_tasks.size()), 0,
+                   static_cast<int>(plan.matrices.size()), 0};
+      for (int64_t k = first; k < first + shape.count; ++k) {
+        const int i = batch.entries[static_cast<size_t>(k)];
+        const LayoutEntry& e = layout.entries[i];
+        if (e.numel == 0) continue;  // nothing to orthogonalise: no matrix
+        MatrixInfo m{};
+        m.entry = i;
+        m.group = e.group;
+        m.rows = static_cast<int32_t>(e.rows);
+        m.cols = static_cast<int32_t>(e.cols);
+        m.stats_per_row = e.stats_per_row;
+        m.ns_bf16 = shape.precision == NsPrecision::bf16;
+        m.offset = e.offset;
+        m.stat_offset = e.stat_offset;
+        m.stat_len = e.stat_len;
+        const int32_t matrix = static_cast<int32_t>(plan.matrices.size());
+        plan.entries[static_cast<size_t>(i)].matrix = matrix;
+        if (e.stats_per_row)
+          for (int64_t row = 0; row < e.rows; row += kStatRowsPerTask) plan.stat_tasks.push_back({matrix, static_cast<int32_t>(row)});
+        else
+          for (int64_t col = 0; col < e.cols; col += kStatColsPerTask) plan.stat_tasks.push_back({matrix, static_cast<int32_t>(col)});
+        plan.matrices.push_back(m);
+        plan.matrix_batch.push_back(b);
+        plan.matrix_index.push_back(static_cast<int>(k - first));
+        add_chunks(plan.normuon_chunks, i, e.numel);
+      }
+      r.n_chunks = static_cast<int>(plan.normuon_chunks.size()) - r.first_chunk;
+      r.n_tasks = static_cast<int>(plan.stat_tasks.size()) - r.first_task;
+      r.n_matrices = static_cast<int>(plan.matrices.size()) - r.first_matrix;
+      plan.batch_ranges.push_back(r);
     }
-    plan.entries.push_back(info);
   }
   return plan;
 }
@@ -161,15 +181,41 @@ StepResult step_result(const StepStatus& status, const Layout& layout, const Opt
                             options.nonfinite);
 }
 
-StepTables StepPlan::tables(const Chunk* scan, const Chunk* normuon, const Chunk* adamw, const StatTask* stat) const {
+StepResult step_verdict(const StepStatus& status, const Layout& layout, const Options& options) {
+  if (status.reported_bad == kNoBadGradient && status.first_bad == kScalerFoundInf) return {true, kFoundInfReason};
+  return step_result(status, layout, options);
+}
+
+StepTables StepPlan::tables(const Chunk* scan, const Chunk* normuon, const Chunk* adamw, const StatTask* stat,
+                            const BatchRange* ranges) const {
   return {scan,  static_cast<int>(scan_chunks.size()), normuon, static_cast<int>(normuon_chunks.size()),
           adamw, static_cast<int>(adamw_chunks.size()), stat,   static_cast<int>(stat_tasks.size()),
-          static_cast<int>(matrices.size())};
+          static_cast<int>(matrices.size()), ranges, static_cast<int>(batch_ranges.size())};
+}
+
+int64_t StepPlan::workspace_bytes() const {
+  NsWorkspaceSizes ns;
+  bool any = false;
+  for (const NsBatchShape& shape : batches) {
+    const NsBatchGeometry g = ns_batch_geometry(shape);
+    ns.add(shape, g);
+    any = any || !g.empty;
+  }
+  auto bytes = [](const auto& v) { return static_cast<int64_t>(v.size() * sizeof(v[0])); };
+  const int64_t n_entries = static_cast<int64_t>(entries.size());
+  return (any ? kLtWorkspaceBytes + ns.bytes() : 0) + bytes(scan_chunks) + bytes(normuon_chunks) + bytes(adamw_chunks) +
+         bytes(stat_tasks) + bytes(entries) + bytes(matrices) +
+         n_entries * static_cast<int64_t>(sizeof(EntryOperands) + sizeof(EntryScalars)) +
+         n_groups * static_cast<int64_t>(sizeof(GroupScalars)) +
+         static_cast<int64_t>(matrices.size() * sizeof(MatrixScalars)) + stat_floats * (8 + 4) /* sums, 1/sqrt(v) */ +
+         static_cast<int64_t>(sizeof(StepStatus)) + 8 /* refresh_master's flag */;
 }
 
 int64_t StepPlan::elementwise_launches() const {
-  return 1 /* step counters */ + !scan_chunks.empty() + !normuon_chunks.empty() /* momentum */ + !stat_tasks.empty() +
-         !matrices.empty() /* finalize */ + !normuon_chunks.empty() /* update */ + !adamw_chunks.empty();
+  int64_t n = 1 /* step counters */ + !scan_chunks.empty() + !adamw_chunks.empty();
+  for (const BatchRange& r : batch_ranges)  // momentum and update, statistics, finalize
+    n += 2 * (r.n_chunks > 0) + (r.n_tasks > 0) + (r.n_matrices > 0);
+  return n;
 }
 
 int64_t StepPlan::newton_schulz_launches() const {

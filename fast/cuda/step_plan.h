@@ -16,26 +16,44 @@
 
 namespace normuon::cuda {
 
+// The Newton-Schulz buffers of a step are shared by its batches and sized for the largest
+// (NsWorkspaceSizes), so the plan bounds a batch's buffers by this many bytes: a shape bucket's matrices of
+// one group are split into as few batches as keep within it (a single matrix larger than it is a batch of
+// its own). A sixteenth of the spec's state (momentum, second moments, exp_avg, exp_avg_sq), and at least
+// 256 MiB, so that a small model (gpt2-124m) keeps one batch per shape.
+int64_t ns_scratch_budget(const Layout& layout);
+
 struct StepPlan {
-  // Newton-Schulz batches: the matrices of one shape bucket that share a group (so the NS knobs).
+  // Newton-Schulz batches: matrices of one shape bucket that share a group (so the NS knobs), at most as
+  // many as ns_scratch_budget allows.
   std::vector<NsBatchShape> batches;
   std::vector<int> batch_group;
-  // Per matrix (MatrixInfo order): its batch and its index inside the batch. The matrices' NS pointers
-  // are left null here; the backend fills them from the BatchedNewtonSchulz buffers.
+  // Per batch: its matrices' chunks, statistics tasks and matrices, consecutive in the tables below.
+  std::vector<BatchRange> batch_ranges;
+  // Per matrix (MatrixInfo order: by batch): its batch and its index inside the batch. The matrices' NS
+  // pointers are left null here; the backend fills them from the BatchedNewtonSchulz buffers.
   std::vector<int> matrix_batch, matrix_index;
   std::vector<EntryInfo> entries;
   std::vector<MatrixInfo> matrices;
   std::vector<Chunk> scan_chunks;     // every parameter's gradient
-  std::vector<Chunk> normuon_chunks;  // NorMuon matrices
+  std::vector<Chunk> normuon_chunks;  // NorMuon matrices, by batch
   std::vector<Chunk> adamw_chunks;    // AdamW parameters
-  std::vector<StatTask> stat_tasks;
+  std::vector<StatTask> stat_tasks;   // by batch
+  int64_t stat_floats = 0, n_groups = 0;  // the layout's
 
   // Throws std::invalid_argument when the layout and options don't fit the tables (sizes, groups).
-  static StepPlan build(const Layout& layout, const Options& options);
+  // ns_budget: the bytes a batch's Newton-Schulz buffers may take; 0: ns_scratch_budget(layout).
+  static StepPlan build(const Layout& layout, const Options& options, int64_t ns_budget = 0);
 
   // The tables' sizes, with the tables at the given copies of scan_chunks, normuon_chunks, adamw_chunks
-  // and stat_tasks (device copies on the GPU).
-  StepTables tables(const Chunk* scan, const Chunk* normuon, const Chunk* adamw, const StatTask* stat) const;
+  // and stat_tasks (device copies on the GPU) and of batch_ranges (host memory; it must outlive the steps).
+  StepTables tables(const Chunk* scan, const Chunk* normuon, const Chunk* adamw, const StatTask* stat,
+                    const BatchRange* ranges) const;
+
+  // Device bytes the backend holds for this plan beyond the state and the masters (as
+  // FastCudaBackend::workspace_bytes counts them): the Newton-Schulz buffers and cuBLASLt's workspace, the
+  // tables, the statistics' scratch and the status words.
+  int64_t workspace_bytes() const;
 
   // Kernel launches of one step besides Newton-Schulz's own (empty passes launch nothing).
   int64_t elementwise_launches() const;
@@ -70,6 +88,14 @@ void fill_matrix_scalars(const std::vector<MatrixInfo>& matrices, const Options&
 // reports a NaN/Inf gradient the same way: {} when none was reported; a skipped step under
 // nonfinite=skip_step; std::runtime_error under nonfinite=error.
 StepResult step_result(const StepStatus& status, const Layout& layout, const Options& options);
+// A table-mode step's verdict from its status, copied after it: step_result's, or, when the gradient
+// scaler's found_inf skipped it, skipped with kFoundInfReason (engine.h).
+StepResult step_verdict(const StepStatus& status, const Layout& layout, const Options& options);
+
+// The fields a CUDA plan is built from (its Newton-Schulz batches' GEMMs): fixed once it is built.
+inline std::vector<std::string> planned_fields() {
+  return {"ns_precision", "ns_coefficients", "ns_steps", "ns_eps", "ns_algorithm"};
+}
 
 // The kernels' element type of a manifest dtype.
 inline ElemType elem_type(DType d) {

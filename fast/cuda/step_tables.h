@@ -70,6 +70,15 @@ struct StatTask {
   int32_t first;  // first row or column of the task
 };
 
+// One Newton-Schulz batch's share of the NorMuon tables: its matrices' chunks, statistics tasks and
+// matrices are consecutive (StepPlan orders them by batch), so its passes launch over these ranges.
+// Host memory only: the ranges are launch arguments.
+struct BatchRange {
+  int first_chunk, n_chunks;
+  int first_task, n_tasks;
+  int first_matrix, n_matrices;
+};
+
 // Where one step finds the chunk and task tables (StepPlan's, on the device), and their sizes.
 struct StepTables {
   const Chunk* scan_chunks;     // every parameter's gradient
@@ -81,6 +90,8 @@ struct StepTables {
   const StatTask* stat_tasks;
   int n_stat_tasks;
   int n_matrices;
+  const BatchRange* batches;  // per Newton-Schulz batch, in host memory
+  int n_batches;
 };
 
 // Per group. Set by the host from Options at set_options().

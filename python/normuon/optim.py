@@ -1,10 +1,11 @@
 """NorMuonAdamW: the NorMuon + AdamW hybrid (docs/spec.md) as a torch.optim.Optimizer.
 
-The optimizer keeps an fp32 master copy of every parameter, the gradients and all state in the flat
-layout of the C++ core (normuon._C.FlatState, viewed zero-copy as torch tensors). A step copies the
-gradients in, runs the backend over the whole layout, and copies the updated values back into the
-model's own tensors (rounded to their dtype).
+A client of the native engine (normuon._C.Engine, core/include/normuon/engine.h): it plans the groups
+(plan.py), hands the engine the model's tensors, and makes one native call per step. The engine holds
+the layout, the checked values, the state and every counter, on the CPU or on a CUDA device; the
+optimizer's state tensors are zero-copy views of its buffers.
 """
+import contextlib
 import math
 import os
 import warnings
@@ -21,9 +22,6 @@ from .plan import (ADAMW_KEYS, ADAMW_PREFIXED, DTYPES, NORMUON_FIELDS, _normuon_
 from .routing import infer_role, output_layer_doubts, routing_text, strip_wrappers, vocabulary_lookalikes  # noqa: F401
 
 NORMUON_KNOBS = NORMUON_FIELDS[6:]  # everything after lr .. ns_steps
-FIXED_FIELDS = ("reduce_axis",)  # it decides the shape of the NorMuon second moment (the layout)
-# The fast CUDA backend plans its Newton-Schulz GEMMs from these at construction (docs/fast-cuda.md).
-CUDA_FIXED_FIELDS = ("ns_precision", "ns_coefficients", "ns_steps", "ns_eps", "ns_algorithm")
 
 class NotCopyable:
     """The optimizers of this package refuse pickling and copying with a TypeError: a copy would share or
@@ -65,6 +63,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         nonfinite: "error" | "skip_step".
     verdict: on CUDA, when a step's NaN/Inf verdict reaches the host: "sync" (in step(), one host sync) or
         "deferred" (at the next step(), no sync; a bad step changes nothing on the device either way).
+    _device_backend: (tests) a device backend from another native module (normuon_emulated's, the CUDA
+        engine on the SIMT emulator), driving the parameters where they are.
 
     The step reads the gradients and writes the parameters in place (table mode): no copy of an fp32
     model; a bf16/fp16 parameter gets an fp32 master, written back rounded in the same pass.
@@ -77,7 +77,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     def __init__(self, params=None, lr=None, beta1=None, beta2=None, weight_decay=None, nesterov=None, ns_steps=None,
                  *, momentum=None, adamw_lr=None, adamw_betas=None, adamw_eps=None, adamw_weight_decay=None,
                  normuon_params=None, adamw_params=None, model=None, overrides=None, roles=None, backend=None,
-                 threads=None, nonfinite="error", verdict="sync", _row_blocks=(), _state_for_frozen=False, **knobs):
+                 threads=None, nonfinite="error", verdict="sync", _row_blocks=(), _state_for_frozen=False,
+                 _device_backend=None, **knobs):
         require("NorMuonAdamW")
         knobs = _torch_keywords(knobs)
         unknown = sorted(set(knobs) - set(NORMUON_KNOBS))
@@ -102,7 +103,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             raise ValueError(f"verdict={verdict!r}: choose sync | deferred")
         self.nonfinite = nonfinite
         self.verdict = verdict
-        self._pending_steps_before = None
+        self._device_backend = _device_backend
         # Frozen parameters (requires_grad=False, no gradient) get no state until they have a gradient.
         # The wrappers hand over tensors that are no autograd leaves (Megatron's main parameters, a rank's
         # shards): they lay out everything.
@@ -155,9 +156,10 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self._betas_seen = [(g["beta1"], g["beta2"]) if g["algorithm"] == "normuon" else None
                             for g in self.param_groups]
         self._hypers = [self._validated(i, g) for i, g in enumerate(self.param_groups)]  # checked values
-        self._fixed = [{k: h.get(k) for k in FIXED_FIELDS + CUDA_FIXED_FIELDS} for h in self._hypers]
-        self._fixed_keys = FIXED_FIELDS  # plus CUDA_FIXED_FIELDS once the fast CUDA backend is built
         self._allocate(self._threads)
+        # The fields the layout and the backend's plan were built from: the engine says which.
+        self._fixed_keys = tuple(self._engine.fixed_fields if self._engine is not None else _C.layout_fields())
+        self._fixed = [{k: h[k] for k in self._fixed_keys if k in h} for h in self._hypers]
         self.state = defaultdict(dict)
         for e in entries:  # live views, for inspection as with torch's optimizers
             self.state[e.tensor] = self._state_views(e)
@@ -165,14 +167,11 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     def _allocate(self, threads):
         """The manifest, layout, the optimizer's own memory and the backend. Table mode: the step reads the
         model's gradients and writes its parameters where they are; the optimizer holds its state and, for
-        bf16/fp16 parameters only, their fp32 masters (docs/python.md, "Memory"). On the CPU the native engine
-        holds all of it, the counters too."""
-        self._engine = None        # fast-cpu: the native engine (layout, options, state, counters)
-        self._cuda_backend = None  # fast-cuda: its state lives in device memory it owns
-        self._reference = None     # the per-parameter Python reference (the old path)
-        self._table = None
-        self._bound = None         # the addresses last handed to the CUDA backend
-        self._host_steps = [0] * len(self.param_groups)  # the counters where no engine keeps them
+        bf16/fp16 parameters only, their fp32 masters (docs/python.md, "Memory"). The native engine holds
+        all of it, the counters too; only the Python reference keeps its own."""
+        self._engine = None     # the native engine (fast-cpu, fast-cuda): layout, options, state, counters
+        self._reference = None  # the per-parameter Python reference
+        self._host_steps = [0] * len(self.param_groups)  # the reference's counters
         self._host_entry_steps = [0] * len(self._entries)
         if self._device.type == "cuda":
             index = self._device.index if self._device.index is not None else torch.cuda.current_device()
@@ -180,17 +179,13 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self._options = _C.Options([(g["name"], g["algorithm"]) for g in self.param_groups])
         self._synced = [dict() for _ in self.param_groups]
         self._manifest = _C.Manifest(self._specs())
-        if self._choice != "reference" and self._device.type == "cpu":
-            buffers = self._allocate_cpu(threads)
-        else:
-            self._push_options()
+        self._push_options()  # the groups' checked values; then the engine holds them
+        if self._choice == "reference":
             self._layout = _C.Layout.build(self._manifest, self._options)
-            self._table = _C.ParamTable(self._layout)
-            if self._choice == "reference":
-                buffers = {k: torch.zeros(n, device=self._device) for k, n in self._buffer_sizes().items()}
-                self._reference = reference.ReferenceBackend()
-            else:
-                buffers = self._allocate_cuda()
+            buffers = {k: torch.zeros(n, device=self._device) for k, n in self._buffer_sizes().items()}
+            self._reference = reference.ReferenceBackend()
+        else:
+            buffers = self._allocate_engine(threads)
         for e, le in zip(self._entries, self._layout.entries):  # the second-moment axis, as the layout has it
             e.stats_per_row = le.stats_per_row
             e.stat_len = le.stat_len
@@ -211,54 +206,42 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         return dict(masters=l.master_floats, momentum=l.normuon_floats, row_var=l.stat_floats,
                     exp_avg=l.adam_floats, exp_avg_sq=l.adam_floats)
 
-    def _allocate_cpu(self, threads):
-        """The native engine on the fast CPU backend, over the model's own tensors."""
-        if not hasattr(_C, "Engine"):  # _C built without oneDNN (-DNORMUON_BUILD_FAST_CPU=OFF)
-            raise RuntimeError(f"backend '{self._choice}' on the CPU needs the fast CPU backend, which this build "
-                               "of normuon._C does not have (configured without oneDNN, "
-                               "-DNORMUON_BUILD_FAST_CPU=OFF); no fallback to the reference: put the parameters "
-                               "on a CUDA device (the fast CUDA backend), ask for backend='reference', or rebuild "
-                               "with oneDNN")
-        self._push_options()  # the groups' checked values, then the engine holds them
-        # threads=None follows torch's setting (several ranks per node share the cores as torch shares them).
+    def _allocate_engine(self, threads):
+        """The native engine over the model's own tensors: the fast CPU backend, or the fast CUDA one on the
+        parameters' device (its buffers in device memory, viewed zero-copy). No silent fallback."""
+        where = f"backend '{self._choice}' on {self._device}"
+        no_fallback = "no fallback to another device or the reference; ask for backend='reference' explicitly"
+        device = -1 if self._device.type == "cpu" else self._device.index
+        if self._device_backend is not None:
+            make = lambda: _C.Engine(self._manifest, self._options, self._device_backend, device)  # noqa: E731
+        elif self._device.type == "cpu":
+            if not _C.has_fast_cpu:  # _C built without oneDNN (-DNORMUON_BUILD_FAST_CPU=OFF)
+                raise RuntimeError(f"{where} needs the fast CPU backend, which this build of normuon._C does not "
+                                   f"have (configured without oneDNN, -DNORMUON_BUILD_FAST_CPU=OFF); {no_fallback}, "
+                                   "put the parameters on a CUDA device, or rebuild with oneDNN")
+            # threads=None follows torch's setting (several ranks per node share the cores as torch does).
+            count = torch.get_num_threads() if threads is None else threads
+            make = lambda: _C.Engine(self._manifest, self._options, count)  # noqa: E731
+        else:
+            cuda, why = cuda_module()
+            if cuda is None:
+                raise ValueError(f"{where}: {why} ({no_fallback})")
+            stream = torch.cuda.current_stream(self._device).cuda_stream
+            make = lambda: _C.Engine(self._manifest, self._options, cuda.engine_backend(device, stream), device)  # noqa: E731
         try:
-            engine = _C.Engine(self._manifest, self._options, torch.get_num_threads() if threads is None else threads)
+            with (torch.cuda.device(self._device) if device >= 0 else contextlib.nullcontext()):
+                engine = make()
         except ValueError as error:
-            raise ValueError(f"backend '{self._choice}': {error} (no fallback to the reference; change the options "
-                             "or ask for backend='reference')") from None
+            raise ValueError(f"{where} cannot serve this request: {error} ({no_fallback})") from None
+        engine.verdict = self.verdict
         self._engine = engine
         self._synced = [dict(h) for h in self._hypers]
         self._layout = engine.layout
         blocks = [(0, 0, 0) if e.block is None else (e.block.offset, *e.block.runs) for e in self._entries]
         engine.bind([e.source for e in self._entries], blocks if self._row_blocks else [],
                     [e.tensor for e in self._frozen])
-        return {k: torch.from_numpy(v) for k, v in engine.buffers().items()}
-
-    def _allocate_cuda(self):
-        """The fast CUDA backend in table mode: it owns the state and masters in device memory (viewed
-        zero-copy through __cuda_array_interface__) and reads the model's tensors through pointer tables.
-        No silent fallback to the CPU or the reference."""
-        index = self._device.index
-        cuda, why = cuda_module()
-        if cuda is None:
-            raise ValueError(f"backend '{self._choice}' on {self._device}: {why} (no fallback to the CPU or the "
-                             "reference; ask for backend='reference' explicitly)")
-        reason = cuda.FastCudaBackend.unsupported_reason(self._layout, self._options, index)
-        if reason:
-            raise ValueError(f"backend '{self._choice}' on {self._device} cannot serve this request: {reason} (no "
-                             "fallback to the CPU or the reference; ask for backend='reference' explicitly)")
-        with torch.cuda.device(self._device):
-            backend = cuda.FastCudaBackend(self._layout, self._options, device=index,
-                                         stream=torch.cuda.current_stream(self._device).cuda_stream,
-                                         caller_tensors=True)
-        self._cuda_backend = backend
-        self._found_inf_host = self._found_inf_event = None  # GradScaler's found_inf, read back behind a step
-        self._fixed_keys = FIXED_FIELDS + CUDA_FIXED_FIELDS
-        views = {k: _device_view(backend, ptr, n, typestr, self._device)
-                 for k, (ptr, n, typestr) in backend.buffers().items()}
-        self._device_steps = views["group_steps"]  # zero, like the rest of its state
-        self._device_entry_steps = views["entry_steps"]
-        return views
+        return {k: torch.from_numpy(v) if not isinstance(v, tuple) else _device_view(engine, *v, self._device)
+                for k, v in engine.buffers().items()}
 
     def _carve(self, buffers):
         """Per-entry views of the optimizer's buffers (host or device): state and masters."""
@@ -399,13 +382,11 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         hypers = [self._validated(i, g, self._betas_seen[i]) for i, g in enumerate(self.param_groups)]
         self._betas_seen = [(g["beta1"], g["beta2"]) if g["algorithm"] == "normuon" else None
                             for g in self.param_groups]
-        for i, h in enumerate(hypers):
+        for i, h in enumerate(hypers if self._engine is None else ()):  # the engine refuses these itself
             for k in self._fixed_keys:
                 if k in h and h[k] != self._fixed[i][k]:
-                    raise ValueError(f"param_groups[{i}] ('{self.param_groups[i]['name']}'): {k} was "
-                                     f"{self._fixed[i][k]!r} when the optimizer was built and decides its "
-                                     f"{'layout' if k in FIXED_FIELDS else 'CUDA Newton-Schulz plan'}; it cannot "
-                                     f"become {h[k]!r}")
+                    raise ValueError(f"option '{self.param_groups[i]['name']}.{k}' was {self._fixed[i][k]!r} when "
+                                     f"the optimizer was built and decides its layout; it cannot become {h[k]!r}")
         self._hypers = hypers
         self._push_options()
         return hypers
@@ -454,44 +435,6 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             e.version = version
         self._masters_are_current()
 
-    def _bind(self):
-        """The model's current parameters and gradients, by address, into the backend's table: no torch op
-        (data_ptr and attribute reads only; a non-contiguous gradient is the one exception, copied). The
-        table is handed over again only when an address changed."""
-        params, grads, dtypes, runs, keep = [], [], [], [], []
-        contiguous = {}  # a non-contiguous gradient copied once, whatever number of blocks it holds
-        for e in self._entries:
-            t = e.source
-            if not t.is_contiguous():
-                raise RuntimeError(f"parameter '{e.name}' is not contiguous; NorMuonAdamW steps parameters in place")
-            # A block of rows (RowBlock) starts `offset` elements in, in row runs of its parameter and gradient.
-            offset, run = (0, (0, 0)) if e.block is None else (e.block.offset, e.block.runs)
-            g = _dense_grad(e)
-            e.has_grad = g is not None
-            if g is None:
-                grads.append(0)
-                dtypes.append("f32")
-            else:
-                dtype = DTYPES.get(g.dtype)
-                if dtype is None or g.shape != t.shape or g.device != self._device:
-                    raise RuntimeError(f"parameter '{e.name}': its gradient is {g.dtype} {list(g.shape)} on "
-                                       f"{g.device}; expected float32, bfloat16 or float16 {list(t.shape)} on "
-                                       f"{self._device}")
-                if not g.is_contiguous():
-                    if id(g) not in contiguous:
-                        contiguous[id(g)] = g.contiguous()
-                        keep.append(contiguous[id(g)])
-                    g = contiguous[id(g)]
-                grads.append(g.data_ptr() + offset * g.element_size())
-                dtypes.append(dtype)
-            params.append(t.data_ptr() + offset * t.element_size())
-            runs.append(run)
-        bound = (params, grads, dtypes, runs)
-        if bound != self._bound:
-            self._table.set(params, grads, dtypes, runs if self._row_blocks else [])
-            self._bound = bound
-        return keep
-
     # The counters: the engine's where there is one (read, never copied), else the host's.
     @property
     def _steps(self):
@@ -510,27 +453,17 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self._host_entry_steps = steps
 
     def _set_steps(self, steps, entry_steps=None):
-        """Every copy of the step counters (the host's, the backend's and group['step']) and of the
-        parameters' own counts (entry_steps, per entry; None: each at its group's counter, what state of
-        format version 1 means)."""
+        """The group counters and the parameters' own counts (entry_steps, per entry; None: each at its
+        group's counter, what state of format version 1 means), in the engine (checked there first; a
+        device's copy follows) or the reference's, and group['step']."""
         steps = [int(t) for t in steps]
         entry_steps = ([steps[e.group] for e in self._entries] if entry_steps is None
                        else [int(t) for t in entry_steps])
-        if (steps == self._steps and entry_steps == self._entry_steps
-                and self._pending_steps_before is None):  # every copy already holds them: no device write
-            for g, t in zip(self.param_groups, steps):
-                g["step"] = t
-            return
-        if self._engine is not None:  # checked there, before anything is written
-            self._engine.set_steps(steps, entry_steps)
+        if self._engine is not None:  # (callers settle a pending verdict first: its reason is theirs to keep)
+            if steps != self._steps or entry_steps != self._entry_steps:  # else no device write
+                self._engine.set_steps(steps, entry_steps)
         else:
             self._steps, self._entry_steps = list(steps), list(entry_steps)
-        if self._cuda_backend is not None:  # from pinned memory, behind the work queued so far: no host sync
-            # (torch's pinned allocator keeps the block until the copy has run)
-            self._device_steps.copy_(torch.tensor(steps, dtype=torch.int64).pin_memory(), non_blocking=True)
-            if entry_steps:
-                self._device_entry_steps.copy_(torch.tensor(entry_steps, dtype=torch.int64).pin_memory(),
-                                               non_blocking=True)
         for g, t in zip(self.param_groups, steps):
             g["step"] = t
 
@@ -557,15 +490,21 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         if self._engine is not None:  # one native call: the tensors' addresses, versions and gradients, the step
             scale, found = (0, 0) if scaler is None else (0 if scaler[0] is None else scaler[0].data_ptr(),
                                                           scaler[1].data_ptr())
-            result = self._engine.step(scale, found)
+            stream = 0
+            if self._device.type == "cuda":
+                if torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError("NorMuonAdamW.step() cannot be captured in a CUDA graph yet: its step is "
+                                       "enqueued by the native engine, which reads its verdict and uploads its "
+                                       "values from the host; call step() outside the capture")
+                stream = torch.cuda.current_stream(self._device).cuda_stream
+            try:
+                result = self._engine.step(scale, found, stream)
+            finally:  # a deferred verdict raised here has rolled the counters back
+                for g, t in zip(self.param_groups, self._steps):
+                    g["step"] = t
             skipped = result.reason if result.skipped else None
-        elif self._cuda_backend is not None:
-            self._refresh_masters()
-            keep = self._bind()
-            skipped = self._cuda_step(scaler)
-            del keep
         elif scaler is not None and float(scaler[1]) != 0:
-            skipped = FOUND_INF_REASON
+            skipped = _C.FOUND_INF_REASON
         else:
             self._refresh_masters()
             skipped = self._reference_step(hypers, None if scaler is None or scaler[0] is None
@@ -625,60 +564,16 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 e.version = _seen(e)
         return skipped
 
-    def _cuda_step(self, scaler=None):
-        """One fused step on the caller's current stream. The verdict on NaN/Inf gradients: now (one host
-        sync) or, with verdict='deferred', at the next step (no sync; the bad step already changed nothing).
-        scaler: GradScaler's (scale, found_inf) on the device; found_inf is read back the same way, from a
-        pinned copy made behind the step."""
-        backend = self._cuda_backend
-        with torch.cuda.device(self._device):  # the stream handle belongs to the parameters' device
-            stream = torch.cuda.current_stream(self._device)
-            backend.set_stream(stream.cuda_stream)
-            earlier = self._settle()  # verdict='deferred': the step before this one
-            backend.set_tensors(self._table)
-            # The host's copy of the counters (no device read): host-exact bias corrections.
-            backend.set_options(self._options, self._steps, self._entry_steps)
-            scale_ptr = 0 if scaler is None or scaler[0] is None else scaler[0].data_ptr()
-            backend.set_grad_scaling(scale_ptr, 0 if scaler is None else scaler[1].data_ptr())
-            backend.enqueue_step()
-            if scaler is not None:
-                if self._found_inf_host is None:  # made once: a step allocates nothing
-                    self._found_inf_host = torch.zeros((), dtype=torch.float32).pin_memory()
-                    self._found_inf_copied = torch.cuda.Event()
-                self._found_inf_host.copy_(scaler[1], non_blocking=True)
-                self._found_inf_copied.record(stream)
-                self._found_inf_event = self._found_inf_copied  # pending: _settle waits on it
-            before = (list(self._steps), list(self._entry_steps))
-            active = {e.group for e in self._entries if e.has_grad}
-            self._steps = [t + (g in active) for g, t in enumerate(before[0])]
-            self._entry_steps = [t + (e.has_grad and math.prod(e.shape) > 0)
-                                 for e, t in zip(self._entries, before[1])]
-            self._pending_steps_before = before
-            if self.verdict == "deferred":
-                return earlier
-            return self._settle()
-
     def _settle(self):
         """verdict='deferred': the pending step's verdict now (the next step(), state_dict, state files), so
-        the step counters are final. Returns the reason that step was skipped, or None; raises as step()
-        would under nonfinite='error'. That step changed nothing, its counters included."""
-        if self._cuda_backend is None or self._pending_steps_before is None:
+        the counters are final. Returns the reason that step was skipped, or None; raises as step() would
+        under nonfinite='error'. That step changed nothing, its counters included (the engine rolls them
+        back)."""
+        if self._engine is None or not self._engine.pending:
             return None
-        before, self._pending_steps_before = self._pending_steps_before, None
-        event, self._found_inf_event = self._found_inf_event, None
-        with torch.cuda.device(self._device):
-            try:
-                result = self._cuda_backend.poll_step(self._options)
-            except RuntimeError:
-                self._steps, self._entry_steps = before
-                raise
-            reason = result.reason if result.skipped else None
-            if event is not None:  # the scaler's found_inf, copied behind the step
-                event.synchronize()
-                if float(self._found_inf_host) != 0:
-                    reason = FOUND_INF_REASON
+        result = self._engine.settle()
+        reason = result.reason if result.skipped else None
         if reason is not None:
-            self._steps, self._entry_steps = before
             self.last_skip_reason = reason
         for g, t in zip(self.param_groups, self._steps):
             g["step"] = t
@@ -719,9 +614,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     @property
     def backend(self):
         """Which backend runs the steps: 'fast-cpu', 'fast-cuda' or 'reference-python'."""
-        if self._engine is not None:
-            return self._engine.backend
-        return (self._cuda_backend or self._reference).name
+        return self._engine.backend if self._engine is not None else self._reference.name
 
     def memory_report(self):
         """Bytes the optimizer holds beyond the model's tensors: state_bytes (momentum, second moments,
@@ -732,13 +625,10 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             return self._engine.memory_report()
         sizes = self._buffer_sizes()
         masters = 4 * sizes.pop("masters")
-        state = 4 * sum(sizes.values())
-        native = self._cuda_backend
         # The Python reference's working copies of fp32 blocks of rows (the old path copies them).
         working = 4 * sum(e.master.numel() for e in self._entries
                           if e.block is not None and not e.low_precision and e.master is not None)
-        return dict(state_bytes=state, master_bytes=masters,
-                    workspace_bytes=(native.workspace_bytes if native is not None else 0) + working)
+        return dict(state_bytes=4 * sum(sizes.values()), master_bytes=masters, workspace_bytes=working)
 
     @property
     def layout(self):
@@ -853,7 +743,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             for k in self._fixed_keys:
                 if k in new and new[k] != g[k]:
                     raise ValueError(f"{where}: {k} is {new[k]!r} in the state dict but {g[k]!r} here (it decides "
-                                     f"the {'layout' if k in FIXED_FIELDS else 'CUDA Newton-Schulz plan'})")
+                                     f"the {'layout' if k in _C.layout_fields() else 'backend plan'})")
             new_groups.append(new)
             for k, (idx, t) in enumerate(zip(sg["params"], g["params"])):
                 if id(t) not in by_tensor:  # frozen here
@@ -943,7 +833,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             if g["algorithm"] == "adamw":
                 new = dict(g, lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"], weight_decay=h["weight_decay"])
             else:
-                new = dict(g, **{k: v for k, v in h.items() if k not in FIXED_FIELDS})
+                new = dict(g, **{k: v for k, v in h.items() if k not in _C.layout_fields()})
                 new.pop("betas", None)  # follows beta1 / beta2
             try:
                 values = self._validated(i, new)
@@ -965,7 +855,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
 
 
 _GROUP_OWN_KEYS = {"params", "names", "name", "algorithm", "step", "betas"}  # the optimizer's own group keys
-FOUND_INF_REASON = "the gradient scaler found inf/NaN gradients; step skipped"
+FOUND_INF_REASON = _C.FOUND_INF_REASON  # the core's words
 
 
 # torch.optim keywords: those that change nothing here are taken; the others name what they map to.

@@ -23,6 +23,20 @@ def require_native():
     pytest.skip(why)
 
 
+def emulated_cuda_backend():
+    """A device backend of normuon_emulated (tests/emulated_engine_module.cpp: the CUDA engine's backend, its
+    device code on the SIMT emulator, over host memory), for NorMuonAdamW(..., _device_backend=...): the CUDA
+    path without a GPU. Skips where the build has no CUDA toolkit (fails under CTest, which builds it)."""
+    try:
+        import normuon_emulated
+    except ImportError as error:
+        why = f"normuon_emulated is not importable ({error}): a build without the CUDA toolkit"
+        if os.environ.get("NORMUON_PY_REQUIRE_EMULATED"):
+            pytest.fail(why)
+        pytest.skip(why)
+    return normuon_emulated.engine_backend()
+
+
 def torch_addcmul_fuses():
     """Whether torch's v.mul_(beta2).addcmul_(g, g, value=1 - beta2) rounds as the spec does, with one fma
     (its vectorised kernels); with ATEN_CPU_CAPABILITY=default it rounds twice. Only then can a state be

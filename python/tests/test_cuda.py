@@ -48,18 +48,6 @@ def test_parameters_on_an_unsupported_device_are_refused():
         normuon.NorMuonAdamW([("w", p)])
 
 
-def test_the_ns_algorithm_is_fixed_where_the_cuda_plan_is_made():
-    """The fast CUDA backend plans its Newton-Schulz (standard or Gram) at construction, so a group may not
-    switch algorithm afterwards: checked on the CPU with the CUDA backend's fixed fields."""
-    model = _model("cpu")
-    opt = normuon.NorMuonAdamW(model, lr=0.02, backend=CPU_BACKEND)
-    opt._fixed_keys = optim.FIXED_FIELDS + optim.CUDA_FIXED_FIELDS  # what _allocate_cuda sets
-    _grads(model, 0)
-    next(g for g in opt.param_groups if g["algorithm"] == "normuon")["ns_algorithm"] = "gram"
-    with pytest.raises(ValueError, match="ns_algorithm was 'standard' when the optimizer was built"):
-        opt.step()
-
-
 @needs_gpu
 def test_cuda_matches_the_cpu():
     cpu, gpu = _model("cpu"), _model("cuda")
@@ -179,7 +167,6 @@ def test_runs_on_the_current_stream():
         with torch.cuda.stream(side):
             _grads(gpu, step)
             opt.step()
-            assert opt._cuda_backend.stream == side.cuda_stream  # the step went to the caller's stream
         torch.cuda.current_stream().wait_stream(side)
     for a, b in zip(gpu.parameters(), reference_model.parameters()):
         assert torch.equal(a.detach(), b.detach())

@@ -106,4 +106,4 @@ def test_cuda_module_takes_the_core_modules_types():
     layout, options = opt.layout, opt._options
     launches = cuda.cuda_launches_per_step(layout, options)
     assert isinstance(launches, int) and launches > 0
-    assert isinstance(cuda.FastCudaBackend.unsupported_reason(layout, options, 0), str)
+    assert isinstance(cuda.unsupported_reason(layout, options, 0), str)

@@ -70,7 +70,7 @@ def test_bad_hyper_parameter_edit_is_refused_before_anything_changes(backend):
         opt.step()
     opt.param_groups[1]["betas"] = (0.9, 0.95)
     opt.param_groups[0]["reduce_axis"] = "longer_dim"
-    with pytest.raises(ValueError, match="reduce_axis was 'rows' when the optimizer was built"):
+    with pytest.raises(ValueError, match="reduce_axis' was 'rows' when the optimizer was built"):
         opt.step()
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
     assert [g["step"] for g in opt.param_groups] == [0, 0]

@@ -90,6 +90,12 @@ std::vector<int64_t> entry_steps_from_groups(const Layout& layout, const std::ve
 std::string entry_steps_invalid_reason(const Layout& layout, const std::vector<int64_t>& group_steps,
                                        const std::vector<int64_t>& entry_steps);
 
+// The entry steps to set beside `group_steps` (a count per group, none negative): `entry_steps` once
+// checked (entry_steps_invalid_reason), or, when it is empty, each entry at its group's counter. Throws
+// std::invalid_argument, so a caller checks both before it writes either.
+std::vector<int64_t> checked_entry_steps(const Layout& layout, const std::vector<int64_t>& group_steps,
+                                         const std::vector<int64_t>& entry_steps);
+
 // Name of a state tensor, shape and pointer, for every state tensor of a layout entry.
 struct StateTensorRef {
   std::string name;  // "<param>.<suffix>"

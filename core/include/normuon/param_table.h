@@ -36,7 +36,8 @@ struct ParamTable {
 
 // The optimizer's own memory in table mode: the state buffers of FlatState, and the masters.
 struct TableState {
-  explicit TableState(const Layout& layout);
+  // buffers = false: the counters only (a device backend keeps the buffers in its own memory).
+  explicit TableState(const Layout& layout, bool buffers = true);
   const Layout* layout;
   AlignedBuffer masters;              // master_floats
   AlignedBuffer momentum, row_var;    // normuon_floats, stat_floats

@@ -23,6 +23,21 @@ std::optional<StepResult> begin_step(FlatState& state, const Options& options);
 // parallel one), so this one is skipped; where the caller found one, this scan names the first.
 std::optional<StepResult> begin_step(StepOperands& operands, const Options& options, bool gradients_checked = false);
 
+// The counters after a step that ran (spec section 5): every group with at least one gradient advances,
+// and every parameter with one, except a 0-element one, whose step does nothing (in table mode an empty
+// tensor has no address to tell a gradient by). has_grad(e) says whether layout entry e had one.
+template <typename HasGrad>
+void advance_steps(const Layout& layout, const HasGrad& has_grad, int64_t* group_steps, int64_t* entry_steps) {
+  for (size_t g = 0; g < layout.group_names.size(); ++g)
+    for (size_t e = 0; e < layout.entries.size(); ++e)
+      if (layout.entries[e].group == static_cast<int>(g) && has_grad(e)) {
+        ++group_steps[g];
+        break;
+      }
+  for (size_t e = 0; e < layout.entries.size(); ++e)
+    if (has_grad(e) && layout.entries[e].numel > 0) ++entry_steps[e];
+}
+
 // A step that found a NaN/Inf gradient, in the words every backend uses: parameter, value, element and
 // the step number the step would have had. Throws std::runtime_error under nonfinite=error; returns the
 // skipped StepResult under nonfinite=skip_step.
