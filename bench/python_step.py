@@ -56,7 +56,7 @@ def fill_grads(model, step):
     them): the C++ contender steps the addresses the Python step bound."""
     g = torch.Generator().manual_seed(step)
     for p in model.parameters():
-        values = torch.randn(p.shape, generator=g) * 0.01
+        values = (torch.randn(p.shape, generator=g) * 0.01).to(p.dtype)  # a gradient in its parameter's dtype
         if p.grad is None:
             p.grad = values
         else:

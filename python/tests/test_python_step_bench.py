@@ -23,3 +23,17 @@ def test_tiny_run_writes_both_reports(tmp_path):
     assert int(rows["reference"]["ops"]) > int(rows["python"]["ops"])
     assert "Python step vs C++ step" in (tmp_path / "python-step-tiny.md").read_text()
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_gradients_of_a_bf16_preset_take_its_dtype():
+    """moe-8x64 is bf16: its gradients are made in the parameters' dtype (torch 2.x refuses an fp32
+    gradient on a bf16 parameter, which stopped the bench on its first step)."""
+    require_native()
+    import python_step
+    import torch
+
+    model = torch.nn.Linear(4, 3, bias=False).to(torch.bfloat16)
+    python_step.fill_grads(model, 1)
+    assert model.weight.grad.dtype == torch.bfloat16
+    python_step.fill_grads(model, 2)  # into the same tensor
+    assert model.weight.grad.dtype == torch.bfloat16
