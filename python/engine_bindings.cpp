@@ -9,6 +9,7 @@
 #include <pybind11/stl.h>
 
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -123,10 +124,11 @@ class TorchEngine {
 
   // Reads every tensor's address, version and gradient into the engine's table, then steps with the
   // GIL released. grad_scale, found_inf: addresses of a scaler's fp32 scalars on the tensors' device, or
-  // 0; stream: a device backend's stream for this step (a cudaStream_t handle), or 0.
-  StepResult step(uintptr_t grad_scale, uintptr_t found_inf, uintptr_t stream) {
+  // 0; stream: a device backend's stream for this step (a cudaStream_t handle; 0 is the legacy default
+  // stream, torch's default), or none.
+  StepResult step(uintptr_t grad_scale, uintptr_t found_inf, std::optional<uintptr_t> stream) {
     if (bound_.size() != engine_.layout().entries.size()) throw std::logic_error("Engine.step before Engine.bind");
-    if (stream) engine_.set_stream(reinterpret_cast<void*>(stream));  // before a master refresh enqueues work
+    if (stream) engine_.set_stream(reinterpret_cast<void*>(*stream));  // before a master refresh enqueues work
     table_bound_ = false;  // until every entry is read: step_bound refuses a half-read table
     keep_.clear();         // the gradients this step reads, held while the GIL is released (and for step_bound)
     std::unordered_map<PyObject*, py::object> contiguous;  // a non-contiguous gradient, copied once
@@ -361,7 +363,7 @@ void bind_engine(py::module_& m) {
            "frozen: tensors outside the layout, watched by frozen_with_grad")
       .def("frozen_with_grad", &TorchEngine::frozen_with_grad,
            "Positions in the frozen list of the tensors that have a gradient now")
-      .def("step", &TorchEngine::step, py::arg("grad_scale") = 0, py::arg("found_inf") = 0, py::arg("stream") = 0,
+      .def("step", &TorchEngine::step, py::arg("grad_scale") = 0, py::arg("found_inf") = 0, py::arg("stream") = py::none(),
            "One step over the bound tensors (one native call: addresses, gradients, versions, then the step; "
            "enqueued on `stream` for a device backend)")
       .def("step_bound", &TorchEngine::step_bound,

@@ -485,12 +485,12 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         if self._frozen:
             self._unfreeze_if_needed()
         scaler = self._scaler(kwargs.get("grad_scaler"))
-        if self._engine is not None and self._threads is None and torch.get_num_threads() != self._engine.threads:
-            self._engine.set_threads(torch.get_num_threads())  # torch's count changed: follow it
+        if self._engine is not None and self._threads is None and self._engine.threads not in (0, torch.get_num_threads()):
+            self._engine.set_threads(torch.get_num_threads())  # torch's count changed: follow it (0: no CPU threads)
         if self._engine is not None:  # one native call: the tensors' addresses, versions and gradients, the step
             scale, found = (0, 0) if scaler is None else (0 if scaler[0] is None else scaler[0].data_ptr(),
                                                           scaler[1].data_ptr())
-            stream = 0
+            stream = None  # the CPU's; on CUDA the caller's current stream (0: torch's default, the legacy one)
             if self._device.type == "cuda":
                 if torch.cuda.is_current_stream_capturing():
                     raise RuntimeError("NorMuonAdamW.step() cannot be captured in a CUDA graph yet: its step is "
@@ -914,18 +914,16 @@ def _dense_grad(e):
 
 
 class _CudaArray:
-    """A device buffer of the native CUDA backend as __cuda_array_interface__, for a zero-copy torch view.
-    The view keeps this object, and so the backend that owns the memory, alive."""
+    """A device buffer of the native engine as __cuda_array_interface__, for a zero-copy torch view. The view
+    keeps this object, and so the engine that owns the memory, alive."""
 
     def __init__(self, owner, ptr, n, typestr):
         self._owner = owner
         self.__cuda_array_interface__ = {"shape": (n,), "typestr": typestr, "data": (ptr, False), "version": 2}
 
 
-_TYPESTRDTYPES = {"<f4": torch.float32, "|u1": torch.uint8, "<i8": torch.int64, "<i2": torch.int16}
-
-
 def _device_view(owner, ptr, n, typestr, device):
+    """An fp32 buffer ('<f4') of the engine in device memory as a torch tensor on `device`."""
     if n == 0:
-        return torch.zeros(0, dtype=_TYPESTRDTYPES[typestr], device=device)
+        return torch.zeros(0, dtype=torch.float32, device=device)
     return torch.as_tensor(_CudaArray(owner, ptr, n, typestr), device=device)
