@@ -215,8 +215,9 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
     _algorithm = None
     _state_keys = ()
 
-    def _setup(self, backend, threads, nonfinite, verdict):
-        """Before torch's __init__ (which calls add_param_group)."""
+    def _setup(self, backend, threads, nonfinite, verdict, device_backend=None):
+        """Before torch's __init__ (which calls add_param_group). device_backend: NorMuonAdamW's
+        _device_backend (the tests' emulated CUDA engine)."""
         if nonfinite not in ("error", "skip_step"):
             self._fail(f"nonfinite={nonfinite!r}: choose error | skip_step")
         if verdict not in ("sync", "deferred"):
@@ -226,6 +227,7 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         _native.require(self._label)
         self._choice = _optim._resolve_choice(backend)
         self._threads = threads
+        self._device_backend = device_backend
         self._inner = None      # the NorMuonAdamW over the current parameters, built lazily
         self._signature = None  # what it was built for
         self._slots = {}        # id(param) -> _Slot
@@ -303,6 +305,7 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
             try:
                 inner = _optim.NorMuonAdamW(groups, backend=self._choice, threads=self._threads,
                                             nonfinite=self.nonfinite, verdict=self.verdict, _row_blocks=all_blocks,
+                                            _device_backend=self._device_backend,
                                             _state_for_frozen=True)
             except ValueError as error:
                 raise ValueError(f"{self._label}: {error} (gI.pK is param_groups[I]['params'][K])") from None
@@ -588,7 +591,7 @@ class MegatronNorMuon(_MegatronFlat):
                  fp32_matmul_prec="medium", coefficient_type="simple", num_ns_steps=5, scale_mode="spectral",
                  extra_scale_factor=1.0, pg_collection=None, tp_mode="duplicated", use_syrk=False,
                  moment2_method="normuon", beta2=0.95, eps=1e-8, *, backend=None, threads=0, nonfinite="error",
-                 verdict="deferred"):
+                 verdict="deferred", _device_backend=None):
         if moment2_method != "normuon":
             self._fail(f"moment2_method={moment2_method!r}: this optimizer runs NorMuon only ('normuon'); use "
                        "Megatron's adaptive_muon for 'adamuon' or 'namo'")
@@ -622,7 +625,7 @@ class MegatronNorMuon(_MegatronFlat):
             self._fail(f"nesterov={nesterov!r} is not a boolean")
         if qkv_split_shapes is not None:
             self._split_shapes(qkv_split_shapes, "qkv_split_shapes")
-        self._setup(backend, threads, nonfinite, verdict)
+        self._setup(backend, threads, nonfinite, verdict, _device_backend)
         self.split_qkv = bool(split_qkv)
         self.is_qkv_fn = is_qkv_fn if is_qkv_fn is not None else (lambda p: bool(getattr(p, "is_qkv", False)))
         self.qkv_split_shapes = qkv_split_shapes
@@ -787,7 +790,7 @@ class MegatronAdamW(_MegatronFlat):
                  master_weight_dtype=torch.float32, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
                  use_decoupled_grad=False, store_param_remainders=False, set_grad_none=None, maximize=False,
                  foreach=None, fused=None, differentiable=False, backend=None, threads=0, nonfinite="error",
-                 verdict="deferred"):
+                 verdict="deferred", _device_backend=None):
         precision = ("master_weights, exp_avg_dtype, exp_avg_sq_dtype, use_decoupled_grad and "
                      "store_param_remainders are TE's precision-aware options (--use-precision-aware-optimizer), "
                      "which this optimizer does not implement: Megatron keeps fp32 master weights and state")
@@ -812,7 +815,7 @@ class MegatronAdamW(_MegatronFlat):
                        "adam_w_mode=config.decoupled_weight_decay: keep it True)")
         if bias_correction not in (True, 1):
             self._fail(f"bias_correction={bias_correction!r}: only bias-corrected AdamW is implemented")
-        self._setup(backend, threads, nonfinite, verdict)
+        self._setup(backend, threads, nonfinite, verdict, _device_backend)
         self.set_grad_none = set_grad_none
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults)

@@ -145,3 +145,43 @@ def test_the_newton_schulz_plan_fields_are_fixed():
     group["lr"] = 0.5 * group["lr"]  # what may change, does
     opt.step()
     assert math.isclose(opt._engine.hyper(0)["lr"], group["lr"])
+
+
+def test_megatron_reports_a_nan_one_step_late_and_keeps_its_counters():
+    """Megatron's halves on the CUDA path (their default verdict is deferred): a NaN step is skipped on the
+    device, reported at the next step() as an error, and TE's group counters stay as they were; a split
+    QKV's blocks are stepped where they lie in the fused tensor."""
+    from normuon.megatron import MegatronAdamW, MegatronNorMuon
+
+    torch.manual_seed(4)
+    matrices = [torch.nn.Parameter(torch.randn(32, 16)) for _ in range(3)]
+    matrices[0].is_qkv, matrices[0].qkv_split_shapes = True, [2, 1, 1]
+    vectors = [torch.nn.Parameter(torch.randn(16)) for _ in range(2)]
+    muon = MegatronNorMuon([{"params": matrices, "lr": 1e-2, "weight_decay": 0.1}], coefficient_type="simple",
+                           split_qkv=True, _device_backend=emulated_cuda_backend())
+    adam = MegatronAdamW([{"params": vectors, "lr": 1e-2, "weight_decay": 0.0}],
+                         _device_backend=emulated_cuda_backend())
+
+    def grads(nan=False):
+        for p in matrices + vectors:
+            p.grad = torch.randn_like(p)
+        if nan:
+            matrices[1].grad[0, 0] = float("nan")
+
+    for _ in range(3):
+        grads()
+        muon.step()
+        adam.step()
+    assert muon.backend == adam.backend == "fast-cuda-emulated"
+    assert muon.param_groups[0]["step"] == adam.param_groups[0]["step"] == 3
+    before = [p.detach().clone() for p in matrices]
+    grads(nan=True)
+    muon.step()  # enqueued; the device skips it
+    grads()
+    with pytest.raises(RuntimeError, match="gradient of .* holds nan"):
+        muon.step()  # the verdict of the step before, before this one is enqueued
+    assert muon.param_groups[0]["step"] == 3
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, matrices))
+    muon.step()
+    assert muon.param_groups[0]["step"] == 4
+    assert not all(torch.equal(a, b.detach()) for a, b in zip(before, matrices))
