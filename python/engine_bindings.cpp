@@ -136,16 +136,7 @@ class TorchEngine {
     for (size_t e = 0; e < bound_.size(); ++e) {
       BoundTensor& b = bound_[e];
       const LayoutEntry& le = engine_.layout().entries[e];
-      const uintptr_t address = b.tensor.attr("data_ptr")().cast<uintptr_t>();
-      const bool moved = address != b.address;  // p.data = t, or the first step
-      check_parameter(b, le);                    // still the kind of tensor it was (p.data = other)?
-      b.address = address;
-      table.params[e].data = reinterpret_cast<char*>(address) + b.offset * static_cast<int64_t>(dtype_bytes(le.dtype));
-      table.params[e].runs = b.runs;
-      // Written from outside (its version moved) or new storage: a bf16 / fp16 master is read again.
-      const auto version = b.tensor.attr("_version").cast<int64_t>();
-      if (moved || version != b.version) engine_.refresh_master(static_cast<int>(e));
-      b.version = version;
+      read_parameter(e);
       py::object grad = b.tensor.attr("grad");
       if (grad.is_none()) {
         table.grads[e] = TensorRef{};
@@ -166,6 +157,15 @@ class TorchEngine {
     const auto* found = reinterpret_cast<const float*>(found_inf);
     py::gil_scoped_release release;
     return engine_.step(scale, found);
+  }
+
+  // Every parameter's address into the table, and the masters of those written from outside since they
+  // were last read, read again (Engine::refresh_master's rule): what a step does first, for the callers
+  // that read the masters between steps (state dicts, state files). stream: as step()'s.
+  void refresh_masters(std::optional<uintptr_t> stream) {
+    if (bound_.size() != engine_.layout().entries.size()) throw std::logic_error("Engine.refresh_masters before Engine.bind");
+    if (stream) engine_.set_stream(reinterpret_cast<void*>(*stream));
+    for (size_t e = 0; e < bound_.size(); ++e) read_parameter(e);
   }
 
   StepResult settle() {
@@ -198,6 +198,23 @@ class TorchEngine {
   }
 
  private:
+  // Entry e's parameter into the table; written from outside (its version moved) or new storage (p.data =
+  // t, or the first read): a bf16 / fp16 master is read again.
+  void read_parameter(size_t e) {
+    BoundTensor& b = bound_[e];
+    const LayoutEntry& le = engine_.layout().entries[e];
+    const uintptr_t address = b.tensor.attr("data_ptr")().cast<uintptr_t>();
+    const bool moved = address != b.address;
+    check_parameter(b, le);  // still the kind of tensor it was (p.data = other)?
+    b.address = address;
+    ParamTable& table = engine_.table();
+    table.params[e].data = reinterpret_cast<char*>(address) + b.offset * static_cast<int64_t>(dtype_bytes(le.dtype));
+    table.params[e].runs = b.runs;
+    const auto version = b.tensor.attr("_version").cast<int64_t>();
+    if (moved || version != b.version) engine_.refresh_master(static_cast<int>(e));
+    b.version = version;
+  }
+
 #ifdef NORMUON_HAVE_FAST_CPU
   // The fast CPU backend; `made` learns it (the engine owns it).
   static Engine::BackendFactory fast_cpu(int threads, FastCpuBackend** made) {
@@ -328,6 +345,9 @@ void bind_engine(py::module_& m) {
                     },
                     "When a device step's NaN/Inf verdict reaches the host: 'sync' (in step) or 'deferred' (at "
                     "the next step or settle)")
+      .def("refresh_masters", &TorchEngine::refresh_masters, py::arg("stream") = py::none(),
+           "The masters of parameters written from outside since they were last read, read again (the "
+           "engine's rule); what a step does first")
       .def("settle", &TorchEngine::settle,
            "The pending device step's verdict now (rolling its counters back if it was skipped)")
       .def_property_readonly("pending", [](TorchEngine& t) { return t.engine().pending(); })

@@ -417,7 +417,11 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         bf16/fp16 one whose version counter moved (load_state_dict, an in-place op under no_grad) or whose
         storage is new (p.data = t) gets its master from it, unless it still holds the rounded master (a
         model reloaded after the optimizer: the master keeps its low bits). In-place writes through .data
-        bypass the counter and are not seen."""
+        bypass the counter and are not seen. The engine applies its own rule (Engine::refresh_master); the
+        Python reference's is written here."""
+        if self._engine is not None:
+            self._engine.refresh_masters(self._stream())
+            return
         for e in self._entries:
             t = e.source
             shape = e.shape if e.block is None else e.block.param_shape
@@ -434,6 +438,11 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                         e.master.copy_(values)
             e.version = version
         self._masters_are_current()
+
+    def _stream(self):
+        """The stream the engine's device work goes to: the caller's current one on CUDA (a handle; 0 is
+        torch's default, the legacy stream), None on the CPU."""
+        return torch.cuda.current_stream(self._device).cuda_stream if self._device.type == "cuda" else None
 
     # The counters: the engine's where there is one (read, never copied), else the host's.
     @property
@@ -490,15 +499,12 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         if self._engine is not None:  # one native call: the tensors' addresses, versions and gradients, the step
             scale, found = (0, 0) if scaler is None else (0 if scaler[0] is None else scaler[0].data_ptr(),
                                                           scaler[1].data_ptr())
-            stream = None  # the CPU's; on CUDA the caller's current stream (0: torch's default, the legacy one)
-            if self._device.type == "cuda":
-                if torch.cuda.is_current_stream_capturing():
-                    raise RuntimeError("NorMuonAdamW.step() cannot be captured in a CUDA graph yet: its step is "
-                                       "enqueued by the native engine, which reads its verdict and uploads its "
-                                       "values from the host; call step() outside the capture")
-                stream = torch.cuda.current_stream(self._device).cuda_stream
+            if self._device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("NorMuonAdamW.step() cannot be captured in a CUDA graph yet: its step is "
+                                   "enqueued by the native engine, which reads its verdict and uploads its "
+                                   "values from the host; call step() outside the capture")
             try:
-                result = self._engine.step(scale, found, stream)
+                result = self._engine.step(scale, found, self._stream())
             finally:  # a deferred verdict raised here has rolled the counters back
                 for g, t in zip(self.param_groups, self._steps):
                     g["step"] = t

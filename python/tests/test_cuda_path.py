@@ -185,3 +185,29 @@ def test_megatron_reports_a_nan_one_step_late_and_keeps_its_counters():
     muon.step()
     assert muon.param_groups[0]["step"] == 4
     assert not all(torch.equal(a, b.detach()) for a, b in zip(before, matrices))
+
+
+@pytest.mark.parametrize("path", ["cpu", "cuda-emulated"])
+def test_state_dicts_read_masters_after_outside_writes(path):
+    """Between steps the engine refreshes masters by its own rule (Engine::refresh_master, on the device by
+    its kernels): p.data = t shows in the next state dict's master_param, while a parameter that still holds
+    its master rounded keeps the master's low bits."""
+    model = make_model(dtype=torch.bfloat16)
+    kw = {} if path == "cpu" else dict(_device_backend=emulated_cuda_backend())
+    opt = normuon.NorMuonAdamW(model.named_parameters(), **kw)
+    fill_grads(model, 1)
+    opt.step()
+
+    def masters():
+        sd = opt.state_dict()
+        return {name: sd["state"][i]["master_param"] for g in sd["param_groups"] for i, name in zip(g["params"], g["names"])}
+
+    kept = masters()
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in kept.values())  # low bits below bf16
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.lm_head.weight.clone())  # its version moves; the values are its master's
+    new = (torch.randn(model.wte.weight.shape) * 3).to(torch.bfloat16)
+    model.wte.weight.data = new.clone()
+    now = masters()
+    assert torch.equal(now["wte.weight"], new.float())
+    assert torch.equal(now["lm_head.weight"], kept["lm_head.weight"])
