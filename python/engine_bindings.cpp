@@ -406,7 +406,7 @@ void bind_engine(py::module_& m) {
              py::dict out;
              for (const BufferView& b : self.cast<TorchEngine&>().engine().buffers())
                out[py::str(b.name)] = b.device ? py::object(py::make_tuple(reinterpret_cast<uintptr_t>(b.data), b.size, "<f4"))
-                                               : py::object(view(static_cast<float*>(b.data), b.size, self));
+                                               : py::object(view(b.data, b.size, self));
              return out;
            }, "The engine's own memory, masters and state buffers: numpy views of host memory, (address, "
               "elements, typestr) of device memory (for __cuda_array_interface__)")

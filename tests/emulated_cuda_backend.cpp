@@ -300,12 +300,7 @@ void EmulatedCudaEngineBackend::refresh_master(int e, const ParamTable& table) {
 }
 
 std::vector<BufferView> EmulatedCudaEngineBackend::buffers() {
-  TableState& s = device_;  // host memory: the emulator's device
-  return {BufferView{"masters", s.masters.data(), s.masters.size(), 'f', false},
-          BufferView{"momentum", s.momentum.data(), s.momentum.size(), 'f', false},
-          BufferView{"row_var", s.row_var.data(), s.row_var.size(), 'f', false},
-          BufferView{"exp_avg", s.exp_avg.data(), s.exp_avg.size(), 'f', false},
-          BufferView{"exp_avg_sq", s.exp_avg_sq.data(), s.exp_avg_sq.size(), 'f', false}};
+  return state_buffers(device_, false);  // host memory: the emulator's device
 }
 
 int64_t device_row_runs_at(cuda::Runs runs, int64_t i) { return cuda::step_device::at(runs, i); }

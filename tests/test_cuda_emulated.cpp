@@ -848,7 +848,7 @@ BOOST_AUTO_TEST_CASE(the_engine_on_the_emulated_device_is_the_backends_table_ste
   }
   const auto masters = [&] {
     for (const BufferView& b : engine.buffers())
-      if (b.name == "masters") return static_cast<float*>(b.data);
+      if (b.name == "masters") return b.data;
     return static_cast<float*>(nullptr);
   }();
   BOOST_TEST(std::memcmp(masters, state.masters.data(), 4 * static_cast<size_t>(layout.master_floats)) == 0);

@@ -241,7 +241,7 @@ class HostDevice : public DeviceTableBackend {
   }
   void refresh_master(int e, const ParamTable& table) override { device_.refresh_master(e, table); }
   std::vector<BufferView> buffers() override {
-    return {BufferView{"momentum", device_.momentum.data(), device_.momentum.size(), 'f', true}};
+    return state_buffers(device_, true);
   }
   void set_stream(void*) override {}
   int enqueued = 0, verdicts = 0;

@@ -128,19 +128,6 @@ void Engine::set_steps(const std::vector<int64_t>& group_steps, const std::vecto
   if (device_) device_->set_steps(state_);
 }
 
-std::vector<BufferView> Engine::buffers() {
-  std::vector<BufferView> out;
-  if (device_) {
-    out = device_->buffers();
-  } else {
-    TableState& s = state_;
-    for (auto [name, buffer] : {std::pair<const char*, AlignedBuffer*>{"masters", &s.masters}, {"momentum", &s.momentum},
-                                {"row_var", &s.row_var}, {"exp_avg", &s.exp_avg}, {"exp_avg_sq", &s.exp_avg_sq}})
-      out.push_back(BufferView{name, buffer->data(), buffer->size(), 'f', false});
-  }
-  return out;
-}
-
 MemoryReport Engine::memory_report() const {
   const Layout& l = *layout_;
   MemoryReport r;

@@ -298,14 +298,7 @@ void FastCudaBackend::refresh_master(int e, const ParamTable& table) {
                                     layout_.entries.at(static_cast<size_t>(e)).numel, all_rounded_.data());
 }
 
-std::vector<BufferView> FastCudaBackend::buffers() {
-  cuda::DeviceFlatState& d = *device_;
-  return {BufferView{"masters", d.masters.data(), d.masters.size(), 'f', true},
-          BufferView{"momentum", d.momentum.data(), d.momentum.size(), 'f', true},
-          BufferView{"row_var", d.row_var.data(), d.row_var.size(), 'f', true},
-          BufferView{"exp_avg", d.exp_avg.data(), d.exp_avg.size(), 'f', true},
-          BufferView{"exp_avg_sq", d.exp_avg_sq.data(), d.exp_avg_sq.size(), 'f', true}};
-}
+std::vector<BufferView> FastCudaBackend::buffers() { return state_buffers(*device_, true); }
 
 std::vector<std::string> FastCudaBackend::fixed_fields() const { return cuda::planned_fields(); }
 

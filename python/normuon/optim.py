@@ -213,24 +213,22 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         no_fallback = "no fallback to another device or the reference; ask for backend='reference' explicitly"
         device = -1 if self._device.type == "cpu" else self._device.index
         if self._device_backend is not None:
-            make = lambda: _C.Engine(self._manifest, self._options, self._device_backend, device)  # noqa: E731
+            backend = (self._device_backend, device)
         elif self._device.type == "cpu":
             if not _C.has_fast_cpu:  # _C built without oneDNN (-DNORMUON_BUILD_FAST_CPU=OFF)
                 raise RuntimeError(f"{where} needs the fast CPU backend, which this build of normuon._C does not "
                                    f"have (configured without oneDNN, -DNORMUON_BUILD_FAST_CPU=OFF); {no_fallback}, "
                                    "put the parameters on a CUDA device, or rebuild with oneDNN")
             # threads=None follows torch's setting (several ranks per node share the cores as torch does).
-            count = torch.get_num_threads() if threads is None else threads
-            make = lambda: _C.Engine(self._manifest, self._options, count)  # noqa: E731
+            backend = (torch.get_num_threads() if threads is None else threads,)
         else:
             cuda, why = cuda_module()
             if cuda is None:
                 raise ValueError(f"{where}: {why} ({no_fallback})")
-            stream = torch.cuda.current_stream(self._device).cuda_stream
-            make = lambda: _C.Engine(self._manifest, self._options, cuda.engine_backend(device, stream), device)  # noqa: E731
+            backend = (cuda.engine_backend(device, self._stream()), device)
         try:
             with (torch.cuda.device(self._device) if device >= 0 else contextlib.nullcontext()):
-                engine = make()
+                engine = _C.Engine(self._manifest, self._options, *backend)
         except ValueError as error:
             raise ValueError(f"{where} cannot serve this request: {error} ({no_fallback})") from None
         engine.verdict = self.verdict
@@ -473,7 +471,11 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 self._engine.set_steps(steps, entry_steps)
         else:
             self._steps, self._entry_steps = list(steps), list(entry_steps)
-        for g, t in zip(self.param_groups, steps):
+        self._publish_steps()
+
+    def _publish_steps(self):
+        """group['step'] from the counters (the engine's, or the reference's): no copy kept by hand."""
+        for g, t in zip(self.param_groups, self._steps):
             g["step"] = t
 
     @torch.no_grad()
@@ -506,17 +508,15 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             try:
                 result = self._engine.step(scale, found, self._stream())
             finally:  # a deferred verdict raised here has rolled the counters back
-                for g, t in zip(self.param_groups, self._steps):
-                    g["step"] = t
+                self._publish_steps()
             skipped = result.reason if result.skipped else None
         elif scaler is not None and float(scaler[1]) != 0:
-            skipped = _C.FOUND_INF_REASON
+            skipped = FOUND_INF_REASON
         else:
             self._refresh_masters()
             skipped = self._reference_step(hypers, None if scaler is None or scaler[0] is None
                                            else scaler[0].to(device="cpu"))
-        for g, t in zip(self.param_groups, self._steps):
-            g["step"] = t
+        self._publish_steps()
         self.last_skip_reason = skipped
         return loss
 
@@ -581,8 +581,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         reason = result.reason if result.skipped else None
         if reason is not None:
             self.last_skip_reason = reason
-        for g, t in zip(self.param_groups, self._steps):
-            g["step"] = t
+        self._publish_steps()
         return reason
 
     def _to_flat(self):

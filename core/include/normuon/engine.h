@@ -6,8 +6,8 @@
 
 #include <cstdint>
 #include <functional>
-#include <stdexcept>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,14 +35,22 @@ class TableBackend {
   virtual std::vector<std::string> fixed_fields() const { return {}; }
 };
 
-// One of the optimizer's buffers, in host or device memory.
+// One of the optimizer's fp32 buffers, in host or device memory.
 struct BufferView {
-  std::string name;  // masters, momentum, row_var, exp_avg, exp_avg_sq, group_steps, entry_steps
-  void* data = nullptr;
+  std::string name;  // masters, momentum, row_var, exp_avg, exp_avg_sq
+  float* data = nullptr;
   int64_t size = 0;  // elements
-  char type = 'f';   // 'f': fp32, 'q': int64
   bool device = false;
 };
+
+// The buffers of a state that has them by the names of TableState (a TableState, the CUDA backend's
+// device state), as views.
+template <typename State>
+std::vector<BufferView> state_buffers(State& s, bool device) {
+  auto view = [device](const char* name, auto& b) { return BufferView{name, b.data(), b.size(), device}; };
+  return {view("masters", s.masters), view("momentum", s.momentum), view("row_var", s.row_var),
+          view("exp_avg", s.exp_avg), view("exp_avg_sq", s.exp_avg_sq)};
+}
 
 // A backend on a device (CUDA): it owns the state, the masters and its own copy of the counters in device
 // memory, and a step is enqueued; its verdict is read later (DeviceTableBackend::verdict). The engine keeps
@@ -140,8 +148,8 @@ class Engine {
   // The host state: the buffers of a host backend, the counters of either (a device backend's buffers
   // are its own: buffers()).
   TableState& state() { return state_; }
-  // Every buffer of the optimizer's own, wherever it lives, and the counters (the host's).
-  std::vector<BufferView> buffers();
+  // Every buffer of the optimizer's own, wherever it lives (the counters: group_steps(), entry_steps()).
+  std::vector<BufferView> buffers() { return device_ ? device_->buffers() : state_buffers(state_, false); }
   MemoryReport memory_report() const;
 
  private:
