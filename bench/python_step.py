@@ -144,11 +144,11 @@ def main(argv=None):
 
     opt = normuon.NorMuonAdamW(model.named, roles=model.roles, threads=threads)
     cuda, _ = normuon.native.cuda_module()  # the CUDA backend's module, where this build has one
-    launches = cuda.cuda_launches_per_step(opt.layout, opt._engine.options) if cuda is not None else None
+    launches = cuda.cuda_launches_per_step(opt.layout, opt.engine.native.options) if cuda is not None else None
     mem = opt.memory_report()
     held = mem["state_bytes"] + mem["master_bytes"] + mem["workspace_bytes"]
     def native_step():  # the table the Python step bound (same gradient tensors), stepped by the engine alone
-        opt._engine.step_bound()
+        opt.engine.native.step_bound()
 
     pair, ratio = measure_pair({"python": opt.step, "cpp": native_step}, model, args.warmup, args.repeats, log)
     # All the front door adds, bounded on its own: step() when no parameter has a gradient runs the Python

@@ -103,7 +103,7 @@ class DistributedNorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self._routing = plan.routing_table()
         groups = [dict(g, params=[real.get(id(t), t) for t in g["params"]]) for g in plan.param_groups]
         self._params = []
-        for e in plan._entries:  # manifest order
+        for e in plan.engine.entries:  # manifest order
             p = _Param()
             p.index, p.name, p.algorithm, p.group = e.index, e.name, e.algorithm, e.group
             p.tensor = real.get(id(e.tensor), e.tensor)
@@ -138,7 +138,7 @@ class DistributedNorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                                      names=[p.name for p in members], name=g["name"], algorithm=g["algorithm"]))
         self._local = NorMuonAdamW(local_groups, backend=self._backend_choice, threads=self._threads,
                                    nonfinite=self.nonfinite, _state_for_frozen=True)
-        self._local_entry = {e.name: e for e in self._local._entries}  # fp32 masters of what it steps
+        self._local_entry = {e.name: e for e in self._local.engine.entries}  # fp32 masters of what it steps
         for p in mine:
             if p.owner in (None, self.rank):
                 self.state[p.tensor] = self._local.state[p.tensor]
@@ -242,7 +242,7 @@ class DistributedNorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         local._sync_hyper()  # a bad value raises here, on every rank alike, before any collective
         for g, lg in zip(self.param_groups, local.param_groups):  # NorMuon's betas and beta1/beta2 as resolved
             g.update({k: lg[k] for k in ("beta1", "beta2", "betas") if k in lg})
-        local._set_steps(self._steps, local._entry_steps)  # its parameters keep their own counts
+        local.engine.set_steps(self._steps, local.engine.entry_steps)  # its parameters keep their own counts
         start = time.perf_counter()
         self.last_step_comm = dict(collectives=0, bytes_sent=0, bytes_received=0)
 
@@ -272,7 +272,7 @@ class DistributedNorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         for gi, members in enumerate(self._group_members):
             if any(p.tensor.grad is not None for p in members):
                 self._steps[gi] += 1
-        local._set_steps(self._steps, local._entry_steps)  # its parameters keep their own counts
+        local.engine.set_steps(self._steps, local.engine.entry_steps)  # its parameters keep their own counts
         for g, t in zip(self.param_groups, self._steps):
             g["step"] = t
         self.last_skip_reason = None

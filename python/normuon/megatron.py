@@ -26,8 +26,9 @@ from collections.abc import MutableMapping
 import torch
 
 from . import native as _native
-from . import optim as _optim
+from .engine import Engine, resolve_modes
 from .optim import NotCopyable
+from .plan import plan_groups
 from .row_blocks import split_rows
 
 # megatron-core releases whose emerging-optimizer registry this adapter was written against (major, minor),
@@ -84,26 +85,37 @@ def _group_size(group):
     return int(dist.get_world_size(group))
 
 
-def _number(label, where, group, key, high, below=False):
-    """A group value as a float in [0, high] ([0, high) with below): a Python number or a one-element tensor
-    (Megatron's scheduler may keep lr as a tensor and fill_() it)."""
+def _number(label, where, group, key):
+    """A group value as a float: a Python number or a one-element tensor (Megatron's scheduler may keep lr
+    as a tensor and fill_() it). Its range is the core's to check (_checked)."""
     if key not in group:
         raise ValueError(f"{label}: {where} has no '{key}'")
-    return _as_number(label, where, key, group[key], high, below)
+    return _as_number(label, where, key, group[key])
 
 
-def _as_number(label, where, key, value, high, below=False):
+def _as_number(label, where, key, value):
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{label}: {where}: {key} is a tensor of shape {tuple(value.shape)}, not a scalar")
         value = value.item()
     try:
-        number = float(value)
+        return float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{label}: {where}: {key}={value!r} is not a number") from None
-    if not math.isfinite(number) or not 0 <= number <= high or (below and number == high):
-        raise ValueError(f"{label}: {where}: {key}={value!r} is outside [0, {high:g}{')' if below else ']'}")
-    return number
+
+
+def _checked(label, where, algorithm, values, given, notes=None):
+    """The spec's values checked by the core (check_values); a refusal names the group value it came from.
+    given: {spec field: (the group's key, its value)}; notes: {spec field: what to add to a refusal}."""
+    try:
+        return _native.check_values(where, algorithm, values)
+    except ValueError as error:
+        match = re.match(r"option '[^']*\.(\w+)': (?:\S+ )?(is .*)", str(error))
+        if match is None or match.group(1) not in given:
+            raise ValueError(f"{label}: {error}") from None
+        key, value = given[match.group(1)]
+        note = (notes or {}).get(match.group(1), "")
+        raise ValueError(f"{label}: {where}: {key}={value!r}{note} {match.group(2)}") from None
 
 
 def ns_precision_for(fp32_matmul_prec):
@@ -126,8 +138,8 @@ def _tp_sharded(p):
 
 
 class _Slot:
-    """One parameter of the outer optimizer and what stands for it in the inner NorMuonAdamW: the parameter
-    itself (blocks is None), or its blocks of rows (a split QKV weight: RowBlocks, stepped in place)."""
+    """One parameter of param_groups and its engine entries: the parameter itself (blocks is None), or its
+    blocks of rows (a split QKV weight: RowBlocks, stepped in place)."""
 
     __slots__ = ("param", "entries", "blocks", "views", "lazy")
 
@@ -204,11 +216,12 @@ def _assemble(entries, blocks, export, master):
 
 
 class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
-    """What MegatronNorMuon and MegatronAdamW share: an inner NorMuonAdamW (one algorithm) over the
-    parameters param_groups holds now, built lazily and rebuilt when they change; the Megatron-facing
-    state (self.state, state dicts) translated to and from its flat buffers; TE FusedAdam's step rule.
+    """What MegatronNorMuon and MegatronAdamW share: the engine (engine.py, as NorMuonAdamW's; one
+    algorithm) over the parameters param_groups holds now, built lazily and again when they change; the
+    Megatron-facing state (self.state, state dicts) translated to and from its buffers; TE FusedAdam's step
+    rule.
 
-    Subclasses set _label, _algorithm, _state_keys and implement _check_param, _inner_defaults, _hypers,
+    Subclasses set _label, _algorithm, _state_keys and implement _check_param, _spec_defaults, _hypers,
     _memory_views, _entry_writes and _entry_export (and _blocks for parameters split into row blocks)."""
 
     _label = None
@@ -218,20 +231,19 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
     def _setup(self, backend, threads, nonfinite, verdict, device_backend=None):
         """Before torch's __init__ (which calls add_param_group). device_backend: NorMuonAdamW's
         _device_backend (the tests' emulated CUDA engine)."""
-        if nonfinite not in ("error", "skip_step"):
-            self._fail(f"nonfinite={nonfinite!r}: choose error | skip_step")
-        if verdict not in ("sync", "deferred"):
-            self._fail(f"verdict={verdict!r}: choose sync | deferred")
+        _native.require(self._label)
+        try:
+            self._choice = resolve_modes(backend, nonfinite, verdict)
+        except ValueError as error:
+            self._fail(str(error))
         self.nonfinite = nonfinite
         self.verdict = verdict
-        _native.require(self._label)
-        self._choice = _optim._resolve_choice(backend)
         self._threads = threads
         self._device_backend = device_backend
-        self._inner = None      # the NorMuonAdamW over the current parameters, built lazily
+        self.engine = None      # the engine over the current parameters, built lazily
         self._signature = None  # what it was built for
         self._slots = {}        # id(param) -> _Slot
-        self._group_map = []    # (index in param_groups, index in the inner optimizer's groups)
+        self._group_map = []    # (index in param_groups, index of the engine's group)
         self._advanced = []     # groups whose step the last step() advanced (taken back if it was skipped)
         self._settled_reason = None  # why the previous step was skipped, learnt when it was settled
         self.last_skip_reason = None
@@ -253,7 +265,7 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
             self._fail(f"{where} is sparse")
 
     def _blocks(self, p, where):
-        """None, or the RowBlocks that the inner optimizer treats as matrices of their own."""
+        """None, or the RowBlocks that the engine steps as matrices of their own."""
         return None
 
     # --------------------------------------------------------------------------- the flat layout
@@ -265,7 +277,7 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
     def _ensure_built(self):
         """The layout matches param_groups, and self.state holds this optimizer's views (after a rebuild,
         or values someone else put into self.state, copied in)."""
-        if self._inner is not None:
+        if self.engine is not None:
             self._settle()  # the previous step's deferred verdict, before its counters or state are read
         signature = self._current_signature()
         if signature != self._signature:
@@ -274,9 +286,10 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
             self._adopt_state()
 
     def _rebuild(self, signature):
-        """A new inner optimizer over the parameters param_groups holds now. State carries over from
-        self.state (moved there by Megatron's wrappers or left from the previous layout); parameters that left
-        the groups lose theirs."""
+        """A new engine over the parameters param_groups holds now (the re-layout path NorMuonAdamW's
+        add_param_group takes too: Engine.carry_from). State comes from self.state (moved there by
+        Megatron's wrappers, or our views of the previous layout), fp32 masters from the previous layout;
+        parameters that left the groups lose theirs."""
         present = []
         for i, g in enumerate(self.param_groups):
             params = list(g["params"])
@@ -284,9 +297,9 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
                 self._check_param(p, f"param_groups[{i}]['params'][{k}]")
             if params:
                 present.append((i, params))
-        inner, slots, group_map = None, {}, []
+        engine, slots, group_map = None, {}, []
         if present:
-            groups, plan, all_blocks = [], [], []
+            groups, plan, all_blocks = [], [], {}
             for i, params in present:
                 tensors, names = [], []
                 for k, p in enumerate(params):
@@ -296,40 +309,39 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
                     else:  # each block stepped where it lies in the parameter, as a matrix of its own
                         keys = [b.key for b in blocks]
                         labels = [f"g{i}.p{k}.b{j}" for j in range(len(blocks))]
-                        all_blocks += blocks
+                        all_blocks.update((id(b.key), b) for b in blocks)
                     plan.append((p, keys, blocks))
                     tensors += keys
                     names += labels
-                groups.append(dict(params=tensors, names=names, name=f"g{i}", algorithm=self._algorithm,
-                                   **self._inner_defaults()))
-            try:
-                inner = _optim.NorMuonAdamW(groups, backend=self._choice, threads=self._threads,
-                                            nonfinite=self.nonfinite, verdict=self.verdict, _row_blocks=all_blocks,
-                                            _device_backend=self._device_backend,
-                                            _state_for_frozen=True)
+                groups.append(dict(params=tensors, names=names, name=f"g{i}", algorithm=self._algorithm))
+            # The spec's values stand in until step() hands over the groups' own (Megatron builds with
+            # lr=None and lets its scheduler set it); the fixed ones (layout, plan) are final.
+            values = _native.check_values("defaults", self._algorithm, self._spec_defaults())
+            aw = _native.defaults("adamw")
+            adamw = dict(lr=aw["lr"], betas=(aw["beta1"], aw["beta2"]), eps=aw["eps"], weight_decay=aw["weight_decay"])
+            try:  # the planned groups' values are not used: values are
+                planned, entries = plan_groups(groups, _native.defaults("normuon"), adamw, {}, {}, all_blocks)
+                engine = Engine(entries, [(g["name"], self._algorithm, values) for g in planned], self._choice,
+                                threads=self._threads, nonfinite=self.nonfinite, verdict=self.verdict,
+                                row_blocks=bool(all_blocks), device_backend=self._device_backend)
             except ValueError as error:
                 raise ValueError(f"{self._label}: {error} (gI.pK is param_groups[I]['params'][K])") from None
-            entries = {id(e.tensor): e for e in inner._entries}
+            by_key = {id(e.tensor): e for e in engine.entries}
             group_map = [(i, j) for j, (i, _) in enumerate(present)]
             for p, keys, blocks in plan:
-                found = [entries[id(t)] for t in keys]
-                views = self._memory_views(found[0]) if blocks is None else None
-                slots[id(p)] = _Slot(p, found, blocks, views)
-        # Carry the values over: check everything first, then write (old views stay valid until then).
+                found = [by_key[id(t)] for t in keys]
+                slots[id(p)] = _Slot(p, found, blocks, self._memory_views(found[0]) if blocks is None else None)
+        # The values: check everything first, then write (the previous views stay valid until then).
         writes, where = [], self._positions()
         for slot in slots.values():
-            p = slot.param
-            old = self.state.get(p)
-            if old:
-                writes += self._slot_writes(slot, old, f"state of {where[id(p)]}")
-            previous = self._slots.get(id(p))
-            if previous is not None and previous.param is p and len(previous.entries) == len(slot.entries):
-                for e, f in zip(slot.entries, previous.entries):
-                    if e.low_precision and f.low_precision:
-                        writes.append((e.param, f.param))  # keep the fp32 master's low bits
+            writes += self._slot_writes(slot, self.state.get(slot.param) or {}, f"state of {where[id(slot.param)]}")
+        if engine is not None and self.engine is not None:
+            steps = [_step_value(self._label, self.param_groups[i].get("step", 0), f"param_groups[{i}]")
+                     for i, _ in group_map]
+            engine.carry_from(self.engine, steps)  # the masters' low bits (the state: below)
         for dst, src in writes:
             dst.copy_(src)
-        self._inner, self._slots, self._group_map, self._signature = inner, slots, group_map, signature
+        self.engine, self._slots, self._group_map, self._signature = engine, slots, group_map, signature
         self._install_state()
 
     def _install_state(self):
@@ -443,18 +455,17 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
                 loss = closure()
         self._settled_reason = None
         self._ensure_built()  # settles the previous step first (verdict='deferred')
-        hypers = [(j, self._hypers(i, self.param_groups[i])) for i, j in self._group_map]
+        values = [self._hypers(i, self.param_groups[i]) for i, _ in self._group_map]  # checked, in engine order
         steps = [_step_value(self._label, self.param_groups[i].get("step", 0), f"param_groups[{i}]")
                  for i, _ in self._group_map]
         skipped = None
-        if self._inner is not None:
-            for j, h in hypers:
-                self._inner.param_groups[j].update(h)
+        if self.engine is not None:
+            self.engine.set_nonfinite(self.nonfinite)
+            self.engine.set_values(values)
             # TE FusedAdam's rule: the step about to run is group['step'] + 1 (AdamW's bias correction reads
             # it); the core would count only steps with a gradient in the group.
-            self._inner._set_steps(steps)  # every parameter at its group's counter (TE)
-            self._inner.step()
-            skipped = self._inner.last_skip_reason
+            self.engine.set_steps(steps)  # every parameter at its group's counter (TE)
+            skipped = self.engine.step()
             self._refresh_split_state()
         # Deferred: this step's own verdict comes at the next one; what is reported now is the previous
         # step's, as NorMuonAdamW reports it.
@@ -471,7 +482,7 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         already made (no device sync). A skipped step changed nothing on the device, so the counters step()
         advanced for it go back; nonfinite='error' raises here, one step late."""
         try:
-            skipped = self._inner._settle()
+            skipped = self.engine.settle()
         except RuntimeError:
             self._take_back()
             raise
@@ -490,7 +501,7 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
     @property
     def backend(self):
         """'fast-cpu', 'fast-cuda' or 'reference-python' once built; before that the choice ('auto' | 'fast' | 'reference')."""
-        return self._inner.backend if self._inner is not None else self._choice
+        return self.engine.backend if self.engine is not None else self._choice
 
     # ------------------------------------------------------------------------------- state dicts
 
@@ -502,7 +513,7 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         """torch's structure, every tensor parameter-shaped (Megatron's distributed checkpoint requires it)
         and a fresh fp32 copy, plus master_param for a bf16/f16 parameter. Before the first step (nothing
         built, no state) "state" is empty, as torch's."""
-        if self._inner is not None or any(self.state.values()):
+        if self.engine is not None or any(self.state.values()):
             self._ensure_built()
         groups, state, index = [], {}, 0
         for g in self.param_groups:
@@ -705,23 +716,19 @@ class MegatronNorMuon(_MegatronFlat):
             self._fail(f"{where} has {rows} rows, not a multiple of sum(qkv_split_shapes) = {total} ({sizes})")
         return split_rows(p, sizes)
 
-    def _inner_defaults(self):
-        # The spec's defaults stand in for lr & co. until step() writes the groups' values (Megatron
-        # builds with lr=None and lets its scheduler set it).
+    def _spec_defaults(self):
         return dict(self._fixed)
 
     def _hypers(self, i, group):
         """The spec's values for one group (docs/megatron.md tabulates the mapping); ValueError names it."""
         where, label = f"param_groups[{i}]", self._label
-        lr = _number(label, where, group, "lr", 1e6)
-        weight_decay = _number(label, where, group, "weight_decay", 1e6)
-        h = dict(self._fixed, lr=lr * self._fold, weight_decay=weight_decay / self._fold,
-                 beta1=_number(label, where, group, "momentum", 1.0, below=True),
-                 beta2=_number(label, where, group, "beta2", 1.0, below=True),
-                 denom_eps=_number(label, where, group, "eps", 1.0))
-        if h["lr"] > 1e6:
-            self._fail(f"{where}: lr={lr!r} times the folded scale {self._fold:g} exceeds 1e6")
-        return h
+        given = {field: (key, _number(label, where, group, key)) for field, key in
+                 (("lr", "lr"), ("weight_decay", "weight_decay"), ("beta1", "momentum"), ("beta2", "beta2"),
+                  ("denom_eps", "eps"))}
+        values = dict(self._fixed, **{field: value for field, (_, value) in given.items()})
+        values["lr"], values["weight_decay"] = values["lr"] * self._fold, values["weight_decay"] / self._fold
+        folded = f" (as {values['lr']!r}, times the folded scale {self._fold:g})" if self._fold != 1 else ""
+        return _checked(label, where, "normuon", values, given, {"lr": folded})
 
     # ------------------------------------------------------------------------------- state forms
 
@@ -824,23 +831,21 @@ class MegatronAdamW(_MegatronFlat):
     def _check_param(self, p, where):
         self._check_common(p, where)  # any shape: DistOpt hands over 1-D shards, some empty
 
-    def _inner_defaults(self):
-        a = _native.defaults("adamw")
-        return dict(lr=a["lr"], betas=(a["beta1"], a["beta2"]), eps=a["eps"], weight_decay=a["weight_decay"])
+    def _spec_defaults(self):
+        return _native.defaults("adamw")
 
     def _hypers(self, i, group):
         where, label = f"param_groups[{i}]", self._label
         betas = group.get("betas")
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             self._fail(f"{where}: betas={betas!r} is not a pair")
-        beta1 = _as_number(label, where, "betas[0]", betas[0], 1.0, below=True)
-        beta2 = _as_number(label, where, "betas[1]", betas[1], 1.0, below=True)
         if group.get("bias_correction", True) not in (True, 1):
             self._fail(f"{where}: bias_correction={group['bias_correction']!r}: only bias-corrected AdamW is "
                        "implemented")
-        return dict(lr=_number(label, where, group, "lr", 1e6), betas=(beta1, beta2),
-                    eps=_number(label, where, group, "eps", 1.0),
-                    weight_decay=_number(label, where, group, "weight_decay", 1e6))
+        given = {"beta1": ("betas[0]", _as_number(label, where, "betas[0]", betas[0])),
+                 "beta2": ("betas[1]", _as_number(label, where, "betas[1]", betas[1]))}
+        given.update({k: (k, _number(label, where, group, k)) for k in ("lr", "eps", "weight_decay")})
+        return _checked(label, where, "adamw", {field: value for field, (_, value) in given.items()}, given)
 
     @staticmethod
     def _memory_views(e):

@@ -144,7 +144,7 @@ def test_the_newton_schulz_plan_fields_are_fixed():
     group["ns_algorithm"] = "standard"
     group["lr"] = 0.5 * group["lr"]  # what may change, does
     opt.step()
-    assert math.isclose(opt._engine.hyper(0)["lr"], group["lr"])
+    assert math.isclose(opt.engine.native.hyper(0)["lr"], group["lr"])
 
 
 def test_megatron_reports_a_nan_one_step_late_and_keeps_its_counters():

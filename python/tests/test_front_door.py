@@ -202,7 +202,7 @@ def test_threads_follow_torch_unless_given():
         torch.set_num_threads(1)
         follows = normuon.NorMuonAdamW(a.named_parameters())
         given = normuon.NorMuonAdamW(b.named_parameters(), threads=1)
-        assert follows._engine.threads == 1 and given._engine.threads == 1
+        assert follows.engine.native.threads == 1 and given.engine.native.threads == 1
         for step in (1, 2):
             if step == 2:
                 torch.set_num_threads(2)  # later too: the next step runs on torch's new count
@@ -210,7 +210,7 @@ def test_threads_follow_torch_unless_given():
             fill_grads(b, step)
             follows.step()
             given.step()
-        assert follows._engine.threads == 2 and given._engine.threads == 1
+        assert follows.engine.native.threads == 2 and given.engine.native.threads == 1
         # The state went on where it was (and the backend's bits do not depend on its thread count).
         assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     finally:

@@ -93,7 +93,7 @@ def test_1_bad_values_are_refused_before_anything_changes(backend):
     set_grads(params, grads_for(params, 1))
     opt.step()
     before = [p.detach().clone() for p in params]
-    for key, value, message in [("lr", float("nan"), r"lr=nan is outside"),
+    for key, value, message in [("lr", float("nan"), r"lr=nan is not a finite number"),
                                 ("betas", (1.0, 0.9), r"betas\[0\]=1.0 is outside \[0, 1\)"),
                                 ("betas", (0.9,), r"betas=\(0.9,\) is not a pair"),
                                 ("eps", "x", "eps='x' is not a number"),

@@ -142,7 +142,9 @@ def test_1_bad_group_values_are_refused_before_anything_changes(backend):
     set_grads(params, grads_for(params, 1))
     opt.step()
     before = [p.detach().clone() for p in params]
-    for key, value, message in [("lr", float("nan"), r"lr=nan is outside"), ("momentum", 1.5, "momentum=1.5"),
+    for key, value, message in [("lr", float("nan"), r"lr=nan is not a finite number"),
+                                ("lr", 2e6, r"lr=2000000.0 is outside \[0, 1e\+06\]"),
+                                ("momentum", 1.5, r"momentum=1.5 is outside \[0, 1\)"),
                                 ("lr", torch.ones(2), r"lr is a tensor of shape \(2,\), not a scalar"), ("eps", "x", "eps=.x. is not a number"),
                                 ("lr", None, "lr=None is not a number")]:
         good = opt.param_groups[0][key]
@@ -152,6 +154,17 @@ def test_1_bad_group_values_are_refused_before_anything_changes(backend):
         opt.param_groups[0][key] = good
         assert all(torch.equal(a, b.detach()) for a, b in zip(before, params))
         assert opt.param_groups[0]["step"] == 1
+
+
+def test_1_a_refused_folded_value_names_the_groups_value_and_the_fold():
+    # The ranges are the core's (one check); a value the fold pushes out of range says so.
+    params = make_params()
+    opt = build([{"params": params}], "reference", scale_mode="spectral", lr=1e6)  # folded: x 1/0.2
+    set_grads(params, grads_for(params, 1))
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: lr=1000000.0 \(as 5000000.0, times the folded "
+                                         r"scale 5\) is outside \[0, 1e\+06\]"):
+        opt.step()
+    assert opt.param_groups[0].get("step", 0) == 0
 
 
 @pytest.mark.parametrize("scale_mode,extra", [("spectral", 1.0), ("spectral", 0.2), ("unit_rms_norm", 1.0),
@@ -574,21 +587,21 @@ def test_the_adapters_default_to_the_deferred_verdict_and_hand_it_on(backend):
     assert opt.verdict == adam.verdict == "deferred"
     set_grads(params, grads_for(params, 1))
     opt.step()
-    assert opt._inner.verdict == "deferred"
+    assert opt.engine.verdict == "deferred"
     assert build(make_params(), backend, verdict="sync").verdict == "sync"
 
 
 def test_a_deferred_skip_takes_back_the_step_counters(backend):
     # The verdict of a deferred step arrives at the next step(): a skipped step changed nothing, and the
     # counters step() advanced for it go back before the next step reads them. Simulated here by answering
-    # for the inner optimizer as a deferred CUDA verdict would.
+    # for the engine as a deferred CUDA verdict would.
     params = make_params(seed=22)
     opt = build(params, backend, nonfinite="skip_step")
     set_grads(params, grads_for(params, 1))
     opt.step()
     assert [g["step"] for g in opt.param_groups] == [1]
     answers = iter(["nonfinite gradient in 'g0.p1'", None])
-    opt._inner._settle = lambda: next(answers)
+    opt.engine.settle = lambda: next(answers)
     opt.step()  # settles the first step as skipped (1 -> 0), then runs this one (0 -> 1)
     assert [g["step"] for g in opt.param_groups] == [1]
     assert opt.last_skip_reason == "nonfinite gradient in 'g0.p1'"  # reported, as NorMuonAdamW reports it
@@ -597,7 +610,7 @@ def test_a_deferred_skip_takes_back_the_step_counters(backend):
 
     def fails():
         raise RuntimeError("nonfinite gradient in 'g0.p1'")
-    opt._inner._settle = fails
+    opt.engine.settle = fails
     with pytest.raises(RuntimeError, match="nonfinite"):
         opt.state_dict()
     assert [g["step"] for g in opt.param_groups] == [1]

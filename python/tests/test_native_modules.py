@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 normuon = pytest.importorskip("normuon")
-from normuon import optim  # noqa: E402
+from normuon import native, optim  # noqa: E402
 
 needs_native = pytest.mark.skipif(optim._C is None, reason=f"the native module is missing ({optim.native_error()})")
 CUDA_LIBRARIES = ("libcudart", "libcublas", "libcuda.so", "libnvrtc")
@@ -97,13 +97,13 @@ def test_a_build_without_the_cuda_module_says_so(tmp_path):
 @needs_native
 def test_cuda_module_takes_the_core_modules_types():
     """_C_cuda works on a Layout and Options made by _C (types shared between the two modules)."""
-    cuda, why = optim.cuda_module()
+    cuda, why = native.cuda_module()
     if cuda is None:
         pytest.skip(why)
     model = torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 16),
                                 torch.nn.Linear(16, 11))
     opt = normuon.NorMuonAdamW(model, lr=0.02)
-    layout, options = opt.layout, opt._options
+    layout, options = opt.layout, opt.engine.options
     launches = cuda.cuda_launches_per_step(layout, options)
     assert isinstance(launches, int) and launches > 0
     assert isinstance(cuda.unsupported_reason(layout, options, 0), str)

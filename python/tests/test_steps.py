@@ -224,7 +224,7 @@ def test_momentum_cycling_schedulers_work_with_their_defaults(scheduler, backend
         opt.step()  # reads what the scheduler set last: both forms agree, and the options hold them
         nm, aw = opt.param_groups
         assert nm["betas"] == (nm["beta1"], nm["beta2"]) and nm["beta2"] == 0.95
-        assert opt._hypers[0]["beta1"] == nm["beta1"] and opt._hypers[1]["beta1"] == aw["betas"][0]
+        assert opt.engine.values[0]["beta1"] == nm["beta1"] and opt.engine.values[1]["beta1"] == aw["betas"][0]
         seen.append((nm["beta1"], aw["betas"][0]))
         sched.step()
     assert len({s[0] for s in seen}) > 1 and len({s[1] for s in seen}) > 1, seen  # beta1 moved in both

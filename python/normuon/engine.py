@@ -1,0 +1,429 @@
+"""The native engine bound to a model's tensors: what every optimizer of this package is a client of.
+
+NorMuonAdamW, MegatronNorMuon and MegatronAdamW each own one Engine, and build a new one when their
+parameters change (a group added, a layer unfrozen, Megatron's tensor swaps); `carry_from` moves over what
+the parameters kept had. An Engine holds the native engine (normuon._C.Engine: layout, checked values,
+state, every counter and the backend, on the CPU or a CUDA device) or, for backend='reference', the Python
+reference with counters of its own, and per-parameter views of the buffers (entry.state, entry.master).
+It knows parameters and group indices only: param_groups, state dicts and their forms are its clients'.
+"""
+import contextlib
+import copy
+
+import torch
+
+from . import reference
+from .native import _C, cuda_module, require
+from .plan import DTYPES
+from .routing import strip_wrappers
+
+FOUND_INF_REASON = _C.FOUND_INF_REASON if _C is not None else None  # the core's words
+
+
+class Engine:
+    """entries: the planned parameters (plan.py) to lay out, each with its group index; groups: one
+    (name, algorithm, values) per group, values in the spec's field names and canonical types
+    (check_values); choice: the resolved backend choice ('fast' | 'reference'); threads: the fast CPU
+    backend's (None: follow torch.get_num_threads()); frozen: planned parameters left out until they have
+    a gradient; device_backend: a device backend from another native module (the tests' emulated CUDA
+    engine). ValueError when the backend cannot serve the request (no fallback)."""
+
+    def __init__(self, entries, groups, choice, *, threads=None, nonfinite="error", verdict="sync", frozen=(),
+                 row_blocks=False, device_backend=None):
+        device = one_device(list(entries) + list(frozen))
+        # Its own copies of the planned entries: the views carved below are this engine's, and an engine
+        # built later over the same parameters leaves them as they are (carry_from reads them).
+        self.device = device
+        self.entries, self.frozen = [copy.copy(e) for e in entries], [copy.copy(e) for e in frozen]
+        self.group_names = [name for name, _, _ in groups]
+        self.values = [dict(values) for _, _, values in groups]  # as the backend has them
+        self._choice, self._threads, self._device_backend = choice, threads, device_backend
+        self.nonfinite, self._verdict = nonfinite, verdict
+        self._native = None     # normuon._C.Engine (fast-cpu, fast-cuda)
+        self._reference = None  # the per-parameter Python reference, with its own counters
+        self._steps, self._entry_steps = [0] * len(groups), [0] * len(self.entries)
+        self.options = _C.Options([(name, algorithm) for name, algorithm, _ in groups])
+        for i, values in enumerate(self.values):
+            self.options.set_group(i, values)
+        self.options.set("nonfinite", nonfinite)
+        self.manifest = _C.Manifest(self.specs())
+        if choice == "reference":
+            self.layout = _C.Layout.build(self.manifest, self.options)
+            buffers = {k: torch.zeros(n, device=device) for k, n in self._buffer_sizes().items()}
+            self._reference = reference.ReferenceBackend()
+        else:
+            buffers = self._allocate_native(verdict, row_blocks)
+        self.fixed_keys = tuple(self._native.fixed_fields if self._native is not None else _C.layout_fields())
+        self.fixed = [{k: v[k] for k in self.fixed_keys if k in v} for v in self.values]
+        for e, le in zip(self.entries, self.layout.entries):  # the second-moment axis, as the layout has it
+            e.stats_per_row, e.stat_len = le.stats_per_row, le.stat_len
+        self._carve(buffers)
+        for e in self.entries:  # the fp32 masters of bf16/fp16 parameters: the only copy made of the model
+            if e.master is not None:
+                e.read_into(e.master)
+        self.mark_current()
+
+    # --------------------------------------------------------------------------------------- building
+
+    def specs(self, names=None):
+        """The C++ manifest's rows (ParamSpec), under other parameter names if given."""
+        default_group = {"normuon": "normuon", "adamw": "adamw"}
+        names = names or [e.name for e in self.entries]
+        return [_C.ParamSpec(n, list(e.shape), DTYPES[e.dtype], e.role,
+                             "" if self.group_names[e.group] == default_group[e.algorithm] else self.group_names[e.group],
+                             e.override)
+                for n, e in zip(names, self.entries)]
+
+    def _buffer_sizes(self):
+        l = self.layout
+        return dict(masters=l.master_floats, momentum=l.normuon_floats, row_var=l.stat_floats,
+                    exp_avg=l.adam_floats, exp_avg_sq=l.adam_floats)
+
+    def _allocate_native(self, verdict, row_blocks):
+        """The native engine over the model's own tensors (table mode): the fast CPU backend, or the fast
+        CUDA one on the parameters' device, its buffers in device memory viewed zero-copy."""
+        where = f"backend '{self._choice}' on {self.device}"
+        no_fallback = "no fallback to another device or the reference; ask for backend='reference' explicitly"
+        index = -1 if self.device.type == "cpu" else self.device.index
+        if self._device_backend is not None:
+            backend = (self._device_backend, index)
+        elif self.device.type == "cpu":
+            if not _C.has_fast_cpu:  # _C built without oneDNN (-DNORMUON_BUILD_FAST_CPU=OFF)
+                raise RuntimeError(f"{where} needs the fast CPU backend, which this build of normuon._C does not "
+                                   f"have (configured without oneDNN, -DNORMUON_BUILD_FAST_CPU=OFF); {no_fallback}, "
+                                   "put the parameters on a CUDA device, or rebuild with oneDNN")
+            # threads=None follows torch's setting (several ranks per node share the cores as torch does).
+            backend = (torch.get_num_threads() if self._threads is None else self._threads,)
+        else:
+            cuda, why = cuda_module()
+            if cuda is None:
+                raise ValueError(f"{where}: {why} ({no_fallback})")
+            backend = (cuda.engine_backend(index, self.stream()), index)
+        try:
+            with (torch.cuda.device(self.device) if index >= 0 else contextlib.nullcontext()):
+                native = _C.Engine(self.manifest, self.options, *backend)
+        except ValueError as error:
+            raise ValueError(f"{where} cannot serve this request: {error} ({no_fallback})") from None
+        native.verdict = verdict
+        self._native = native
+        self.layout = native.layout
+        blocks = [(0, 0, 0) if e.block is None else (e.block.offset, *e.block.runs) for e in self.entries]
+        native.bind([e.source for e in self.entries], blocks if row_blocks else [], [e.tensor for e in self.frozen])
+        return {k: torch.from_numpy(v) if not isinstance(v, tuple) else _device_view(native, *v, self.device)
+                for k, v in native.buffers().items()}
+
+    def _carve(self, buffers):
+        """Per-entry views of the buffers (host or device): e.state (the two state tensors of its
+        algorithm, in the layout's forms) and e.master."""
+        self.buffers = {k: buffers[k] for k in self._buffer_sizes()}
+        for e, le in zip(self.entries, self.layout.entries):
+            if e.algorithm == "normuon":
+                e.state = (buffers["momentum"][le.offset:le.offset + le.numel].view(e.shape),
+                           buffers["row_var"][le.stat_offset:le.stat_offset + le.stat_len])
+            else:
+                adam = slice(le.adam_offset, le.adam_offset + le.numel)
+                e.state = (buffers["exp_avg"][adam].view(e.shape), buffers["exp_avg_sq"][adam].view(e.shape))
+            e.master = (buffers["masters"][le.master_offset:le.master_offset + le.numel].view(e.shape)
+                        if e.low_precision else None)
+            if e.block is not None and e.master is None and self._reference is not None:
+                e.master = torch.empty(e.shape, device=self.device)  # the reference's working copy
+
+    def carry_from(self, old, steps):
+        """The re-layout path: the parameters `old` also laid out (the same tensor, the same block of rows)
+        keep their state, fp32 masters (with their low bits) and own counts (a new one starts at 0);
+        steps: the group counters. Callers settle `old` first (its pending verdict is theirs), and refresh
+        its masters where outside writes should count."""
+        before = {_key(e): (e, t) for e, t in zip(old.entries, old.entry_steps)}
+        counts = []
+        for e in self.entries:
+            was, count = before.get(_key(e), (None, 0))
+            counts.append(min(count, steps[e.group]))  # never past its (new) group's counter
+            if was is None or was.algorithm != e.algorithm or was.shape != e.shape:
+                continue
+            for dst, src in zip(e.state, was.state):
+                dst.copy_(src)
+            if e.low_precision and was.low_precision:
+                e.master.copy_(was.master)
+        self.mark_current()
+        self.set_steps(steps, counts)
+
+    # -------------------------------------------------------------------------------- values, counters
+
+    def set_values(self, values):
+        """Each group's checked values, where they changed since the last call; a field the layout or the
+        backend's plan was built from (fixed_keys) may not change (ValueError, nothing changed)."""
+        for i, v in enumerate(values):
+            for k in self.fixed_keys if self._native is None else ():  # the native engine refuses these itself
+                if k in v and v[k] != self.fixed[i][k]:
+                    raise ValueError(f"option '{self.group_names[i]}.{k}' was {self.fixed[i][k]!r} when the optimizer "
+                                     f"was built and decides its layout; it cannot become {v[k]!r}")
+        for i, v in enumerate(values):
+            if self.values[i] != v:
+                (self._native if self._native is not None else self.options).set_group(i, v)
+                self.values[i] = dict(v)
+
+    def set_nonfinite(self, policy):
+        resolve_modes("reference", policy, "sync")  # checked by the core, before anything changes
+        self.nonfinite = policy
+        if self._native is not None:
+            self._native.set_nonfinite(policy)
+        else:
+            self.options.set("nonfinite", policy)
+
+    @property
+    def steps(self):
+        """The group counters: the native engine's (read, never copied), or the reference's."""
+        return self._native.group_steps if self._native is not None else self._steps
+
+    @property
+    def entry_steps(self):
+        """Each parameter's own count (the steps it had a gradient in)."""
+        return self._native.entry_steps if self._native is not None else self._entry_steps
+
+    def set_steps(self, steps, entry_steps=None):
+        """Group counters and the parameters' own counts (None: each at its group's counter, what state of
+        format version 1 means), checked first; a device's copy follows. Callers settle first."""
+        steps = [int(t) for t in steps]
+        entry_steps = ([steps[e.group] for e in self.entries] if entry_steps is None else [int(t) for t in entry_steps])
+        if self._native is None:
+            self._steps, self._entry_steps = steps, entry_steps
+        elif steps != list(self.steps) or entry_steps != list(self.entry_steps):  # else no device write
+            self._native.set_steps(steps, entry_steps)
+
+    # ------------------------------------------------------------------------------------------- steps
+
+    def stream(self):
+        """Where device work goes: the caller's current stream on CUDA (a handle; 0 is torch's default, the
+        legacy stream), None on the CPU."""
+        return torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
+
+    def step(self, scaler=None):
+        """One step over every parameter with a gradient. scaler: (scale or None, found_inf), fp32 scalars on
+        the device, or None. Returns why the step was skipped (verdict='deferred': why the previous one
+        was), or None; raises RuntimeError for a NaN/Inf gradient under nonfinite='error'. A skipped step
+        changed nothing, its counters included."""
+        if self._native is None:
+            if scaler is not None and float(scaler[1]) != 0:
+                return FOUND_INF_REASON
+            self.refresh_masters()
+            return self._reference_step(None if scaler is None or scaler[0] is None else scaler[0].to("cpu"))
+        if self._threads is None and self._native.threads not in (0, torch.get_num_threads()):
+            self._native.set_threads(torch.get_num_threads())  # torch's count changed: follow it (0: no CPU threads)
+        scale, found = (0, 0) if scaler is None else (0 if scaler[0] is None else scaler[0].data_ptr(),
+                                                      scaler[1].data_ptr())
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the optimizer's step cannot be captured in a CUDA graph yet: it is enqueued by the "
+                               "native engine, which reads its verdict and uploads its values from the host; call "
+                               "step() outside the capture")
+        # One native call: the tensors' addresses, versions and gradients read, masters refreshed, the step.
+        result = self._native.step(scale, found, self.stream())
+        return result.reason if result.skipped else None
+
+    def _reference_step(self, grad_scale):
+        """The per-parameter Python reference: fp32 gradients, the spec's ops, rounded parameters copied back."""
+        for e in self.entries:
+            g = e.source.grad
+            if g is not None and g.is_sparse:
+                raise RuntimeError(f"parameter '{e.name}' has a sparse gradient, which normuon does not support")
+            e.has_grad = g is not None
+            if g is not None:
+                g = g.detach() if e.block is None else e.block.values(g.detach())
+                e.grad = g.to(torch.float32) if grad_scale is None else g.to(torch.float32) / grad_scale.to(g.device)
+        steps, entry_steps = list(self._steps), list(self._entry_steps)
+        skipped = self._reference.step(self.entries, self.values, steps, entry_steps, self.nonfinite)
+        if skipped is None:
+            self._steps, self._entry_steps = steps, entry_steps
+            for e in self.entries:
+                if e.has_grad and e.master is not None:
+                    e.write(e.master)  # rounds to the parameter's dtype
+                e.version = _seen(e)
+        return skipped
+
+    @property
+    def pending(self):
+        return self._native is not None and self._native.pending
+
+    def settle(self):
+        """verdict='deferred': the pending step's verdict now, so that the counters are final. Returns why
+        that step was skipped, or None; raises as step() would under nonfinite='error'. That step changed
+        nothing, its counters included (the native engine rolls them back)."""
+        if not self.pending:
+            return None
+        result = self._native.settle()
+        return result.reason if result.skipped else None
+
+    def frozen_with_grad(self):
+        """Indices into `frozen` of the parameters that have a gradient now (one native call)."""
+        if self._native is not None:
+            return self._native.frozen_with_grad()
+        return [i for i, e in enumerate(self.frozen) if e.tensor.grad is not None]
+
+    # ----------------------------------------------------------------------------------------- masters
+
+    def mark_current(self):
+        """The caller just wrote masters (and parameters): the tensors count as they are now, so the next
+        step reads no master again (a loaded master keeps its low bits)."""
+        if self._native is not None:
+            self._native.mark_current()
+            return
+        for e in self.entries:  # the reference's own record (refresh_masters)
+            e.version = _seen(e)
+
+    def refresh_masters(self):
+        """Outside writes to the model's parameters (load_state_dict, an in-place op under no_grad, p.data = t):
+        a bf16/fp16 parameter whose version counter moved or whose storage is new gets its master from it,
+        unless it still holds the rounded master (a model reloaded after the optimizer: the master keeps its
+        low bits). An fp32 parameter is its own master. Writes through .data bypass the counter and are not
+        seen. The native engine applies its own rule (Engine::refresh_master); the reference's is here."""
+        if self._native is not None:
+            self._native.refresh_masters(self.stream())
+            return
+        for e in self.entries:
+            t = e.source
+            shape = e.shape if e.block is None else e.block.param_shape
+            if tuple(t.shape) != shape or t.dtype != e.dtype or t.device != self.device:
+                raise RuntimeError(f"parameter '{e.name}' is now {t.dtype} {list(t.shape)} on {t.device}; it was "
+                                   f"{e.dtype} {list(shape)} on {self.device} when the optimizer was built")
+            version = _seen(e)
+            if e.block is not None and e.master is not None and not e.low_precision:
+                e.read_into(e.master)  # the reference's working copy of a block: writes through .data too
+            elif version != e.version and e.master is not None:
+                values = e.values()
+                if not (e.low_precision and torch.equal(values, e.master.to(e.dtype))):
+                    e.master.copy_(values)
+            e.version = version
+
+    # ------------------------------------------------------------------------------------- state files
+
+    def to_flat(self):
+        """A host FlatState (parameters as fp32 masters, state, counters): what state files hold."""
+        self.settle()
+        self.refresh_masters()
+        flat = _C.FlatState(self.layout)
+        params = torch.from_numpy(flat.params)
+        for e, le in zip(self.entries, self.layout.entries):
+            src = e.master if e.master is not None else e.values()
+            params[le.offset:le.offset + le.numel].copy_(src.reshape(-1))
+        for k, t in self.buffers.items():
+            if k != "masters":
+                torch.from_numpy(getattr(flat, k)).copy_(t)
+        flat.group_steps = list(self.steps)
+        flat.entry_steps = list(self.entry_steps)
+        return flat
+
+    def from_flat(self, flat):
+        """State, masters, counters and the model's parameters from a host FlatState."""
+        params = torch.from_numpy(flat.params)
+        for k, t in self.buffers.items():
+            if k != "masters":
+                t.copy_(torch.from_numpy(getattr(flat, k)))
+        for e, le in zip(self.entries, self.layout.entries):
+            values = params[le.offset:le.offset + le.numel].view(e.shape)
+            if e.master is not None:
+                e.master.copy_(values)
+            e.write(values)  # rounds to the parameter's dtype
+        self.mark_current()
+        self.set_steps(list(flat.group_steps), list(flat.entry_steps))
+
+    def file_layout(self, header):
+        """This layout, or, when a state file names the parameters with other wrapper prefixes (saved under
+        DDP or torch.compile and loaded without, or back), the same layout under the file's names: the
+        values sit at the same places, so the scratch state loads and moves over unchanged."""
+        in_file = {t["name"] for t in header["tensors"]}
+        ours = [e.name for e in self.entries]
+        if header["layout_fingerprint"] == self.layout.fingerprint or set(ours) <= in_file:
+            return self.layout  # load_state says what is wrong, if anything
+        by_stripped = {}
+        for name in in_file:
+            by_stripped.setdefault(strip_wrappers(name), []).append(name)
+        renamed = [by_stripped.get(strip_wrappers(n), [None]) for n in ours]
+        if any(len(r) != 1 or r[0] is None for r in renamed):
+            return self.layout
+        layout = _C.Layout.build(_C.Manifest(self.specs([r[0] for r in renamed])), self.options)
+        same_places = all((a.offset, a.stat_offset, a.adam_offset) == (b.offset, b.stat_offset, b.adam_offset)
+                          for a, b in zip(layout.entries, self.layout.entries))
+        return layout if same_places and layout.fingerprint == header["layout_fingerprint"] else self.layout
+
+    def save(self, path, backend_name=None):
+        _C.save_state(path, self.to_flat(), self._native.options if self._native is not None else self.options,
+                      backend_name or self.backend)
+
+    # -------------------------------------------------------------------------------------- inspection
+
+    @property
+    def backend(self):
+        """'fast-cpu', 'fast-cuda' or 'reference-python'."""
+        return self._native.backend if self._native is not None else self._reference.name
+
+    @property
+    def verdict(self):
+        """When a CUDA step's verdict reaches the host: 'sync' | 'deferred'."""
+        return self._native.verdict if self._native is not None else self._verdict
+
+    @property
+    def native(self):
+        """normuon._C.Engine, or None for the reference."""
+        return self._native
+
+    def memory_report(self):
+        """Bytes held beyond the model's tensors: state_bytes, master_bytes (fp32 masters of bf16/fp16
+        parameters), workspace_bytes (the backend's Newton-Schulz buffers and scratch; for the reference,
+        only its working copies of blocks of rows)."""
+        if self._native is not None:
+            return self._native.memory_report()
+        sizes = self._buffer_sizes()
+        masters = 4 * sizes.pop("masters")
+        working = 4 * sum(e.master.numel() for e in self.entries
+                          if e.block is not None and not e.low_precision and e.master is not None)
+        return dict(state_bytes=4 * sum(sizes.values()), master_bytes=masters, workspace_bytes=working)
+
+
+def resolve_modes(backend, nonfinite, verdict):
+    """The backend choice by the core's rule (backend_choice.h: an explicit choice wins over NORMUON_BACKEND,
+    then auto), with nonfinite checked by the core too; ValueError names a bad value."""
+    core = require("normuon")
+    try:
+        core.Options().set("nonfinite", nonfinite)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"nonfinite={nonfinite!r}: {error}") from None
+    if verdict not in ("sync", "deferred"):  # the engine binding's two words (Verdict)
+        raise ValueError(f"verdict={verdict!r}: choose sync | deferred")
+    return core.resolve_backend_choice(backend or "")
+
+
+def one_device(entries):
+    """The device every planned parameter is on (a CUDA one with its index); ValueError if they differ."""
+    devices = sorted({str(e.tensor.device) for e in entries})
+    if len(devices) > 1:
+        raise ValueError(f"every parameter must be on one device; got {', '.join(devices)}")
+    device = entries[0].tensor.device if entries else torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _key(e):
+    """What tells the same parameter in two layouts: its tensor, and which block of its rows."""
+    return id(e.source), None if e.block is None else (e.block.first, e.block.run, e.block.pitch)
+
+
+def _seen(e):
+    """What tells an outside write to a parameter: its storage and its version counter."""
+    t = e.source
+    return t.data_ptr(), t._version
+
+
+class _CudaArray:
+    """A device buffer of the native engine as __cuda_array_interface__, for a zero-copy torch view. The view
+    keeps this object, and so the engine that owns the memory, alive."""
+
+    def __init__(self, owner, ptr, n, typestr):
+        self._owner = owner
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": typestr, "data": (ptr, False), "version": 2}
+
+
+def _device_view(owner, ptr, n, typestr, device):
+    """An fp32 buffer ('<f4') of the engine in device memory as a torch tensor on `device`."""
+    if n == 0:
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    return torch.as_tensor(_CudaArray(owner, ptr, n, typestr), device=device)
