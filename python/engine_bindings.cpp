@@ -18,6 +18,7 @@
 #include "normuon/backend_choice.h"
 #include "normuon/engine.h"
 #include "normuon/low_precision.h"
+#include "normuon/step_prologue.h"
 #ifdef NORMUON_HAVE_FAST_CPU
 #include "fast_cpu_backend.h"
 #endif
@@ -314,6 +315,28 @@ void bind_engine(py::module_& m) {
   m.attr("has_fast_cpu") = false;
 #endif
   m.attr("FOUND_INF_REASON") = kFoundInfReason;
+  // The step prologue's rules for the Python reference (step_prologue.h), so that it states none of its own.
+  m.def(
+      "advance_steps",
+      [](const Layout& layout, const std::vector<bool>& has_grad, std::vector<int64_t> group_steps,
+         std::vector<int64_t> entry_steps) {
+        if (has_grad.size() != layout.entries.size() || entry_steps.size() != layout.entries.size() ||
+            group_steps.size() != layout.group_names.size())
+          throw std::invalid_argument("advance_steps: one flag and one count per layout entry, one counter per group");
+        advance_steps(layout, [&](size_t e) { return has_grad[e]; }, group_steps.data(), entry_steps.data());
+        return py::make_tuple(group_steps, entry_steps);
+      },
+      py::arg("layout"), py::arg("has_grad"), py::arg("group_steps"), py::arg("entry_steps"),
+      "(group_steps, entry_steps) after a step that ran: the counter rule of docs/spec.md section 5");
+  m.def(
+      "nonfinite_gradient",
+      [](const std::string& param, float value, int64_t element, int64_t step, const std::string& policy) {
+        Options o;
+        o.set("nonfinite", policy);
+        return nonfinite_gradient(param, value, element, step, o.nonfinite).reason;
+      },
+      py::arg("param"), py::arg("value"), py::arg("element"), py::arg("step"), py::arg("nonfinite"),
+      "A NaN/Inf gradient in every backend's words: RuntimeError under nonfinite='error', else the skip reason");
   m.def("layout_fields", &Engine::layout_fields, "The fields the layout is built from: fixed once it is built");
   m.def(
       "resolve_backend_choice",

@@ -12,10 +12,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .native import require
+from .native import _C, require
 from .optim import NorMuonAdamW, NotCopyable
 from .plan import ADAMW_KEYS, NORMUON_FIELDS, resolve_inputs
-from .reference import nonfinite_gradient
 from .routing import ROUTING_COLUMNS, routing_text
 
 # Group keys that are bookkeeping, not hyper-parameters: never copied into the per-rank optimizer.
@@ -311,7 +310,7 @@ class DistributedNorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         """The single-process outcome (core/src/step_prologue.cpp); every rank has the same gradient."""
         grad = p.tensor.grad.detach().to(torch.float32).reshape(-1)
         k = int((~torch.isfinite(grad)).nonzero()[0])
-        return nonfinite_gradient(p.name, float(grad[k]), k, self._steps[p.group] + 1, self.nonfinite)
+        return _C.nonfinite_gradient(p.name, float(grad[k]), k, self._steps[p.group] + 1, self.nonfinite)
 
     def _exchange(self):
         """Each rank packs the fp32 values of what it owns, one all_gather, everyone unpacks the rest (only

@@ -229,10 +229,10 @@ class Engine:
             if g is not None:
                 g = g.detach() if e.block is None else e.block.values(g.detach())
                 e.grad = g.to(torch.float32) if grad_scale is None else g.to(torch.float32) / grad_scale.to(g.device)
-        steps, entry_steps = list(self._steps), list(self._entry_steps)
-        skipped = self._reference.step(self.entries, self.values, steps, entry_steps, self.nonfinite)
+        skipped, steps, entry_steps = self._reference.step(self.layout, self.entries, self.values, self._steps,
+                                                           self._entry_steps, self.nonfinite)
         if skipped is None:
-            self._steps, self._entry_steps = steps, entry_steps
+            self._steps, self._entry_steps = list(steps), list(entry_steps)
             for e in self.entries:
                 if e.has_grad and e.master is not None:
                     e.write(e.master)  # rounds to the parameter's dtype

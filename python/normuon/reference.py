@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from .native import _C
+
 QUINTIC = (3.4445, -4.7750, 2.0315)
 POLAR_EXPRESS = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -210,35 +212,20 @@ def adamw_update(p, g, m, v, h, t):
     p.addcdiv_(m, denom, value=-step_size)
 
 
-def nonfinite_gradient(name, value, element, step, nonfinite):
-    """A step that found a NaN/Inf gradient, in the words every backend uses (core's nonfinite_gradient):
-    raises RuntimeError under nonfinite='error', else returns the reason the step was skipped."""
-    msg = f"step {step}: gradient of '{name}' holds {value} at element {element}"
-    if nonfinite == "error":
-        raise RuntimeError(msg + " (nothing was changed; set nonfinite=skip_step to skip such steps)")
-    return msg + "; step skipped"
+def begin_step(layout, entries, group_steps, entry_steps, nonfinite):
+    """The shared step prologue (core/src/step_prologue.cpp), its rules asked of the core: a step with a
+    NaN/Inf gradient is refused (RuntimeError under nonfinite='error') or skipped (its reason returned)
+    before anything changes; else the counters advance (returned: group_steps, entry_steps).
 
-
-def begin_step(entries, group_steps, entry_steps, nonfinite):
-    """The shared step prologue (core/src/step_prologue.cpp): refuse or skip a step with a NaN/Inf gradient
-    before anything changes, then advance the step of every group with at least one gradient, and the
-    own count of every parameter (with elements) that has one (AdamW's bias corrections use it).
-
-    entries: objects with .name, .group, .has_grad, .grad (fp32 tensor). Returns None, or the reason a
-    skip_step policy skipped the step. Raises RuntimeError under nonfinite='error'."""
+    entries: in layout order, objects with .name, .group, .has_grad, .grad (fp32 tensor)."""
     for e in entries:
         if not e.has_grad:
             continue
         bad = (~torch.isfinite(e.grad)).reshape(-1).nonzero()
         if bad.numel():
             k = int(bad[0])
-            return nonfinite_gradient(e.name, float(e.grad.reshape(-1)[k]), k, group_steps[e.group] + 1, nonfinite)
-    for g in sorted({e.group for e in entries if e.has_grad}):
-        group_steps[g] += 1
-    for i, e in enumerate(entries):
-        if e.has_grad and e.grad.numel() > 0:
-            entry_steps[i] += 1
-    return None
+            return _C.nonfinite_gradient(e.name, float(e.grad.reshape(-1)[k]), k, group_steps[e.group] + 1, nonfinite)
+    return _C.advance_steps(layout, [bool(e.has_grad) for e in entries], list(group_steps), list(entry_steps))
 
 
 class ReferenceBackend:
@@ -246,13 +233,14 @@ class ReferenceBackend:
 
     name = "reference-python"
 
-    def step(self, entries, hypers, group_steps, entry_steps, nonfinite):
-        """entries: objects with .name, .algorithm, .group, .has_grad, .param, .grad, .state (two fp32
-        tensors), .stats_per_row; hypers: per group, a dict of the spec's field names; group_steps and
-        entry_steps (per entry) are advanced in place. Returns the skip reason or None."""
-        skipped = begin_step(entries, group_steps, entry_steps, nonfinite)
-        if skipped is not None:
-            return skipped
+    def step(self, layout, entries, hypers, group_steps, entry_steps, nonfinite):
+        """entries: in layout order, objects with .name, .algorithm, .group, .has_grad, .param, .grad,
+        .state (two fp32 tensors), .stats_per_row; hypers: per group, a dict of the spec's field names.
+        Returns (the skip reason, None, None), or (None, group_steps, entry_steps) advanced."""
+        begun = begin_step(layout, entries, group_steps, entry_steps, nonfinite)
+        if isinstance(begun, str):
+            return begun, None, None
+        group_steps, entry_steps = begun
         for i, e in enumerate(entries):
             if not e.has_grad or e.param.numel() == 0:
                 continue  # untouched, state not advanced
@@ -261,4 +249,4 @@ class ReferenceBackend:
                 normuon_update(e.param, e.grad, e.state[0], e.state[1], h, e.stats_per_row)
             else:
                 adamw_update(e.param, e.grad, e.state[0], e.state[1], h, entry_steps[i])
-        return None
+        return None, group_steps, entry_steps
