@@ -620,8 +620,6 @@ class MegatronNorMuon(_MegatronFlat):
             choices = " | ".join(FOLLOWS_TORCH + tuple(MATMUL_PRECISIONS))
             self._fail(f"fp32_matmul_prec={fp32_matmul_prec!r}: choose {choices}")
         ns_precision = ns_precision_for(fp32_matmul_prec)
-        if isinstance(num_ns_steps, bool) or not isinstance(num_ns_steps, int) or not 1 <= num_ns_steps <= 100:
-            self._fail(f"num_ns_steps={num_ns_steps!r} is not an integer in [1, 100]")
         if scale_mode not in SCALE_MODES:
             self._fail(f"scale_mode={scale_mode!r}: choose {' | '.join(SCALE_MODES)}")
         try:
@@ -632,10 +630,16 @@ class MegatronNorMuon(_MegatronFlat):
             self._fail(f"extra_scale_factor={extra_scale_factor!r} must be a finite number > 0")
         if tp_mode not in TP_MODES:
             self._fail(f"tp_mode={tp_mode!r}: choose {' | '.join(TP_MODES)}")
-        if nesterov not in (True, False, 0, 1):
-            self._fail(f"nesterov={nesterov!r} is not a boolean")
         if qkv_split_shapes is not None:
             self._split_shapes(qkv_split_shapes, "qkv_split_shapes")
+        lr_scale, c = SCALE_MODES[scale_mode]
+        # What the layout and the plan are built from, checked by the core (num_ns_steps, nesterov).
+        self._fixed = _checked(self._label, "constructor", "normuon",
+                               dict(_native.defaults("normuon"), nesterov=nesterov, ns_steps=num_ns_steps,
+                                    ns_coefficients=COEFFICIENT_TYPES[coefficient_type], ns_precision=ns_precision,
+                                    reduce_axis="longer_dim", lr_scale=lr_scale, weight_decay_mode="decoupled",
+                                    eps_placement="clamp"),
+                               {"ns_steps": ("num_ns_steps", num_ns_steps), "nesterov": ("nesterov", nesterov)})
         self._setup(backend, threads, nonfinite, verdict, _device_backend)
         self.split_qkv = bool(split_qkv)
         self.is_qkv_fn = is_qkv_fn if is_qkv_fn is not None else (lambda p: bool(getattr(p, "is_qkv", False)))
@@ -649,15 +653,10 @@ class MegatronNorMuon(_MegatronFlat):
         self.extra_scale_factor = extra
         self.fp32_matmul_prec = fp32_matmul_prec
         self.moment2_method = moment2_method
-        self.nesterov = bool(nesterov)
-        lr_scale, c = SCALE_MODES[scale_mode]
+        self.nesterov = self._fixed["nesterov"]
         # The spec has no free scale factor; an extra constant is folded into the learning rate and out of
         # the weight decay: p(1 - lr*wd) - lr*k*U  ==  p(1 - (k*lr)(wd/k)) - (k*lr)*U  (exact up to rounding).
         self._fold = c * extra
-        self._fixed = dict(_native.defaults("normuon"), nesterov=self.nesterov, ns_steps=num_ns_steps,
-                           ns_coefficients=COEFFICIENT_TYPES[coefficient_type],
-                           ns_precision=ns_precision, reduce_axis="longer_dim",
-                           lr_scale=lr_scale, weight_decay_mode="decoupled", eps_placement="clamp")
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, beta2=beta2, eps=eps)
         super().__init__(params, defaults)
         self._check_all()

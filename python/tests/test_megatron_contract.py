@@ -542,7 +542,10 @@ class FakeGroup:
     (dict(coefficient_type="cans"), "coefficient_type='cans' is not supported"),
     (dict(fp32_matmul_prec="lowest"), "fp32_matmul_prec='lowest': choose low | medium | high | highest"),
     (dict(verdict="later"), "verdict='later': choose sync | deferred"),
-    (dict(num_ns_steps=0), "num_ns_steps=0"),
+    (dict(num_ns_steps=0), r"num_ns_steps=0 is not an integer in \[1, 100\]"),  # the core's range
+    (dict(num_ns_steps=True), "num_ns_steps=True is not a number"),
+    (dict(nesterov="yes"), "nesterov='yes' is not a boolean"),
+    (dict(nonfinite="never"), "nonfinite='never'.*choose error | skip_step"),
     (dict(scale_mode="rms"), "scale_mode='rms'"),
     (dict(extra_scale_factor=0.0), "extra_scale_factor=0.0"),
     (dict(tp_mode="ring"), "tp_mode='ring'"),
