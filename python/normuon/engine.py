@@ -184,11 +184,12 @@ class Engine:
         """Group counters and the parameters' own counts (None: each at its group's counter, what state of
         format version 1 means), checked first; a device's copy follows. Callers settle first."""
         steps = [int(t) for t in steps]
-        entry_steps = ([steps[e.group] for e in self.entries] if entry_steps is None else [int(t) for t in entry_steps])
-        if self._native is None:
-            self._steps, self._entry_steps = steps, entry_steps
-        elif steps != list(self.steps) or entry_steps != list(self.entry_steps):  # else no device write
+        entry_steps = None if entry_steps is None else [int(t) for t in entry_steps]
+        if self._native is not None:
             self._native.set_steps(steps, entry_steps)
+        else:
+            self._steps = steps
+            self._entry_steps = [steps[e.group] for e in self.entries] if entry_steps is None else entry_steps
 
     # ------------------------------------------------------------------------------------------- steps
 

@@ -20,7 +20,6 @@ import importlib
 import math
 import re
 import warnings
-from collections import defaultdict
 from collections.abc import MutableMapping
 
 import torch
@@ -148,6 +147,47 @@ class _Slot:
         self.lazy = None  # the _SplitState installed in self.state for a split parameter
 
 
+class _Tracked(dict):
+    """self.state and its per-parameter dicts: dicts that note, in a flag they share, any change made through
+    their methods (state moved, replaced, removed or added by Megatron's wrappers or torch's machinery), so
+    that a step tells in O(1) that nothing changed and walks no parameter."""
+
+    def __init__(self, changed, *args):
+        super().__init__(*args)
+        self.changed = changed  # [bool], shared by the mapping and its per-parameter dicts
+
+    def _change(self):
+        self.changed[0] = True
+
+    def __missing__(self, key):  # defaultdict(dict), as torch's optimizers have it
+        self._change()
+        value = _Tracked(self.changed)
+        dict.__setitem__(self, key, value)
+        return value
+
+    def __setitem__(self, key, value):
+        self._change()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self._change()
+        super().__delitem__(key)
+
+    def __reduce__(self):  # copies and pickles as the plain dict it stands for
+        return dict, (dict(self),)
+
+    def _changes(name):
+        def method(self, *args, **kwargs):
+            self._change()
+            return getattr(dict, name)(self, *args, **kwargs)
+        method.__name__ = name
+        return method
+
+    pop, popitem, clear, update, setdefault, __ior__ = map(_changes, ("pop", "popitem", "clear", "update",
+                                                                        "setdefault", "__ior__"))
+    del _changes
+
+
 class _SplitState(MutableMapping):
     """self.state[p] of a parameter split into row blocks: parameter-shaped fp32 copies of its blocks' state,
     assembled on first access. A step reads and writes the blocks where they lie and needs no copy, so
@@ -243,6 +283,7 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         self.engine = None      # the engine over the current parameters, built lazily
         self._signature = None  # what it was built for
         self._slots = {}        # id(param) -> _Slot
+        self._split_slots = []  # the slots of parameters split into row blocks
         self._group_map = []    # (index in param_groups, index of the engine's group)
         self._advanced = []     # groups whose step the last step() advanced (taken back if it was skipped)
         self._settled_reason = None  # why the previous step was skipped, learnt when it was settled
@@ -271,8 +312,9 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
     # --------------------------------------------------------------------------- the flat layout
 
     def _current_signature(self):
-        return tuple(tuple((id(p), p.dtype, tuple(p.shape), p.device) for p in g["params"])
-                     for g in self.param_groups)
+        """Which tensors param_groups holds (Megatron swaps the tensor objects); a bound tensor whose shape,
+        dtype or device changed in place is refused by the engine's step, by name."""
+        return tuple(tuple(map(id, g["params"])) for g in self.param_groups)
 
     def _ensure_built(self):
         """The layout matches param_groups, and self.state holds this optimizer's views (after a rebuild,
@@ -345,12 +387,12 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         self._install_state()
 
     def _install_state(self):
-        """self.state from the flat state: live views for parameters the inner optimizer holds itself,
-        parameter-shaped copies for split ones, assembled when first looked at (_SplitState)."""
-        state = defaultdict(dict)
-        for slot in self._slots.values():
-            state[slot.param] = dict(slot.views) if slot.blocks is None else self._split_state(slot)
-        self.state = state
+        """self.state from the engine's buffers: live views for parameters it steps whole, parameter-shaped
+        copies for split ones, assembled when first looked at (_SplitState)."""
+        changed = [False]
+        self.state = _Tracked(changed, ((slot.param, _Tracked(changed, slot.views) if slot.blocks is None
+                                         else self._split_state(slot)) for slot in self._slots.values()))
+        self._split_slots = [slot for slot in self._slots.values() if slot.blocks is not None]
 
     def _split_state(self, slot):
         # _entry_export is a static method: the partial holds no reference to this optimizer.
@@ -360,14 +402,18 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
     def _refresh_split_state(self):
         """After a step: a split parameter's copies, if anyone looked at them or put others in their place,
         are stale now; a fresh, not yet assembled mapping takes their place."""
-        for slot in self._slots.values():
-            if slot.blocks is not None and (self.state.get(slot.param) is not slot.lazy or slot.lazy.touched):
-                self.state[slot.param] = self._split_state(slot)
+        for slot in self._split_slots:
+            current = self.state.get(slot.param)
+            if current is not slot.lazy or slot.lazy.touched:
+                dict.__setitem__(self.state, slot.param, self._split_state(slot))  # ours: not a change to adopt
 
     def _adopt_state(self):
         """Someone replaced, removed, added or (for split parameters) looked at entries of self.state (a load
         through torch's machinery, offload/restore, a wrapper moving state): copy their values into the flat
         state, reinstall the views."""
+        if isinstance(self.state, _Tracked) and not self.state.changed[0] and \
+                not any(slot.lazy.touched for slot in self._split_slots):
+            return  # nothing changed: no parameter walked
         stale = []
         for slot in self._slots.values():
             current = self.state.get(slot.param)
@@ -377,6 +423,8 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
             elif not current or any(current.get(k) is not v for k, v in slot.views.items()):
                 stale.append(slot)
         if not stale and len(self.state) == len(self._slots):
+            if isinstance(self.state, _Tracked):
+                self.state.changed[0] = False
             return
         writes, where = [], self._positions()
         for slot in stale:
@@ -386,16 +434,17 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
             dst.copy_(src)
         # Views again where they were replaced; a split parameter's copies stay where they are (a handle
         # someone holds keeps counting until the next step refreshes them).
-        if any(slot.blocks is None for slot in stale) or len(self.state) != len(self._slots):
-            state = defaultdict(dict)
-            for slot in self._slots.values():
-                kept = self.state.get(slot.param)
-                if slot.blocks is None:
-                    state[slot.param] = dict(slot.views)
-                else:
-                    ours = kept is slot.lazy  # (len() would assemble it)
-                    state[slot.param] = kept if ours or (kept is not None and len(kept)) else self._split_state(slot)
-            self.state = state
+        changed = [False]
+        state = _Tracked(changed)
+        for slot in self._slots.values():
+            kept = self.state.get(slot.param)
+            if slot.blocks is None:
+                dict.__setitem__(state, slot.param, _Tracked(changed, slot.views))
+            else:
+                ours = kept is slot.lazy  # (len() would assemble it)
+                dict.__setitem__(state, slot.param, kept if ours or (kept is not None and len(kept))
+                                 else self._split_state(slot))
+        self.state = state
 
     def _positions(self):
         """id(param) -> where it sits in param_groups, for messages."""

@@ -829,3 +829,51 @@ def test_version_check_directly():
     with pytest.raises(RuntimeError, match="0.15.2"):
         nm.check_version("0.15.2")
     nm.check_version("garbage", allow_untested_version=True)
+
+
+def megatron_calls_per_step(cls, n_matrices, **kw):
+    """Python-level calls inside one step() of a Megatron half over n_matrices parameters (sys.setprofile)."""
+    import sys
+
+    params = [torch.nn.Parameter(torch.randn(8, 8)) for _ in range(n_matrices)]
+    opt = cls(params, backend="fast", **kw)
+    calls = []
+    for step in range(3):
+        for p in params:
+            p.grad = torch.full_like(p, 0.01 * (step + 1))
+        if step < 2:
+            opt.step()
+    opt.state[params[0]]  # looked at, not changed
+    sys.setprofile(lambda frame, event, arg: calls.append(frame.f_code.co_name if event == "call" else
+                                                          getattr(arg, "__name__", str(arg)))
+                   if event in ("call", "c_call") else None)
+    try:
+        opt.step()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("half", ["normuon", "adamw"])
+def test_a_megatron_step_walks_no_parameter_in_python(half):
+    # The same Python calls for 10 parameters as for 1,000: which tensors the groups hold is told at C speed
+    # (their ids), and whether anyone moved state by a flag the state's dicts keep (a full walk only then).
+    cls, kw = (MegatronNorMuon, dict(coefficient_type="simple")) if half == "normuon" else (nm.MegatronAdamW, {})
+    small, large = megatron_calls_per_step(cls, 10, **kw), megatron_calls_per_step(cls, 1000, **kw)
+    assert len(small) == len(large), sorted(set(large) - set(small)) or (len(small), len(large))
+
+
+def test_moved_state_is_still_adopted_after_steps_that_walked_nothing():
+    params = make_params(seed=31)
+    opt, twin = build(params, "fast"), build([p.detach().clone().requires_grad_() for p in params], "fast")
+    for t in (1, 2):
+        for o in (opt, twin):
+            set_grads(o.param_groups[0]["params"], grads_for(params, t))
+            o.step()
+    opt.state[params[0]]["momentum_buffer"] = torch.zeros_like(params[0])  # replaced: adopted at the next step
+    twin.state[twin.param_groups[0]["params"][0]]["momentum_buffer"].zero_()
+    for o in (opt, twin):
+        set_grads(o.param_groups[0]["params"], grads_for(params, 3))
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, twin.param_groups[0]["params"]))
+    assert opt.state[params[0]]["momentum_buffer"] is not None
