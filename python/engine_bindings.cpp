@@ -47,6 +47,7 @@ struct BoundTensor {
   int64_t offset = 0; // elements into it where the block starts (0: the whole tensor)
   RowRuns runs;       // the block's rows in it (dense: the whole tensor)
   py::object shape;   // torch.Size when bound: a parameter moved to another shape is refused
+  py::object grad_of; // whose .grad is this entry's gradient (a DTensor's: its local shard), or None: tensor's
   uintptr_t address = 0;
   int64_t version = -1;  // -1: its master not read yet
 };
@@ -86,15 +87,18 @@ class TorchEngine {
   // The tensors, one per layout entry, with each block of rows's (offset, run, pitch) in elements or
   // (0, 0, 0) for a whole tensor. Their masters are read at the next step.
   // frozen: tensors outside the layout (no state) that frozen_with_grad() watches.
+  // grad_of: per entry, the object whose .grad holds its gradient (a DTensor parameter, bound by its local
+  // tensor: the gradient is read as .grad._local_tensor), or empty: each tensor's own.
   void bind(const py::list& tensors, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& blocks,
-            const py::list& frozen) {
+            const py::list& frozen, const py::list& grad_of) {
     const size_t n = engine_.layout().entries.size();
-    if (tensors.size() != n || (!blocks.empty() && blocks.size() != n))
+    if (tensors.size() != n || (!blocks.empty() && blocks.size() != n) || (!grad_of.empty() && grad_of.size() != n))
       throw std::invalid_argument("Engine.bind: " + std::to_string(tensors.size()) + " tensors for " +
                                   std::to_string(n) + " layout entries");
     std::vector<BoundTensor> bound(n);
     for (size_t e = 0; e < n; ++e) {
       bound[e].tensor = tensors[e];
+      bound[e].grad_of = grad_of.empty() ? py::none() : py::object(grad_of[e]);
       if (!blocks.empty()) {
         const auto& [offset, run, pitch] = blocks[e];
         bound[e].offset = offset;
@@ -138,7 +142,8 @@ class TorchEngine {
       BoundTensor& b = bound_[e];
       const LayoutEntry& le = engine_.layout().entries[e];
       read_parameter(e);
-      py::object grad = b.tensor.attr("grad");
+      py::object grad = (b.grad_of.is_none() ? b.tensor : b.grad_of).attr("grad");
+      if (!b.grad_of.is_none() && !grad.is_none()) grad = grad.attr("_local_tensor");
       if (grad.is_none()) {
         table.grads[e] = TensorRef{};
         continue;
@@ -402,8 +407,10 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("options", [](TorchEngine& t) { return t.engine().options(); })
       .def("bind", &TorchEngine::bind, py::arg("tensors"),
            py::arg("blocks") = std::vector<std::tuple<int64_t, int64_t, int64_t>>{}, py::arg("frozen") = py::list(),
+           py::arg("grad_of") = py::list(),
            "The tensors, one per layout entry (a block of rows: its fused tensor with (offset, run, pitch)); "
-           "frozen: tensors outside the layout, watched by frozen_with_grad")
+           "frozen: tensors outside the layout, watched by frozen_with_grad; grad_of: per entry, the DTensor "
+           "whose .grad's local shard is its gradient (empty: each tensor's own .grad)")
       .def("frozen_with_grad", &TorchEngine::frozen_with_grad,
            "Positions in the frozen list of the tensors that have a gradient now")
       .def("step", &TorchEngine::step, py::arg("grad_scale") = 0, py::arg("found_inf") = 0, py::arg("stream") = py::none(),

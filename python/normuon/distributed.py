@@ -12,33 +12,14 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .native import _C, require
+from .native import _C
 from .optim import NorMuonAdamW, NotCopyable
 from .plan import ADAMW_KEYS, NORMUON_FIELDS, resolve_inputs
 from .routing import ROUTING_COLUMNS, routing_text
+from .sharded import assign_owners, newton_schulz_flops  # noqa: F401 (the owner rule: one, shared)
 
 # Group keys that are bookkeeping, not hyper-parameters: never copied into the per-rank optimizer.
 _GROUP_BOOKKEEPING = ("params", "names", "name", "algorithm", "step")
-
-
-def newton_schulz_flops(rows, cols, ns_steps, ns_algorithm="standard"):
-    """FLOPs (2 per multiply-add) of one Newton-Schulz run on a rows x cols matrix, every product in full:
-    the core's count (ns_dense_flops, core/include/normuon/ns_algorithm.h), as an integer (exact below
-    2^53), the same on every rank."""
-    return int(require("DistributedNorMuonAdamW").ns_dense_flops(ns_algorithm, rows, cols, ns_steps))
-
-
-def assign_owners(costs, world_size, loads=None):
-    """Greedy longest-processing-time: items sorted by (cost desc, index), each to the least loaded rank
-    (ties: the lowest rank). Integer costs keep it exact, so every rank computes the same map.
-    Returns (owner per item, final load per rank)."""
-    loads = list(loads) if loads is not None else [0] * world_size
-    owners = [None] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
-        owners[i] = rank
-        loads[rank] += costs[i]
-    return owners, loads
 
 
 class _Param:

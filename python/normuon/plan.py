@@ -33,7 +33,7 @@ class _Entry:
     bf16/fp16, its fp32 master."""
 
     __slots__ = ("index", "name", "tensor", "shape", "dtype", "role", "evidence", "algorithm", "why", "group", "override",
-                 "master", "version", "grad", "state", "stats_per_row", "stat_len", "has_grad", "block")
+                 "master", "version", "grad", "state", "stats_per_row", "stat_len", "has_grad", "block", "grad_of")
 
     @property
     def low_precision(self):
@@ -323,5 +323,6 @@ def _make_entry(index, name, tensor, role, block=None):
     if e.role not in ("matrix", "embedding", "head", "norm", "bias", "other"):
         raise ValueError(f"parameter '{name}': unknown role {e.role!r} (matrix | embedding | head | norm | bias | other)")
     e.has_grad = False
+    e.grad_of = None  # a sharded parameter's DTensor, whose .grad holds this entry's gradient (sharded.py)
     e.stats_per_row, e.stat_len = True, 0
     return e

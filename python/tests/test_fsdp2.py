@@ -1,0 +1,134 @@
+"""NorMuonAdamW over FSDP2's sharded parameters (DTensors, Shard(0) on a 1-D mesh): Gloo on the CPU, world
+sizes 2 and 4, each rank training on the same batch (so that the reduced gradient is the single process's),
+compared bit for bit with NorMuonAdamW in one process: parameters after every step, and the counters."""
+import os
+from datetime import timedelta
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Python tests need it")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with Gloo is not available", allow_module_level=True)
+try:
+    from torch.distributed.fsdp import fully_shard
+except (ImportError, ValueError):  # torch 1.13: no FSDP2 (its import fails on Python 3.11 with a ValueError)
+    pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)", allow_module_level=True)
+
+import torch.multiprocessing as mp  # noqa: E402
+from torch import nn  # noqa: E402
+
+import normuon  # noqa: E402
+from conftest import require_native  # noqa: E402
+
+STEPS = 3
+VARIANTS = {  # name: (parameter dtype, backend, optimizer keywords)
+    "fast_fp32": (torch.float32, "fast", dict(weight_decay=0.1, adamw_weight_decay=0.05, ns_precision="fp32")),
+    "fast_bf16": (torch.bfloat16, "fast", dict(weight_decay=0.1, reduce_axis="longer_dim")),
+    "reference": (torch.float32, "reference", dict(weight_decay=0.1)),
+}
+
+
+class Tiny(nn.Module):
+    """An embedding, two hidden matrices of uneven rows (7 and 13: empty and short shards at 4 ranks), a
+    norm and a head."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed = nn.Embedding(11, 6)
+        self.up = nn.Linear(6, 13)
+        self.down = nn.Linear(13, 7, bias=False)
+        self.back = nn.Linear(7, 6, bias=False)
+        self.norm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.to(dtype)
+
+    def forward(self, x):
+        h = self.embed(x)
+        h = self.back(torch.relu(self.down(torch.tanh(self.up(h)))))
+        return self.head(self.norm(h))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, 11, (4, 5), generator=g)
+
+
+def train(variant, shard):
+    dtype, backend, kw = VARIANTS[variant]
+    model = Tiny(dtype)
+    if shard:
+        for m in (model.up, model.down, model.back, model.embed, model.head, model.norm):
+            fully_shard(m)
+        fully_shard(model)
+    opt = normuon.NorMuonAdamW(model, backend=backend, threads=1, **kw)
+    seen = []
+    for step in range(1, STEPS + 1):
+        loss = model(batch(step)).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append({n: (p.full_tensor() if shard else p).detach().clone() for n, p in model.named_parameters()})
+    return dict(params=seen, steps=[g["step"] for g in opt.param_groups], backend=opt.backend)
+
+
+def _worker(rank, world, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(out, f"store-w{world}"), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))  # a hang fails, not blocks
+    try:
+        results = {v: train(v, shard=True) for v in VARIANTS}
+        model = Tiny(torch.float32)
+        fully_shard(model.up)
+        try:
+            normuon.NorMuonAdamW(model)  # sharded and plain parameters mixed
+        except ValueError as error:
+            results["mixed"] = str(error)
+        fully_shard(model)
+        opt = normuon.NorMuonAdamW(model, threads=1)
+        try:
+            opt.state_dict()
+        except RuntimeError as error:
+            results["state_dict"] = str(error)
+        torch.save(results, os.path.join(out, f"w{world}-r{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    require_native()
+    out = str(tmp_path_factory.mktemp("fsdp2"))
+    runs = {}
+    for world in (2, 4):
+        mp.start_processes(_worker, args=(world, out), nprocs=world, join=True, start_method="spawn")
+        runs[world] = [torch.load(os.path.join(out, f"w{world}-r{r}.pt")) for r in range(world)]
+    return runs
+
+
+def single(variant):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers' forward and backward
+    try:
+        return train(variant, shard=False)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_steps_bit_for_bit_as_one_process(runs, world, variant):
+    one = single(variant)
+    for rank, result in enumerate(runs[world]):
+        got = result[variant]
+        assert got["steps"] == one["steps"], (rank, got["steps"], one["steps"])
+        for step, (a, b) in enumerate(zip(got["params"], one["params"]), start=1):
+            for name in b:
+                assert torch.equal(a[name], b[name]), (world, rank, step, name, (a[name] - b[name]).abs().max())
+
+
+def test_what_is_not_served_is_refused_by_name(runs):
+    for result in runs[2]:
+        assert "plain tensor beside DTensor parameters" in result["mixed"]
+        assert "state_dict() over DTensor (FSDP2) parameters is not served yet" in result["state_dict"]
