@@ -178,3 +178,27 @@ def count_ops():
             return func(*args, **(kwargs or {}))
 
     return CountOps()
+
+
+def _gloo_rank(rank, job, world, out):
+    """One spawned rank: a Gloo group through a FileStore in `out`, job(world, rank, out) saved there."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(out, f"store-w{world}"), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))  # a hang fails, not blocks
+    try:
+        torch.save(job(world, rank, out), os.path.join(out, f"w{world}-r{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo_ranks(job, world, out):
+    """job(world, rank, out) on `world` spawned processes over Gloo: what each rank returned, by rank. job
+    must be a module-level function (the spawned processes import it)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_gloo_rank, args=(job, world, out), nprocs=world, join=True, start_method="spawn")
+    return [torch.load(os.path.join(out, f"w{world}-r{r}.pt")) for r in range(world)]

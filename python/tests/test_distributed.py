@@ -5,7 +5,6 @@ Two launches (2 and 3 ranks, spawned, FileStore rendezvous in a temporary folder
 each rank saves what it saw, and the tests below compare that with single-process runs made here."""
 import math
 import os
-from datetime import timedelta
 from functools import partial
 
 import pytest
@@ -15,11 +14,10 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with Gloo is not available", allow_module_level=True)
 
-import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 
 import normuon  # noqa: E402
-from conftest import fill_grads, make_model, params_of, require_native  # noqa: E402
+from conftest import fill_grads, make_model, params_of, require_native, run_gloo_ranks  # noqa: E402
 from normuon.distributed import (DistributedNorMuonAdamW, _comm_device, _object_group,  # noqa: E402
                                  assign_owners, newton_schulz_flops)
 
@@ -197,15 +195,8 @@ def jobs_for(world):
     return jobs
 
 
-def _worker(rank, world, out):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(out, f"store-w{world}"), rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))  # a hang fails, not blocks
-    try:
-        results = {name: job(world, rank, out) for name, job in jobs_for(world).items()}
-        torch.save(results, os.path.join(out, f"w{world}-r{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def rank_jobs(world, rank, out):
+    return {name: job(world, rank, out) for name, job in jobs_for(world).items()}
 
 
 @pytest.fixture(scope="module")
@@ -218,8 +209,7 @@ def runs(tmp_path_factory):
     opt.export_state(os.path.join(out, "state-single.safetensors"))
     runs = {"out": out}
     for world in (2, 3):
-        mp.start_processes(_worker, args=(world, out), nprocs=world, join=True, start_method="spawn")
-        runs[world] = [torch.load(os.path.join(out, f"w{world}-r{r}.pt")) for r in range(world)]
+        runs[world] = run_gloo_ranks(rank_jobs, world, out)
     return runs
 
 

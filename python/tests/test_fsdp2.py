@@ -1,9 +1,6 @@
 """NorMuonAdamW over FSDP2's sharded parameters (DTensors, Shard(0) on a 1-D mesh): Gloo on the CPU, world
 sizes 2 and 4, each rank training on the same batch (so that the reduced gradient is the single process's),
 compared bit for bit with NorMuonAdamW in one process: parameters after every step, and the counters."""
-import os
-from datetime import timedelta
-
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Python tests need it")
@@ -15,11 +12,10 @@ try:
 except (ImportError, ValueError):  # torch 1.13: no FSDP2 (its import fails on Python 3.11 with a ValueError)
     pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)", allow_module_level=True)
 
-import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 
 import normuon  # noqa: E402
-from conftest import require_native  # noqa: E402
+from conftest import require_native, run_gloo_ranks  # noqa: E402
 
 STEPS = 3
 VARIANTS = {  # name: (parameter dtype, backend, optimizer keywords)
@@ -73,38 +69,28 @@ def train(variant, shard):
     return dict(params=seen, steps=[g["step"] for g in opt.param_groups], backend=opt.backend)
 
 
-def _worker(rank, world, out):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(out, f"store-w{world}"), rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))  # a hang fails, not blocks
+def rank_job(world, rank, out):
+    results = {v: train(v, shard=True) for v in VARIANTS}
+    model = Tiny(torch.float32)
+    fully_shard(model.up)
     try:
-        results = {v: train(v, shard=True) for v in VARIANTS}
-        model = Tiny(torch.float32)
-        fully_shard(model.up)
-        try:
-            normuon.NorMuonAdamW(model)  # sharded and plain parameters mixed
-        except ValueError as error:
-            results["mixed"] = str(error)
-        fully_shard(model)
-        opt = normuon.NorMuonAdamW(model, threads=1)
-        try:
-            opt.state_dict()
-        except RuntimeError as error:
-            results["state_dict"] = str(error)
-        torch.save(results, os.path.join(out, f"w{world}-r{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+        normuon.NorMuonAdamW(model)  # sharded and plain parameters mixed
+    except ValueError as error:
+        results["mixed"] = str(error)
+    fully_shard(model)
+    opt = normuon.NorMuonAdamW(model, threads=1)
+    try:
+        opt.state_dict()
+    except RuntimeError as error:
+        results["state_dict"] = str(error)
+    return results
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     require_native()
     out = str(tmp_path_factory.mktemp("fsdp2"))
-    runs = {}
-    for world in (2, 4):
-        mp.start_processes(_worker, args=(world, out), nprocs=world, join=True, start_method="spawn")
-        runs[world] = [torch.load(os.path.join(out, f"w{world}-r{r}.pt")) for r in range(world)]
-    return runs
+    return {world: run_gloo_ranks(rank_job, world, out) for world in (2, 4)}
 
 
 def single(variant):
