@@ -1,11 +1,13 @@
-"""NorMuonAdamW over parameters that FSDP2 shards (DTensors on a 1-D device mesh, Shard(0)): the step of one
-process, bit for bit, with every rank holding only its shards (docs/distributed.md).
+"""NorMuonAdamW over DTensor parameters on a 1-D device mesh: sharded by rows (Shard(0), FSDP2's
+fully_shard) or replicated (Replicate(), data-parallel). The step of one process, bit for bit, with every
+rank holding only its shards (docs/distributed.md).
 
 AdamW and every elementwise pass run on the local shards: the engine binds each DTensor's local tensor and
 reads its gradient's local shard. NorMuon needs whole matrices: each matrix has one owner rank, balanced by
 the Newton-Schulz cost the core computes. Per step, one packed all_to_all hands every owner the rows of its
 matrices (parameters and gradients); the owner's engine steps whole matrices, the arithmetic of one process;
-one packed all_to_all returns the new rows to the shards. A NaN/Inf gradient is found on every rank alike,
+one packed all_to_all returns the new rows to the shards. A replicated matrix is stepped by its owner where
+it lies, and the same all_to_all hands every other rank its new values. A NaN/Inf gradient is found on every rank alike,
 before anything changes (two small all_reduces), and the group counters follow the core's rule over the
 whole model, so every rank reports the same.
 """
@@ -85,18 +87,21 @@ class Shards:
             elif e.tensor.device_mesh != mesh:
                 raise ValueError(f"{where} lies on another device mesh than '{planned[0].name}': one mesh for all")
             placements = tuple(e.tensor.placements)
-            if mesh.ndim != 1 or len(placements) != 1 or not placements[0].is_shard(0):
-                raise ValueError(f"{where} has placements {placements} on a {mesh.ndim}-D mesh; served: Shard(0) on a "
-                                 "1-D mesh (FSDP2's fully_shard). FSDP x TP meshes, Replicate and Partial come later")
+            if mesh.ndim != 1 or len(placements) != 1 or not (placements[0].is_shard(0) or placements[0].is_replicate()):
+                raise ValueError(f"{where} has placements {placements} on a {mesh.ndim}-D mesh; served: Shard(0) "
+                                 "(FSDP2's fully_shard) or Replicate() on a 1-D mesh. FSDP x TP meshes and Partial "
+                                 "come later")
             if e.block is not None:
                 raise ValueError(f"{where}: blocks of rows of a sharded parameter are not served")
         self.group = mesh.get_group()
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.planned = planned
-        self.rows = [chunk_rows(e.shape[0], self.world) if e.shape else [0] * self.world for e in planned]
+        # Rows per rank of a sharded parameter; None for a replicated one (every rank holds all of it).
+        self.rows = [None if e.tensor.placements[0].is_replicate() else
+                     chunk_rows(e.shape[0], self.world) if e.shape else [0] * self.world for e in planned]
         for e, rows in zip(planned, self.rows):
             local = tuple(e.tensor._local_tensor.shape)
-            if e.shape and local != (rows[self.rank],) + tuple(e.shape[1:]):
+            if rows is not None and e.shape and local != (rows[self.rank],) + tuple(e.shape[1:]):
                 raise ValueError(f"parameter '{e.name}' has a local shard of shape {list(local)} on rank {self.rank}; "
                                  f"Shard(0) as torch.chunk cuts it would give {rows[self.rank]} rows: uneven custom "
                                  "sharding is not served")
@@ -105,19 +110,20 @@ class Shards:
         costs = [newton_schulz_flops(e.shape[0], e.shape[1], values[e.group]["ns_steps"],
                                      values[e.group].get("ns_algorithm", "standard")) for e in matrices]
         owners, _ = assign_owners(costs, self.world)
-        self.owner = {e.index: r for e, r in zip(matrices, owners)}
+        at = {id(e): i for i, e in enumerate(planned)}  # everything below is keyed by position in `planned`
+        self.owner = {at[id(e)]: r for e, r in zip(matrices, owners)}
         self.matrices = matrices
         self.entries = []  # what this rank's engine steps, in manifest order
-        self.proxies = {}  # index -> the whole matrix an owner steps
-        self.grads = {}    # index -> its gradient buffer (the proxy's .grad when the matrix has a gradient)
-        for e in planned:
+        self.proxies = {}  # position -> the whole matrix an owner steps
+        self.grads = {}    # position -> its gradient buffer (the proxy's .grad when the matrix has a gradient)
+        for i, e in enumerate(planned):
             mine = copy.copy(e)
-            if e.algorithm == "normuon":
-                if self.owner[e.index] != self.rank:
-                    continue
+            if e.algorithm == "normuon" and self.owner[i] != self.rank:
+                continue
+            if e.algorithm == "normuon" and self.rows[i] is not None:  # whole here, from the shards
                 mine.tensor = torch.zeros(e.shape, dtype=e.dtype, device=e.tensor._local_tensor.device)
-                self.grads[e.index] = mine.tensor.grad = torch.zeros_like(mine.tensor)
-                self.proxies[e.index] = mine.tensor
+                self.grads[i] = mine.tensor.grad = torch.zeros_like(mine.tensor)
+                self.proxies[i] = mine.tensor
             else:
                 mine.tensor = e.tensor._local_tensor
                 mine.shape = tuple(mine.tensor.shape)
@@ -154,20 +160,20 @@ class Shards:
         return None
 
     def _first_nonfinite(self, has_grad):
-        """(manifest index, element of the whole tensor, value) of the first NaN/Inf gradient, the same on
-        every rank, or None."""
+        """(position, element of the whole tensor, value) of the first NaN/Inf gradient, the same on every
+        rank, or None."""
         import torch.distributed as dist
 
         first, value = (len(self.planned), 0), 0.0
-        for e, rows, present in zip(self.planned, self.rows, has_grad):
-            if not present:
+        for i, (e, rows, present) in enumerate(zip(self.planned, self.rows, has_grad)):
+            if not present or (rows is None and self.rank != 0):  # a replicated gradient: rank 0 answers
                 continue
             g = e.tensor.grad._local_tensor.reshape(-1)
             bad = (~torch.isfinite(g)).nonzero()
             if bad.numel():
                 k = int(bad[0])
-                start = sum(rows[:self.rank]) * math.prod(e.shape[1:])
-                first, value = (e.index, start + k), float(g[k])
+                start = sum(rows[:self.rank]) * math.prod(e.shape[1:]) if rows is not None else 0
+                first, value = (i, start + k), float(g[k])
                 break
         key = torch.tensor([first[0] * 2**40 + first[1]], dtype=torch.int64)
         dist.all_reduce(key, op=dist.ReduceOp.MIN, group=self.group)
@@ -179,30 +185,39 @@ class Shards:
         return index, element, float(mine)
 
     def _exchange(self, has_grad, inward):
-        """inward: every rank's rows of each NorMuon matrix (parameter, then gradient) to its owner, in one
-        all_to_all; the owner's whole matrices take them. Else the owners' new rows back to the shards."""
+        """inward: every rank's rows of each sharded NorMuon matrix (parameter, then gradient) to its owner, in
+        one all_to_all; the owner's whole matrices take them. Else the owners' new rows back to the shards,
+        and a replicated matrix's new values to every other rank."""
         import torch.distributed as dist
 
         send, send_sizes, recv_sizes, places = [], [0] * self.world, [0] * self.world, []
         for r in range(self.world):
-            for e, rows, present in zip(self.planned, self.rows, has_grad):
+            for i, (e, rows, present) in enumerate(zip(self.planned, self.rows, has_grad)):
                 if e.algorithm != "normuon" or not present:
                     continue
-                owner, cols = self.owner[e.index], math.prod(e.shape[1:])
+                owner, cols = self.owner[i], math.prod(e.shape[1:])
+                if rows is None:  # replicated: the owner has it all; afterwards everyone gets it all
+                    if not inward and owner == self.rank and r != self.rank:
+                        send.append(e.tensor._local_tensor.reshape(-1))
+                        send_sizes[r] += e.tensor._local_tensor.numel()
+                    if not inward and owner == r and r != self.rank:
+                        recv_sizes[r] += e.tensor._local_tensor.numel()
+                        places.append((i, 0, e.shape[0], False))
+                    continue
                 if inward and owner == r:  # my rows of r's matrix
                     local = e.tensor._local_tensor
                     send += [local.reshape(-1), e.tensor.grad._local_tensor.reshape(-1)]
                     send_sizes[r] += 2 * local.numel()
                 if inward and owner == self.rank:  # r's rows of my matrix
                     recv_sizes[r] += 2 * rows[r] * cols
-                    places.append((e.index, sum(rows[:r]), rows[r], True))
+                    places.append((i, sum(rows[:r]), rows[r], True))
                 if not inward and owner == self.rank:  # my new rows of r's part
                     start = sum(rows[:r])
-                    send.append(self.proxies[e.index][start:start + rows[r]].reshape(-1))
+                    send.append(self.proxies[i][start:start + rows[r]].reshape(-1))
                     send_sizes[r] += rows[r] * cols
                 if not inward and owner == r:
                     recv_sizes[r] += rows[self.rank] * cols
-                    places.append((e.index, 0, rows[self.rank], False))
+                    places.append((i, 0, rows[self.rank], False))
         device = self.planned[0].tensor._local_tensor.device
         send_buf = torch.cat([t.to(torch.float32) for t in send]) if send else torch.zeros(0, device=device)
         recv_buf = torch.empty(sum(recv_sizes), dtype=torch.float32, device=device)

@@ -69,8 +69,33 @@ def train(variant, shard):
     return dict(params=seen, steps=[g["step"] for g in opt.param_groups], backend=opt.backend)
 
 
+def placed(variant, world):
+    """The model's parameters as DTensors on a 1-D mesh, replicated (the embedding and 'up', as data-parallel
+    training holds them) or sharded by rows, stepped with gradients set by hand (the same on every rank);
+    world None: plain tensors in one process."""
+    dtype, backend, kw = VARIANTS[variant]
+    named = list(Tiny(dtype).named_parameters())
+    if world is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        place = {n: [Replicate()] if n.startswith(("embed", "up")) else [Shard(0)] for n, _ in named}
+        named = [(n, nn.Parameter(distribute_tensor(p.detach(), mesh, place[n]))) for n, p in named]
+    opt = normuon.NorMuonAdamW(named, backend=backend, threads=1, **kw)
+    seen = []
+    for step in range(1, STEPS + 1):
+        for k, (n, p) in enumerate(named):
+            g = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + k)).to(dtype)
+            p.grad = g if world is None else distribute_tensor(g, p.device_mesh, place[n])
+        opt.step()
+        seen.append({n: (p if world is None else p.full_tensor()).detach().clone() for n, p in named})
+    return dict(params=seen, steps=[g["step"] for g in opt.param_groups])
+
+
 def rank_job(world, rank, out):
     results = {v: train(v, shard=True) for v in VARIANTS}
+    results.update({"placed_" + v: placed(v, world) for v in VARIANTS})
     model = Tiny(torch.float32)
     fully_shard(model.up)
     try:
@@ -112,6 +137,23 @@ def test_fsdp2_steps_bit_for_bit_as_one_process(runs, world, variant):
         for step, (a, b) in enumerate(zip(got["params"], one["params"]), start=1):
             for name in b:
                 assert torch.equal(a[name], b[name]), (world, rank, step, name, (a[name] - b[name]).abs().max())
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_replicated_and_sharded_parameters_step_as_one_process(runs, variant):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = placed(variant, None)
+    finally:
+        torch.set_num_threads(threads)
+    for world in (2, 4):
+        for rank, result in enumerate(runs[world]):
+            got = result["placed_" + variant]
+            assert got["steps"] == one["steps"]
+            for step, (a, b) in enumerate(zip(got["params"], one["params"]), start=1):
+                for name in b:
+                    assert torch.equal(a[name], b[name]), (world, rank, step, name)
 
 
 def test_what_is_not_served_is_refused_by_name(runs):
