@@ -397,28 +397,33 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         AdamW, 'step': the parameter's own count (a 0-d fp32 tensor: the steps it had a gradient in, which
         its AdamW bias corrections use); "param_groups" with the hyper-parameters, names and the group's
         step. torch's state-dict hooks (torch >= 2.1:
-        register_state_dict_pre_hook / _post_hook) run around it as around torch's own."""
-        self._not_sharded("state_dict()")
+        register_state_dict_pre_hook / _post_hook) run around it as around torch's own. Over DTensor
+        parameters (collective): each state tensor a DTensor laid out as its parameter, as torch's optimizers
+        have it under FSDP2, for torch.distributed.checkpoint (resharded on load)."""
         for hook in list(getattr(self, "_optimizer_state_dict_pre_hooks", {}).values()):
             hook(self)
         self.engine.refresh_masters()
         self._settle()
         self._reconcile_betas()  # a scheduler may have moved betas since the last step
-        by_tensor = {id(e.tensor): (e, t) for e, t in zip(self.engine.entries, self.engine.entry_steps)}
+        if self._shards is not None:
+            sh = self._shards
+            pieces = sh.local_state(self.engine)
+            by_tensor = {id(e.tensor): (sh.dtensors(i, pieces[i]), sh.entry_steps[i]) for i, e in enumerate(sh.planned)}
+        else:
+            by_tensor = {}
+            for e, own in zip(self.engine.entries, self.engine.entry_steps):
+                s = {k: v.clone() for k, v in self._state_views(e).items()}
+                if e.low_precision:
+                    s["master_param"] = e.master.clone()
+                by_tensor[id(e.tensor)] = s, own
         groups, state, index = [], {}, 0
         for g in self.param_groups:
             packed = {k: (list(v) if isinstance(v, list) else v) for k, v in g.items() if k != "params"}
             packed["params"] = list(range(index, index + len(g["params"])))
             for t in g["params"]:
-                if id(t) not in by_tensor:  # frozen: no state, as torch has none for a parameter never stepped
-                    index += 1
-                    continue
-                e, own = by_tensor[id(t)]
-                s = {k: v.clone() for k, v in self._state_views(e).items()}
-                if e.low_precision:
-                    s["master_param"] = e.master.clone()
-                s["step"] = torch.tensor(float(own))
-                state[index] = s
+                if id(t) in by_tensor:  # (frozen: no state, as torch has none for a parameter never stepped)
+                    s, own = by_tensor[id(t)]
+                    state[index] = dict(s, step=torch.tensor(float(own)))
                 index += 1
             groups.append(packed)
         state_dict = {"state": state, "param_groups": groups}
@@ -443,7 +448,6 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             hook(self)
 
     def _load_state_dict(self, state_dict):
-        self._not_sharded("load_state_dict()")
         self._settle()  # a pending deferred verdict must not move the counters about to be loaded
         if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
             raise ValueError("not a NorMuonAdamW state dict: expected the keys 'state' and 'param_groups'")
@@ -451,8 +455,11 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"the state dict has {len(saved_groups)} param groups, this optimizer "
                              f"{len(self.param_groups)} ({', '.join(g['name'] for g in self.param_groups)})")
-        by_tensor = {id(e.tensor): e for e in self.engine.entries}
+        sh = self._shards
+        by_tensor = {id(e.tensor): e for e in (sh.planned if sh is not None else self.engine.entries)}
         writes, new_groups, steps, own_steps = [], [], [], {}
+        position = {id(e.tensor): i for i, e in enumerate(sh.planned)} if sh is not None else {}
+        pieces = [dict() for _ in position]  # sharded: this rank's piece of each parameter's state
         for i, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
             where = f"param_groups[{i}] ('{g['name']}')"
             if sg.get("algorithm", g["algorithm"]) != g["algorithm"]:
@@ -484,17 +491,19 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                                          "gradient: no state): make it trainable before building the optimizer")
                     continue
                 e = by_tensor[id(t)]
+                # What one process holds for it: {key: a tensor of that shape} (sharded: the whole shape).
+                held = ({k: torch.empty(shape, device="meta") for k, shape, _ in sh.state_layout(position[id(t)])}
+                        if sh is not None else dict(self._state_views(e), **({"master_param": e.master}
+                                                                              if e.low_precision else {})))
                 s = saved_state.get(idx)
                 if s is None:
-                    s = {k: torch.zeros_like(v) for k, v in self._state_views(e).items()}  # never stepped
+                    s = {k: torch.zeros(v.shape) for k, v in held.items() if k != "master_param"}  # never stepped
                     s["step"] = 0
                 # The parameter's own count; a state dict without one (saved before counts were kept) means
                 # the group's, which is what its bias corrections used then.
                 s = dict(s)
                 own_steps[id(e.tensor)] = _own_step(s.pop("step", step), step, f"parameter '{e.name}'")
-                expected = dict(self._state_views(e))
-                if e.low_precision and "master_param" in s:
-                    expected["master_param"] = e.master
+                expected = {k: v for k, v in held.items() if k != "master_param" or "master_param" in s}
                 if set(s) != set(expected):
                     raise ValueError(f"state of parameter '{e.name}' ({e.algorithm}) has keys {sorted(s)}, "
                                      f"expected {sorted(expected)}")
@@ -506,14 +515,21 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                                          f"{tuple(dst.shape)}")
                     if not src.is_floating_point():
                         raise ValueError(f"state '{k}' of parameter '{e.name}' is {src.dtype}, not floating point")
-                    writes.append((dst, src))
+                    if sh is not None:
+                        pieces[position[id(t)]][k] = src
+                    else:
+                        writes.append((dst, src))
+        if sh is not None:  # collective: every rank's pieces to where its engine holds them
+            sh.load_local_state(self.engine, [sh.local_pieces(i, p) for i, p in enumerate(pieces)], steps,
+                                [own_steps[id(e.tensor)] for e in sh.planned])
         for dst, src in writes:
             dst.copy_(src)
         self.engine.mark_current()  # the masters just loaded win over the model's values as they are now
         for g, new in zip(self.param_groups, new_groups):
             g.clear()
             g.update(new)
-        self.engine.set_steps(steps, [own_steps[id(e.tensor)] for e in self.engine.entries])
+        if sh is None:
+            self.engine.set_steps(steps, [own_steps[id(e.tensor)] for e in self.engine.entries])
         self._publish_steps()
         self._sync_hyper()
 

@@ -114,6 +114,7 @@ class Shards:
         self.owner = {at[id(e)]: r for e, r in zip(matrices, owners)}
         self.matrices = matrices
         self.entries = []  # what this rank's engine steps, in manifest order
+        self.positions = []  # of each of them in `planned`
         self.proxies = {}  # position -> the whole matrix an owner steps
         self.grads = {}    # position -> its gradient buffer (the proxy's .grad when the matrix has a gradient)
         for i, e in enumerate(planned):
@@ -129,6 +130,7 @@ class Shards:
                 mine.shape = tuple(mine.tensor.shape)
                 mine.grad_of = e.tensor
             self.entries.append(mine)
+            self.positions.append(i)
         # The whole model's layout: the counters of one process (the core's rule, _C.advance_steps).
         options = _C.Options([(name, algorithm) for name, algorithm, _ in groups])
         for i, v in enumerate(values):
@@ -185,55 +187,166 @@ class Shards:
         return index, element, float(mine)
 
     def _exchange(self, has_grad, inward):
-        """inward: every rank's rows of each sharded NorMuon matrix (parameter, then gradient) to its owner, in
-        one all_to_all; the owner's whole matrices take them. Else the owners' new rows back to the shards,
-        and a replicated matrix's new values to every other rank."""
+        """inward: every rank's rows of each sharded NorMuon matrix (parameter, then gradient) to its owner;
+        the owner's whole matrix takes them. Else the owners' new rows back to the shards, and a replicated
+        matrix's new values to every other rank. One all_to_all."""
+        moves = []
+        for i, (e, rows, present) in enumerate(zip(self.planned, self.rows, has_grad)):
+            if e.algorithm != "normuon" or not present:
+                continue
+            o, local = self.owner[i], e.tensor._local_tensor
+            if rows is None:  # replicated: the owner has it all; afterwards everyone gets it all
+                if not inward:
+                    moves += [(o, r, local.numel(), lambda t=local: t, lambda t=local: t)
+                              for r in range(self.world) if r != o]
+                continue
+            cols = math.prod(e.shape[1:])
+            for r in range(self.world):
+                part = lambda i=i, r=r, grad=False: self._rows(self.grads[i] if grad else self.proxies[i], i, r)
+                if inward:
+                    moves.append((r, o, rows[r] * cols, lambda t=local: t, part))
+                    moves.append((r, o, rows[r] * cols, lambda e=e: e.tensor.grad._local_tensor,
+                                  lambda part=part: part(grad=True)))
+                else:
+                    moves.append((o, r, rows[r] * cols, part, lambda t=local: t))
+        self._move(moves)
+        if inward:
+            for i, proxy in self.proxies.items():  # a matrix without a gradient is not stepped
+                proxy.grad = self.grads[i] if has_grad[i] else None
+
+    def _rows(self, whole, i, r):
+        """Rank r's rows of the whole tensor `whole` laid out as parameter i is sharded."""
+        start = sum(self.rows[i][:r])
+        return whole[start:start + self.rows[i][r]]
+
+    def _move(self, moves):
+        """moves: (source rank, destination rank, elements, what to send (called on the source), where it
+        goes (called on the destination)), listed alike on every rank. One all_to_all_single, in fp32."""
         import torch.distributed as dist
 
-        send, send_sizes, recv_sizes, places = [], [0] * self.world, [0] * self.world, []
-        for r in range(self.world):
-            for i, (e, rows, present) in enumerate(zip(self.planned, self.rows, has_grad)):
-                if e.algorithm != "normuon" or not present:
-                    continue
-                owner, cols = self.owner[i], math.prod(e.shape[1:])
-                if rows is None:  # replicated: the owner has it all; afterwards everyone gets it all
-                    if not inward and owner == self.rank and r != self.rank:
-                        send.append(e.tensor._local_tensor.reshape(-1))
-                        send_sizes[r] += e.tensor._local_tensor.numel()
-                    if not inward and owner == r and r != self.rank:
-                        recv_sizes[r] += e.tensor._local_tensor.numel()
-                        places.append((i, 0, e.shape[0], False))
-                    continue
-                if inward and owner == r:  # my rows of r's matrix
-                    local = e.tensor._local_tensor
-                    send += [local.reshape(-1), e.tensor.grad._local_tensor.reshape(-1)]
-                    send_sizes[r] += 2 * local.numel()
-                if inward and owner == self.rank:  # r's rows of my matrix
-                    recv_sizes[r] += 2 * rows[r] * cols
-                    places.append((i, sum(rows[:r]), rows[r], True))
-                if not inward and owner == self.rank:  # my new rows of r's part
-                    start = sum(rows[:r])
-                    send.append(self.proxies[i][start:start + rows[r]].reshape(-1))
-                    send_sizes[r] += rows[r] * cols
-                if not inward and owner == r:
-                    recv_sizes[r] += rows[self.rank] * cols
-                    places.append((i, 0, rows[self.rank], False))
+        send = sorted((m for m in moves if m[0] == self.rank), key=lambda m: m[1])  # stable: the list's order
+        recv = sorted((m for m in moves if m[1] == self.rank), key=lambda m: m[0])
+        send_sizes, recv_sizes = [0] * self.world, [0] * self.world
+        for m in send:
+            send_sizes[m[1]] += m[2]
+        for m in recv:
+            recv_sizes[m[0]] += m[2]
         device = self.planned[0].tensor._local_tensor.device
-        send_buf = torch.cat([t.to(torch.float32) for t in send]) if send else torch.zeros(0, device=device)
+        parts = [m[3]().reshape(-1).to(torch.float32) for m in send if m[2]]
+        send_buf = torch.cat(parts) if parts else torch.zeros(0, device=device)
         recv_buf = torch.empty(sum(recv_sizes), dtype=torch.float32, device=device)
         dist.all_to_all_single(recv_buf, send_buf, recv_sizes, send_sizes, group=self.group)
         at = 0
-        for index, start, n, to_proxy in places:
-            e = self.planned[index]
-            cols = math.prod(e.shape[1:])
-            if to_proxy:
-                proxy = self.proxies[index]
-                proxy[start:start + n].copy_(recv_buf[at:at + n * cols].view(n, *e.shape[1:]))
-                proxy.grad[start:start + n].copy_(recv_buf[at + n * cols:at + 2 * n * cols].view(n, *e.shape[1:]))
-                at += 2 * n * cols
+        for m in recv:
+            if m[2]:
+                dst = m[4]()
+                dst.copy_(recv_buf[at:at + m[2]].view(dst.shape))
+                at += m[2]
+
+    # ------------------------------------------------------------------------------------------- state
+
+    def state_layout(self, i):
+        """Parameter i's state as one process holds it: (key, global shape, sharded by rows), with the
+        placement that follows (the parameter's; a NorMuon second moment along the columns is replicated)."""
+        e = self.planned[i]
+        sharded = self.rows[i] is not None
+        if e.algorithm == "normuon":
+            keys = [("momentum_buffer", e.shape, sharded),
+                    ("moment2_buffer", (e.stat_len,), sharded and e.stats_per_row)]
+        else:
+            keys = [("exp_avg", e.shape, sharded), ("exp_avg_sq", e.shape, sharded)]
+        if e.low_precision:
+            keys.append(("master_param", e.shape, sharded))
+        return keys
+
+    def _views(self, engine):
+        """position -> {key: this rank's engine view} of what its engine holds (whole matrices it owns,
+        local shards of AdamW parameters)."""
+        out = {}
+        for i, me in zip(self.positions, engine.entries):
+            names = ("momentum_buffer", "moment2_buffer") if me.algorithm == "normuon" else ("exp_avg", "exp_avg_sq")
+            out[i] = dict(zip(names, me.state))
+            if me.low_precision:
+                out[i]["master_param"] = me.master
+        return out
+
+    def local_state(self, engine):
+        """Collective. Per position, {key: this rank's piece} (fresh fp32 tensors, laid out as state_layout
+        says): AdamW's from the local views, NorMuon's sent by each matrix's owner."""
+        views, out, moves = self._views(engine), [], []
+        for i, e in enumerate(self.planned):
+            pieces = {}
+            for key, shape, sharded in self.state_layout(i):
+                rows = self.rows[i][self.rank] if sharded else (shape[0] if shape else 0)
+                if e.algorithm == "adamw":
+                    pieces[key] = views[i][key].clone()
+                    continue
+                pieces[key] = torch.empty((rows,) + tuple(shape[1:]), dtype=torch.float32,
+                                          device=e.tensor._local_tensor.device)
+                o, cols = self.owner[i], math.prod(shape[1:])
+                for r in range(self.world):
+                    n = (self.rows[i][r] if sharded else shape[0]) * cols
+                    whole = lambda i=i, key=key: views[i][key]
+                    src = (lambda whole=whole, i=i, r=r: self._rows(whole(), i, r)) if sharded else whole
+                    moves.append((o, r, n, src, lambda t=pieces[key], r=r: t))
+            out.append(pieces)
+        self._move(moves)
+        return out
+
+    def _placement(self, sharded):
+        from torch.distributed.tensor import Replicate, Shard
+
+        return [Shard(0)] if sharded else [Replicate()]
+
+    def dtensors(self, i, pieces):
+        """Parameter i's state pieces (local_state) as DTensors of the whole shapes, laid out as the
+        parameter (what torch.distributed.checkpoint saves and reshards)."""
+        mesh, out = self.planned[i].tensor.device_mesh, {}
+        for key, shape, sharded in self.state_layout(i):
+            stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+            out[key] = dtensor_type().from_local(pieces[key], mesh, self._placement(sharded), run_check=False,
+                                                 shape=torch.Size(shape), stride=stride)
+        return out
+
+    def local_pieces(self, i, given):
+        """This rank's pieces of parameter i's state from a state dict's values ({key: DTensor, or a whole
+        tensor}): a DTensor laid out otherwise is redistributed first (collective, alike on every rank)."""
+        out = {}
+        for key, shape, sharded in self.state_layout(i):
+            t = given.get(key)
+            if t is None:  # (a master_param left out: the master stays as it is)
+                out[key] = None
+                continue
+            if isinstance(t, dtensor_type()):
+                if tuple(t.placements) != tuple(self._placement(sharded)):
+                    t = t.redistribute(t.device_mesh, self._placement(sharded))
+                out[key] = t._local_tensor.to(torch.float32)
             else:
-                e.tensor._local_tensor.copy_(recv_buf[at:at + n * cols].view(n, *e.shape[1:]))
-                at += n * cols
-        if inward:
-            for index, proxy in self.proxies.items():  # a matrix without a gradient is not stepped
-                proxy.grad = self.grads[index] if has_grad[index] else None
+                t = t.to(torch.float32)
+                out[key] = self._rows(t, i, self.rank) if sharded else t
+        return out
+
+    def load_local_state(self, engine, pieces, steps, entry_steps):
+        """Collective. The inverse of local_state: each rank's pieces (per position, {key: tensor}) into the
+        engine, NorMuon's to each matrix's owner; then the counters (group steps, each parameter's count)."""
+        views, moves = self._views(engine), []
+        for i, e in enumerate(self.planned):
+            for key, shape, sharded in self.state_layout(i):
+                piece = pieces[i][key]
+                if piece is None:
+                    continue
+                if e.algorithm == "adamw":
+                    views[i][key].copy_(piece.reshape(views[i][key].shape))
+                    continue
+                o, cols = self.owner[i], math.prod(shape[1:])
+                for r in range(self.world):
+                    n = (self.rows[i][r] if sharded else shape[0]) * cols
+                    if not sharded and r != 0:
+                        continue  # a replicated piece: rank 0's
+                    dst = (lambda i=i, key=key, r=r: self._rows(views[i][key], i, r)) if sharded else \
+                        (lambda i=i, key=key: views[i][key])
+                    moves.append((r, o, n, lambda t=piece: t, dst))
+        self._move(moves)
+        self.steps, self.entry_steps = list(steps), list(entry_steps)
+        engine.set_steps(self.steps, [self.entry_steps[i] for i in self.positions])
+        engine.mark_current()

@@ -1,6 +1,8 @@
 """NorMuonAdamW over FSDP2's sharded parameters (DTensors, Shard(0) on a 1-D mesh): Gloo on the CPU, world
 sizes 2 and 4, each rank training on the same batch (so that the reduced gradient is the single process's),
 compared bit for bit with NorMuonAdamW in one process: parameters after every step, and the counters."""
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Python tests need it")
@@ -51,7 +53,13 @@ def batch(step):
     return torch.randint(0, 11, (4, 5), generator=g)
 
 
-def train(variant, shard):
+def train(variant, shard, first=1, save=None, load=None):
+    """Steps first..STEPS; save / load: a torch.distributed.checkpoint folder written after step `first`
+    - 1... (save: after the step of that number, as (step, folder))."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
     dtype, backend, kw = VARIANTS[variant]
     model = Tiny(dtype)
     if shard:
@@ -59,13 +67,21 @@ def train(variant, shard):
             fully_shard(m)
         fully_shard(model)
     opt = normuon.NorMuonAdamW(model, backend=backend, threads=1, **kw)
+    if load is not None:  # the state dicts of this world size as templates, filled from the folder
+        both = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(both, checkpoint_id=load)
+        set_model_state_dict(model, both["model"])
+        set_optimizer_state_dict(model, opt, both["optim"])
     seen = []
-    for step in range(1, STEPS + 1):
+    for step in range(first, STEPS + 1):
         loss = model(batch(step)).float().pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
         seen.append({n: (p.full_tensor() if shard else p).detach().clone() for n, p in model.named_parameters()})
+        if save is not None and step == save[0]:
+            dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                     checkpoint_id=save[1])
     return dict(params=seen, steps=[g["step"] for g in opt.param_groups], backend=opt.backend)
 
 
@@ -93,8 +109,20 @@ def placed(variant, world):
     return dict(params=seen, steps=[g["step"] for g in opt.param_groups])
 
 
+RESUMED = ("fast_fp32", "fast_bf16")  # saved at world size 2 after step 1, resumed at 4 and 1
+
+
 def rank_job(world, rank, out):
-    results = {v: train(v, shard=True) for v in VARIANTS}
+    if world == 2:
+        results = {v: train(v, shard=True, save=(1, os.path.join(out, "dcp-" + v)) if v in RESUMED else None)
+                   for v in VARIANTS}
+    else:
+        results = {v: train(v, shard=True) for v in VARIANTS}
+    if world != 2:
+        results.update({"resumed_" + v: train(v, shard=True, first=2, load=os.path.join(out, "dcp-" + v))
+                        for v in RESUMED})
+    if world == 1:
+        return results
     results.update({"placed_" + v: placed(v, world) for v in VARIANTS})
     model = Tiny(torch.float32)
     fully_shard(model.up)
@@ -105,9 +133,9 @@ def rank_job(world, rank, out):
     fully_shard(model)
     opt = normuon.NorMuonAdamW(model, threads=1)
     try:
-        opt.state_dict()
+        opt.export_state(os.path.join(out, "never.safetensors"))
     except RuntimeError as error:
-        results["state_dict"] = str(error)
+        results["export_state"] = str(error)
     return results
 
 
@@ -115,7 +143,7 @@ def rank_job(world, rank, out):
 def runs(tmp_path_factory):
     require_native()
     out = str(tmp_path_factory.mktemp("fsdp2"))
-    return {world: run_gloo_ranks(rank_job, world, out) for world in (2, 4)}
+    return {world: run_gloo_ranks(rank_job, world, out) for world in (2, 4, 1)}  # 2 first: it saves
 
 
 def single(variant):
@@ -159,4 +187,18 @@ def test_replicated_and_sharded_parameters_step_as_one_process(runs, variant):
 def test_what_is_not_served_is_refused_by_name(runs):
     for result in runs[2]:
         assert "plain tensor beside DTensor parameters" in result["mixed"]
-        assert "state_dict() over DTensor (FSDP2) parameters is not served yet" in result["state_dict"]
+        assert "export_state() over DTensor (FSDP2) parameters is not served yet" in result["export_state"]
+
+
+@pytest.mark.parametrize("variant", RESUMED)
+@pytest.mark.parametrize("world", [4, 1])
+def test_a_checkpoint_saved_at_two_ranks_resumes_at_four_and_one_bit_for_bit(runs, world, variant):
+    # torch.distributed.checkpoint: get_/set_optimizer_state_dict, dcp.save at world size 2 after step 1,
+    # dcp.load at 4 and 1 (resharded), then steps 2.. as the uninterrupted single process.
+    one = single(variant)
+    for rank, result in enumerate(runs[world]):
+        got = result["resumed_" + variant]
+        assert got["steps"] == one["steps"]
+        for step, (a, b) in enumerate(zip(got["params"], one["params"][1:]), start=2):
+            for name in b:
+                assert torch.equal(a[name], b[name]), (world, rank, step, name, (a[name] - b[name]).abs().max())
