@@ -53,9 +53,10 @@ def batch(step):
     return torch.randint(0, 11, (4, 5), generator=g)
 
 
-def train(variant, shard, first=1, save=None, load=None):
+def train(variant, shard, first=1, save=None, load=None, whole=None):
     """Steps first..STEPS; save / load: a torch.distributed.checkpoint folder written after step `first`
-    - 1... (save: after the step of that number, as (step, folder))."""
+    - 1... (save: after the step of that number, as (step, folder)); whole: a file with one process's model and
+    optimizer state dicts (plain tensors) to start from."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
@@ -67,6 +68,12 @@ def train(variant, shard, first=1, save=None, load=None):
             fully_shard(m)
         fully_shard(model)
     opt = normuon.NorMuonAdamW(model, backend=backend, threads=1, **kw)
+    if whole is not None:  # one process's state dicts, loaded as they are
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        saved = torch.load(whole)
+        set_model_state_dict(model, saved["model"], options=StateDictOptions(full_state_dict=True))
+        opt.load_state_dict(saved["optim"])
     if load is not None:  # the state dicts of this world size as templates, filled from the folder
         both = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
         dcp.load(both, checkpoint_id=load)
@@ -116,6 +123,8 @@ def rank_job(world, rank, out):
     if world == 2:
         results = {v: train(v, shard=True, save=(1, os.path.join(out, "dcp-" + v)) if v in RESUMED else None)
                    for v in VARIANTS}
+        results.update({"whole_" + v: train(v, shard=True, first=2, whole=os.path.join(out, f"whole-{v}.pt"))
+                        for v in RESUMED})
     else:
         results = {v: train(v, shard=True) for v in VARIANTS}
     if world != 2:
@@ -143,6 +152,18 @@ def rank_job(world, rank, out):
 def runs(tmp_path_factory):
     require_native()
     out = str(tmp_path_factory.mktemp("fsdp2"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers' forward and backward
+    try:
+        for v in RESUMED:  # one process's state dicts after step 1, for the world-2 ranks to start from
+            dtype, backend, kw = VARIANTS[v]
+            model = Tiny(dtype)
+            opt = normuon.NorMuonAdamW(model, backend=backend, threads=1, **kw)
+            model(batch(1)).float().pow(2).mean().backward()
+            opt.step()
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, os.path.join(out, f"whole-{v}.pt"))
+    finally:
+        torch.set_num_threads(threads)
     return {world: run_gloo_ranks(rank_job, world, out) for world in (2, 4, 1)}  # 2 first: it saves
 
 
@@ -188,6 +209,17 @@ def test_what_is_not_served_is_refused_by_name(runs):
     for result in runs[2]:
         assert "plain tensor beside DTensor parameters" in result["mixed"]
         assert "export_state() over DTensor (FSDP2) parameters is not served yet" in result["export_state"]
+
+
+@pytest.mark.parametrize("variant", RESUMED)
+def test_one_processs_state_dict_loads_into_sharded_parameters(runs, variant):
+    one = single(variant)
+    for rank, result in enumerate(runs[2]):
+        got = result["whole_" + variant]
+        assert got["steps"] == one["steps"]
+        for step, (a, b) in enumerate(zip(got["params"], one["params"][1:]), start=2):
+            for name in b:
+                assert torch.equal(a[name], b[name]), (rank, step, name)
 
 
 @pytest.mark.parametrize("variant", RESUMED)
