@@ -359,6 +359,16 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         return self.engine.memory_report()
 
     @property
+    def comm_stats(self):
+        """Over DTensor parameters: what this rank sent and received through torch.distributed, in all
+        ({steps, collectives, bytes_sent, bytes_received}); None in one process. last_step_comm: the last step."""
+        return None if self._shards is None else self._shards.comm_stats
+
+    @property
+    def last_step_comm(self):
+        return None if self._shards is None else self._shards.last_step_comm
+
+    @property
     def layout(self):
         """The C++ Layout (normuon._C.Layout): placement, buckets, fingerprint."""
         return self.engine.layout

@@ -7,9 +7,10 @@ reads its gradient's local shard. NorMuon needs whole matrices: each matrix has 
 the Newton-Schulz cost the core computes. Per step, one packed all_to_all hands every owner the rows of its
 matrices (parameters and gradients); the owner's engine steps whole matrices, the arithmetic of one process;
 one packed all_to_all returns the new rows to the shards. A replicated matrix is stepped by its owner where
-it lies, and the same all_to_all hands every other rank its new values. A NaN/Inf gradient is found on every rank alike,
-before anything changes (two small all_reduces), and the group counters follow the core's rule over the
-whole model, so every rank reports the same.
+it lies, and the same all_to_all hands every other rank its new values. A NaN/Inf gradient is found on
+every rank alike, before anything changes (a small all_reduce), and the group counters follow the core's
+rule over the whole model, so every rank reports the same. State dicts are DTensors laid out as their
+parameters, for torch.distributed.checkpoint.
 """
 import copy
 import math
@@ -33,7 +34,13 @@ def dtensor_type():
 
 
 def is_sharded(entries):
-    """Whether the planned parameters are DTensors (all of them: a mix is refused by Shards)."""
+    """Whether the planned parameters are DTensors (all of them: a mix is refused by Shards). FSDP1's
+    flattened parameters are refused: a flat 1-D shard of many tensors would go to AdamW without a word."""
+    for e in entries:
+        if getattr(e.tensor, "_fsdp_flattened", False) or type(e.tensor).__name__ == "FlatParameter":
+            raise ValueError(f"parameter '{e.name}' is a flattened parameter of FSDP1 (FullyShardedDataParallel): a "
+                             "1-D shard of several tensors, whose matrices NorMuon cannot see. Shard the model with "
+                             "FSDP2 instead (torch.distributed.fsdp.fully_shard), which NorMuonAdamW serves")
     kind = dtensor_type()
     return kind is not None and any(isinstance(e.tensor, kind) for e in entries)
 
@@ -140,6 +147,10 @@ class Shards:
             e.stats_per_row, e.stat_len = le.stats_per_row, le.stat_len
         self.steps = [0] * len(values)
         self.entry_steps = [0] * len(planned)
+        # Bytes this rank sent and received through torch.distributed: in all, and in the last step.
+        self.comm_stats = dict(steps=0, collectives=0, bytes_sent=0, bytes_received=0)
+        self.last_step_comm = dict(collectives=0, bytes_sent=0, bytes_received=0)
+        self._agree(planned)
 
     # ---------------------------------------------------------------------------------------- the step
 
@@ -147,6 +158,8 @@ class Shards:
         """One step of every rank (collective): the verdict, the exchange in, the engine's step, the
         exchange out, the counters. Returns the reason a skip_step policy skipped it, or None."""
         has_grad = [e.tensor.grad is not None for e in self.planned]
+        self.last_step_comm = dict(collectives=0, bytes_sent=0, bytes_received=0)
+        self.comm_stats["steps"] += 1
         bad = self._first_nonfinite(has_grad)
         if bad is not None:
             index, element, value = bad
@@ -179,11 +192,13 @@ class Shards:
                 break
         key = torch.tensor([first[0] * 2**40 + first[1]], dtype=torch.int64)
         dist.all_reduce(key, op=dist.ReduceOp.MIN, group=self.group)
+        self._count(8, 8)
         index, element = divmod(int(key), 2**40)
         if index == len(self.planned):
             return None
         mine = torch.tensor([value if (first[0], first[1]) == (index, element) else 0.0], dtype=torch.float64)
         dist.all_reduce(mine, group=self.group)  # NaN + 0 and inf + 0 keep their value
+        self._count(8, 8)
         return index, element, float(mine)
 
     def _exchange(self, has_grad, inward):
@@ -214,6 +229,28 @@ class Shards:
             for i, proxy in self.proxies.items():  # a matrix without a gradient is not stepped
                 proxy.grad = self.grads[i] if has_grad[i] else None
 
+    def _count(self, sent, received):
+        """One collective: bytes to and from other ranks (what a rank keeps for itself is not counted)."""
+        for stats in (self.comm_stats, self.last_step_comm):
+            stats["collectives"] += 1
+            stats["bytes_sent"] += sent
+            stats["bytes_received"] += received
+
+    def _agree(self, planned):
+        """Every rank of the mesh holds the same parameter list (names, shapes, dtypes, routing): else a
+        ValueError on every rank alike, naming the first difference, instead of a collective that hangs."""
+        import torch.distributed as dist
+
+        mine = [(e.name, tuple(e.shape), str(e.dtype), e.algorithm) for e in planned]
+        every = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        for r, theirs in enumerate(every):
+            if theirs != mine:
+                diff = next((f"'{a[0]}' {a[1:]} here, '{b[0]}' {b[1:]} on rank {r}" for a, b in zip(mine, theirs)
+                             if a != b), f"{len(mine)} parameters here, {len(theirs)} on rank {r}")
+                raise ValueError(f"the ranks of the mesh disagree on the parameters ({diff}): build the optimizer "
+                                 "over the same model on every rank")
+
     def _rows(self, whole, i, r):
         """Rank r's rows of the whole tensor `whole` laid out as parameter i is sharded."""
         start = sum(self.rows[i][:r])
@@ -236,6 +273,7 @@ class Shards:
         send_buf = torch.cat(parts) if parts else torch.zeros(0, device=device)
         recv_buf = torch.empty(sum(recv_sizes), dtype=torch.float32, device=device)
         dist.all_to_all_single(recv_buf, send_buf, recv_sizes, send_sizes, group=self.group)
+        self._count(4 * (sum(send_sizes) - send_sizes[self.rank]), 4 * (sum(recv_sizes) - recv_sizes[self.rank]))
         at = 0
         for m in recv:
             if m[2]:

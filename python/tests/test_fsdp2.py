@@ -89,7 +89,8 @@ def train(variant, shard, first=1, save=None, load=None, whole=None):
         if save is not None and step == save[0]:
             dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
                      checkpoint_id=save[1])
-    return dict(params=seen, steps=[g["step"] for g in opt.param_groups], backend=opt.backend)
+    return dict(params=seen, steps=[g["step"] for g in opt.param_groups], backend=opt.backend,
+                comm=opt.last_step_comm, total=opt.comm_stats)
 
 
 def placed(variant, world):
@@ -145,6 +146,11 @@ def rank_job(world, rank, out):
         opt.export_state(os.path.join(out, "never.safetensors"))
     except RuntimeError as error:
         results["export_state"] = str(error)
+    named = list(model.named_parameters())
+    try:  # rank 1 leaves a parameter out: every rank is told, none waits in a collective
+        normuon.NorMuonAdamW(named[:-1] if rank == 1 else named, threads=1)
+    except ValueError as error:
+        results["disagree"] = str(error)
     return results
 
 
@@ -209,6 +215,28 @@ def test_what_is_not_served_is_refused_by_name(runs):
     for result in runs[2]:
         assert "plain tensor beside DTensor parameters" in result["mixed"]
         assert "export_state() over DTensor (FSDP2) parameters is not served yet" in result["export_state"]
+        assert "the ranks of the mesh disagree on the parameters" in result["disagree"]
+    assert "8 parameters here, 7 on rank 1" in runs[2][0]["disagree"]
+    assert "7 parameters here, 8 on rank 0" in runs[2][1]["disagree"]
+
+
+def test_the_bytes_each_step_moves_are_counted(runs):
+    # Per step: one small all_reduce (the verdict; a second one only to name a NaN/Inf) and two all_to_alls
+    # (the matrices' rows in and out).
+    for world in (2, 4):
+        for result in runs[world]:
+            comm = result["fast_fp32"]["comm"]
+            assert comm["collectives"] == 3 and comm["bytes_sent"] > 0 and comm["bytes_received"] > 0, comm
+            assert result["fast_fp32"]["total"]["steps"] == STEPS
+    one = train("fast_fp32", shard=False)
+    assert one["comm"] is None and one["total"] is None
+
+
+def test_fsdp1_flat_parameters_are_refused_by_name():
+    flat = nn.Parameter(torch.zeros(40))
+    flat._fsdp_flattened = True  # what FSDP1 (FullyShardedDataParallel) marks its flat parameters with
+    with pytest.raises(ValueError, match="'_fsdp_wrapped_module._flat_param' is a flattened parameter of FSDP1"):
+        normuon.NorMuonAdamW([("_fsdp_wrapped_module._flat_param", flat)])
 
 
 @pytest.mark.parametrize("variant", RESUMED)
