@@ -94,7 +94,8 @@ class Shards:
             elif e.tensor.device_mesh != mesh:
                 raise ValueError(f"{where} lies on another device mesh than '{planned[0].name}': one mesh for all")
             placements = tuple(e.tensor.placements)
-            if mesh.ndim != 1 or len(placements) != 1 or not (placements[0].is_shard(0) or placements[0].is_replicate()):
+            served = len(placements) == 1 and (placements[0].is_shard(0) or placements[0].is_replicate())
+            if mesh.ndim != 1 or not served:
                 raise ValueError(f"{where} has placements {placements} on a {mesh.ndim}-D mesh; served: Shard(0) "
                                  "(FSDP2's fully_shard) or Replicate() on a 1-D mesh. FSDP x TP meshes and Partial "
                                  "come later")
