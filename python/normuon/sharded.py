@@ -193,13 +193,13 @@ class Shards:
                 break
         key = torch.tensor([first[0] * 2**40 + first[1]], dtype=torch.int64)
         dist.all_reduce(key, op=dist.ReduceOp.MIN, group=self.group)
-        self._count(8, 8)
+        self._count(8 * (self.world > 1), 8 * (self.world > 1))
         index, element = divmod(int(key), 2**40)
         if index == len(self.planned):
             return None
         mine = torch.tensor([value if (first[0], first[1]) == (index, element) else 0.0], dtype=torch.float64)
         dist.all_reduce(mine, group=self.group)  # NaN + 0 and inf + 0 keep their value
-        self._count(8, 8)
+        self._count(8 * (self.world > 1), 8 * (self.world > 1))
         return index, element, float(mine)
 
     def _exchange(self, has_grad, inward):
