@@ -1,15 +1,16 @@
-"""NorMuonAdamW over DTensor parameters on a 1-D device mesh: sharded by rows (Shard(0), FSDP2's
-fully_shard) or replicated (Replicate(), data-parallel). The step of one process, bit for bit, with every
-rank holding only its shards (docs/distributed.md).
+"""NorMuonAdamW over DTensor parameters: FSDP2 (fully_shard: Shard(0) on a 1-D mesh), FSDP x TP (a 2-D mesh,
+Shard on either dimension), replicated (data-parallel), or any mix whose local pieces are blocks of the
+whole tensor. The step of one process, bit for bit, with every rank holding only its pieces
+(docs/distributed.md).
 
-AdamW and every elementwise pass run on the local shards: the engine binds each DTensor's local tensor and
-reads its gradient's local shard. NorMuon needs whole matrices: each matrix has one owner rank, balanced by
-the Newton-Schulz cost the core computes. Per step, one packed all_to_all hands every owner the rows of its
-matrices (parameters and gradients); the owner's engine steps whole matrices, the arithmetic of one process;
-one packed all_to_all returns the new rows to the shards. A replicated matrix is stepped by its owner where
-it lies, and the same all_to_all hands every other rank its new values. A NaN/Inf gradient is found on
-every rank alike, before anything changes (a small all_reduce), and the group counters follow the core's
-rule over the whole model, so every rank reports the same. State dicts are DTensors laid out as their
+AdamW and every elementwise pass run on the local pieces: the engine binds each DTensor's local tensor and
+reads its gradient's local piece. NorMuon needs whole matrices: each matrix has one owner rank, balanced by
+the Newton-Schulz cost the core computes. Per step, one packed all_to_all hands every owner the blocks of
+its matrices (parameters and gradients, each block sent once however many ranks hold it); the owner's engine
+steps whole matrices, the arithmetic of one process; one packed all_to_all returns every rank its new block.
+A matrix every rank holds whole is stepped by its owner where it lies. A NaN/Inf gradient is found on every
+rank alike, before anything changes (a small all_reduce), and the group counters follow the core's rule
+over the whole model, so every rank reports the same. State dicts are DTensors laid out as their
 parameters, for torch.distributed.checkpoint.
 """
 import copy
@@ -65,54 +66,69 @@ def newton_schulz_flops(rows, cols, ns_steps, ns_algorithm="standard"):
     return int(require("NorMuonAdamW").ns_dense_flops(ns_algorithm, rows, cols, ns_steps))
 
 
-def chunk_rows(rows, world):
-    """Rows per rank as torch.chunk cuts dim 0 (FSDP2's Shard(0)): ceil(rows / world) each, the last ones
-    shorter or empty."""
-    size = -(-rows // world) if rows else 0
-    return [max(0, min(size, rows - r * size)) for r in range(world)]
+def _shard_dim(placement):
+    """The tensor dimension a Shard (or FSDP2's _StridedShard, over TP) placement cuts, or None."""
+    return placement.dim if placement.is_shard() or hasattr(placement, "split_factor") else None
+
+
+def _slices(block):
+    return tuple(slice(lo, hi) for lo, hi in block)
+
+
+def _numel(block):
+    return math.prod(hi - lo for lo, hi in block)
 
 
 class Shards:
-    """The sharded layout of one optimizer: which rank owns which NorMuon matrix, the entries this rank's
-    engine steps, the exchange, the NaN/Inf verdict and the group counters of the whole model.
+    """The sharded layout of one optimizer: each rank's block of every parameter, which rank owns which
+    NorMuon matrix, the entries this rank's engine steps, the exchange, the NaN/Inf verdict and the group
+    counters of the whole model.
 
     planned: the optimizer's planned entries (global shapes, their tensors DTensors); groups: (name,
     algorithm, checked values) per group, as the engine takes them."""
 
     def __init__(self, planned, groups):
         import torch.distributed as dist
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         kind = dtensor_type()
-        mesh = None
+        meshes = []
         for e in planned:
             where = f"parameter '{e.name}'"
             if not isinstance(e.tensor, kind):
                 raise ValueError(f"{where} is a plain tensor beside DTensor parameters: shard every parameter (FSDP2's "
                                  "fully_shard on the model) or none")
-            if mesh is None:
-                mesh = e.tensor.device_mesh
-            elif e.tensor.device_mesh != mesh:
-                raise ValueError(f"{where} lies on another device mesh than '{planned[0].name}': one mesh for all")
-            placements = tuple(e.tensor.placements)
-            served = len(placements) == 1 and (placements[0].is_shard(0) or placements[0].is_replicate())
-            if mesh.ndim != 1 or not served:
-                raise ValueError(f"{where} has placements {placements} on a {mesh.ndim}-D mesh; served: Shard(0) "
-                                 "(FSDP2's fully_shard) or Replicate() on a 1-D mesh. FSDP x TP meshes and Partial "
-                                 "come later")
+            if e.tensor.device_mesh not in meshes:
+                meshes.append(e.tensor.device_mesh)
+            partial = [p for p in e.tensor.placements if _shard_dim(p) is None and not p.is_replicate()]
+            if partial:
+                raise ValueError(f"{where} has placements {tuple(e.tensor.placements)}: {partial[0]} holds partial "
+                                 "values; reduce it to Shard or Replicate before the step")
             if e.block is not None:
                 raise ValueError(f"{where}: blocks of rows of a sharded parameter are not served")
-        self.group = mesh.get_group()
+        # The collectives go over one 1-D mesh's group, or else (FSDP x TP: a 2-D mesh, and its 1-D dp part
+        # for the parameters TP leaves whole) over the world, every rank of which holds a block of each.
+        self.group = meshes[0].get_group() if len(meshes) == 1 and meshes[0].ndim == 1 else None
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.planned = planned
-        # Rows per rank of a sharded parameter; None for a replicated one (every rank holds all of it).
-        self.rows = [None if e.tensor.placements[0].is_replicate() else
-                     chunk_rows(e.shape[0], self.world) if e.shape else [0] * self.world for e in planned]
-        for e, rows in zip(planned, self.rows):
+        # This rank's block of each parameter (ranges per dimension), as DTensor lays it out; then everyone's.
+        mine = []
+        for e in planned:
+            shape, offset = compute_local_shape_and_global_offset(e.shape, e.tensor.device_mesh, e.tensor.placements)
             local = tuple(e.tensor._local_tensor.shape)
-            if rows is not None and e.shape and local != (rows[self.rank],) + tuple(e.shape[1:]):
-                raise ValueError(f"parameter '{e.name}' has a local shard of shape {list(local)} on rank {self.rank}; "
-                                 f"Shard(0) as torch.chunk cuts it would give {rows[self.rank]} rows: uneven custom "
-                                 "sharding is not served")
+            if tuple(shape) != local or not e.tensor._local_tensor.is_contiguous():
+                raise ValueError(f"parameter '{e.name}': its local piece {list(local)} is not the block its placements "
+                                 f"{tuple(e.tensor.placements)} give ({list(shape)}): uneven custom sharding is not "
+                                 "served")
+            mine.append(tuple((o, o + n) for o, n in zip(offset, shape)))
+        every = self._agree(planned, mine)
+        self.blocks = [[every[r][i] for r in range(self.world)] for i in range(len(planned))]
+        for e, blocks in zip(planned, self.blocks):
+            if sum(_numel(b) for k, b in enumerate(blocks) if blocks.index(b) == k) != math.prod(e.shape):
+                raise ValueError(f"parameter '{e.name}': the ranks' blocks do not tile it once: its meshes do not "
+                                 "cover the ranks of the optimizer's group")
+        # Who sends each distinct block (the lowest rank that holds it): a block is sent once.
+        self.sender = [[blocks.index(b) == r and _numel(b) > 0 for r, b in enumerate(blocks)] for blocks in self.blocks]
         matrices = [e for e in planned if e.algorithm == "normuon"]
         values = [v for _, _, v in groups]
         costs = [newton_schulz_flops(e.shape[0], e.shape[1], values[e.group]["ns_steps"],
@@ -120,7 +136,6 @@ class Shards:
         owners, _ = assign_owners(costs, self.world)
         at = {id(e): i for i, e in enumerate(planned)}  # everything below is keyed by position in `planned`
         self.owner = {at[id(e)]: r for e, r in zip(matrices, owners)}
-        self.matrices = matrices
         self.entries = []  # what this rank's engine steps, in manifest order
         self.positions = []  # of each of them in `planned`
         self.proxies = {}  # position -> the whole matrix an owner steps
@@ -129,7 +144,7 @@ class Shards:
             mine = copy.copy(e)
             if e.algorithm == "normuon" and self.owner[i] != self.rank:
                 continue
-            if e.algorithm == "normuon" and self.rows[i] is not None:  # whole here, from the shards
+            if e.algorithm == "normuon" and not self._whole_everywhere(i):  # whole here, from the blocks
                 mine.tensor = torch.zeros(e.shape, dtype=e.dtype, device=e.tensor._local_tensor.device)
                 self.grads[i] = mine.tensor.grad = torch.zeros_like(mine.tensor)
                 self.proxies[i] = mine.tensor
@@ -151,7 +166,27 @@ class Shards:
         # Bytes this rank sent and received through torch.distributed: in all, and in the last step.
         self.comm_stats = dict(steps=0, collectives=0, bytes_sent=0, bytes_received=0)
         self.last_step_comm = dict(collectives=0, bytes_sent=0, bytes_received=0)
-        self._agree(planned)
+
+    def _whole_everywhere(self, i):
+        full = tuple((0, n) for n in self.planned[i].shape)
+        return all(b == full for b in self.blocks[i])
+
+    def _agree(self, planned, blocks):
+        """Every rank's blocks, after checking that every rank of the mesh holds the same parameter list
+        (names, shapes, dtypes, routing): else a ValueError on every rank alike, naming the first difference,
+        instead of a collective that hangs."""
+        import torch.distributed as dist
+
+        mine = [(e.name, tuple(e.shape), str(e.dtype), e.algorithm) for e in planned]
+        every = [None] * self.world
+        dist.all_gather_object(every, (mine, blocks), group=self.group)
+        for r, (theirs, _) in enumerate(every):
+            if theirs != mine:
+                diff = next((f"'{a[0]}' {a[1:]} here, '{b[0]}' {b[1:]} on rank {r}" for a, b in zip(mine, theirs)
+                             if a != b), f"{len(mine)} parameters here, {len(theirs)} on rank {r}")
+                raise ValueError(f"the ranks of the mesh disagree on the parameters ({diff}): build the optimizer "
+                                 "over the same model on every rank")
+        return [b for _, b in every]
 
     # ---------------------------------------------------------------------------------------- the step
 
@@ -177,19 +212,21 @@ class Shards:
 
     def _first_nonfinite(self, has_grad):
         """(position, element of the whole tensor, value) of the first NaN/Inf gradient, the same on every
-        rank, or None."""
+        rank, or None. Each distinct block is scanned by its sender only."""
         import torch.distributed as dist
 
         first, value = (len(self.planned), 0), 0.0
-        for i, (e, rows, present) in enumerate(zip(self.planned, self.rows, has_grad)):
-            if not present or (rows is None and self.rank != 0):  # a replicated gradient: rank 0 answers
+        for i, (e, present) in enumerate(zip(self.planned, has_grad)):
+            if not present or not self.sender[i][self.rank]:
                 continue
-            g = e.tensor.grad._local_tensor.reshape(-1)
+            g = e.tensor.grad._local_tensor
             bad = (~torch.isfinite(g)).nonzero()
             if bad.numel():
-                k = int(bad[0])
-                start = sum(rows[:self.rank]) * math.prod(e.shape[1:]) if rows is not None else 0
-                first, value = (i, start + k), float(g[k])
+                where = bad[0].tolist()  # the block's first in row-major order: the whole tensor's first in it
+                element = 0
+                for (lo, _), k, n in zip(self.blocks[i][self.rank], where, e.shape):
+                    element = element * n + lo + k
+                first, value = (i, element), float(g[tuple(where)])
                 break
         key = torch.tensor([first[0] * 2**40 + first[1]], dtype=torch.int64)
         dist.all_reduce(key, op=dist.ReduceOp.MIN, group=self.group)
@@ -203,28 +240,27 @@ class Shards:
         return index, element, float(mine)
 
     def _exchange(self, has_grad, inward):
-        """inward: every rank's rows of each sharded NorMuon matrix (parameter, then gradient) to its owner;
-        the owner's whole matrix takes them. Else the owners' new rows back to the shards, and a replicated
-        matrix's new values to every other rank. One all_to_all."""
+        """inward: each distinct block of every NorMuon matrix (parameter, then gradient) from its sender to
+        the matrix's owner, whose whole matrix takes it. Else the owners' new blocks to every rank that holds
+        one (a matrix every rank holds whole: to every rank but the owner). One all_to_all."""
         moves = []
-        for i, (e, rows, present) in enumerate(zip(self.planned, self.rows, has_grad)):
+        for i, (e, present) in enumerate(zip(self.planned, has_grad)):
             if e.algorithm != "normuon" or not present:
                 continue
-            o, local = self.owner[i], e.tensor._local_tensor
-            if rows is None:  # replicated: the owner has it all; afterwards everyone gets it all
+            o, local, blocks = self.owner[i], e.tensor._local_tensor, self.blocks[i]
+            if i not in self.proxies and self._whole_everywhere(i):
                 if not inward:
                     moves += [(o, r, local.numel(), lambda t=local: t, lambda t=local: t)
                               for r in range(self.world) if r != o]
                 continue
-            cols = math.prod(e.shape[1:])
-            for r in range(self.world):
-                part = lambda i=i, r=r, grad=False: self._rows(self.grads[i] if grad else self.proxies[i], i, r)
-                if inward:
-                    moves.append((r, o, rows[r] * cols, lambda t=local: t, part))
-                    moves.append((r, o, rows[r] * cols, lambda e=e: e.tensor.grad._local_tensor,
-                                  lambda part=part: part(grad=True)))
-                else:
-                    moves.append((o, r, rows[r] * cols, part, lambda t=local: t))
+            for r, b in enumerate(blocks):
+                n = _numel(b)
+                if inward and self.sender[i][r]:
+                    moves.append((r, o, n, lambda t=local: t, lambda i=i, b=b: self.proxies[i][_slices(b)]))
+                    moves.append((r, o, n, lambda e=e: e.tensor.grad._local_tensor,
+                                  lambda i=i, b=b: self.grads[i][_slices(b)]))
+                elif not inward and n:
+                    moves.append((o, r, n, lambda i=i, b=b: self.proxies[i][_slices(b)], lambda t=local: t))
         self._move(moves)
         if inward:
             for i, proxy in self.proxies.items():  # a matrix without a gradient is not stepped
@@ -236,26 +272,6 @@ class Shards:
             stats["collectives"] += 1
             stats["bytes_sent"] += sent
             stats["bytes_received"] += received
-
-    def _agree(self, planned):
-        """Every rank of the mesh holds the same parameter list (names, shapes, dtypes, routing): else a
-        ValueError on every rank alike, naming the first difference, instead of a collective that hangs."""
-        import torch.distributed as dist
-
-        mine = [(e.name, tuple(e.shape), str(e.dtype), e.algorithm) for e in planned]
-        every = [None] * self.world
-        dist.all_gather_object(every, mine, group=self.group)
-        for r, theirs in enumerate(every):
-            if theirs != mine:
-                diff = next((f"'{a[0]}' {a[1:]} here, '{b[0]}' {b[1:]} on rank {r}" for a, b in zip(mine, theirs)
-                             if a != b), f"{len(mine)} parameters here, {len(theirs)} on rank {r}")
-                raise ValueError(f"the ranks of the mesh disagree on the parameters ({diff}): build the optimizer "
-                                 "over the same model on every rank")
-
-    def _rows(self, whole, i, r):
-        """Rank r's rows of the whole tensor `whole` laid out as parameter i is sharded."""
-        start = sum(self.rows[i][:r])
-        return whole[start:start + self.rows[i][r]]
 
     def _move(self, moves):
         """moves: (source rank, destination rank, elements, what to send (called on the source), where it
@@ -285,22 +301,40 @@ class Shards:
     # ------------------------------------------------------------------------------------------- state
 
     def state_layout(self, i):
-        """Parameter i's state as one process holds it: (key, global shape, sharded by rows), with the
-        placement that follows (the parameter's; a NorMuon second moment along the columns is replicated)."""
+        """Parameter i's state as one process holds it: (key, whole shape, this key's block on each rank),
+        laid out as the parameter; a NorMuon second moment follows the parameter's blocks along its axis."""
         e = self.planned[i]
-        sharded = self.rows[i] is not None
-        if e.algorithm == "normuon":
-            keys = [("momentum_buffer", e.shape, sharded),
-                    ("moment2_buffer", (e.stat_len,), sharded and e.stats_per_row)]
-        else:
-            keys = [("exp_avg", e.shape, sharded), ("exp_avg_sq", e.shape, sharded)]
-        if e.low_precision:
-            keys.append(("master_param", e.shape, sharded))
-        return keys
+        keys = ["momentum_buffer", "moment2_buffer"] if e.algorithm == "normuon" else ["exp_avg", "exp_avg_sq"]
+        keys += ["master_param"] if e.low_precision else []
+        out = []
+        for key in keys:
+            if key == "moment2_buffer":
+                axis = 0 if e.stats_per_row else 1
+                out.append((key, (e.stat_len,), [(b[axis],) for b in self.blocks[i]]))
+            else:
+                out.append((key, tuple(e.shape), self.blocks[i]))
+        return out
+
+    def _placements(self, i, key):
+        """The DTensor placements of parameter i's state `key`: the parameter's, or for the second moment
+        its sharding along the statistics axis alone (as dimension 0), replicated elsewhere."""
+        e = self.planned[i]
+        if key != "moment2_buffer":
+            return tuple(e.tensor.placements)
+        from torch.distributed.tensor import Replicate
+
+        axis = 0 if e.stats_per_row else 1
+        out = []
+        for p in e.tensor.placements:
+            if _shard_dim(p) is not None and _shard_dim(p) % len(e.shape) == axis:  # (a _StridedShard keeps its factor)
+                out.append(type(p)(0, split_factor=p.split_factor) if hasattr(p, "split_factor") else type(p)(0))
+            else:
+                out.append(Replicate())
+        return tuple(out)
 
     def _views(self, engine):
         """position -> {key: this rank's engine view} of what its engine holds (whole matrices it owns,
-        local shards of AdamW parameters)."""
+        local pieces of AdamW parameters)."""
         out = {}
         for i, me in zip(self.positions, engine.entries):
             names = ("momentum_buffer", "moment2_buffer") if me.algorithm == "normuon" else ("exp_avg", "exp_avg_sq")
@@ -310,40 +344,32 @@ class Shards:
         return out
 
     def local_state(self, engine):
-        """Collective. Per position, {key: this rank's piece} (fresh fp32 tensors, laid out as state_layout
-        says): AdamW's from the local views, NorMuon's sent by each matrix's owner."""
+        """Collective. Per position, {key: this rank's piece} (fresh fp32 tensors, the blocks state_layout
+        gives): AdamW's from the local views, NorMuon's sent by each matrix's owner."""
         views, out, moves = self._views(engine), [], []
         for i, e in enumerate(self.planned):
             pieces = {}
-            for key, shape, sharded in self.state_layout(i):
-                rows = self.rows[i][self.rank] if sharded else (shape[0] if shape else 0)
+            for key, shape, blocks in self.state_layout(i):
                 if e.algorithm == "adamw":
                     pieces[key] = views[i][key].clone()
                     continue
-                pieces[key] = torch.empty((rows,) + tuple(shape[1:]), dtype=torch.float32,
+                mine = blocks[self.rank]
+                pieces[key] = torch.empty(tuple(hi - lo for lo, hi in mine), dtype=torch.float32,
                                           device=e.tensor._local_tensor.device)
-                o, cols = self.owner[i], math.prod(shape[1:])
-                for r in range(self.world):
-                    n = (self.rows[i][r] if sharded else shape[0]) * cols
-                    whole = lambda i=i, key=key: views[i][key]
-                    src = (lambda whole=whole, i=i, r=r: self._rows(whole(), i, r)) if sharded else whole
-                    moves.append((o, r, n, src, lambda t=pieces[key], r=r: t))
+                for r, b in enumerate(blocks):
+                    moves.append((self.owner[i], r, _numel(b), lambda i=i, key=key, b=b: views[i][key][_slices(b)],
+                                  lambda t=pieces[key]: t))
             out.append(pieces)
         self._move(moves)
         return out
-
-    def _placement(self, sharded):
-        from torch.distributed.tensor import Replicate, Shard
-
-        return [Shard(0)] if sharded else [Replicate()]
 
     def dtensors(self, i, pieces):
         """Parameter i's state pieces (local_state) as DTensors of the whole shapes, laid out as the
         parameter (what torch.distributed.checkpoint saves and reshards)."""
         mesh, out = self.planned[i].tensor.device_mesh, {}
-        for key, shape, sharded in self.state_layout(i):
+        for key, shape, _ in self.state_layout(i):
             stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
-            out[key] = dtensor_type().from_local(pieces[key], mesh, self._placement(sharded), run_check=False,
+            out[key] = dtensor_type().from_local(pieces[key], mesh, self._placements(i, key), run_check=False,
                                                  shape=torch.Size(shape), stride=stride)
         return out
 
@@ -351,40 +377,36 @@ class Shards:
         """This rank's pieces of parameter i's state from a state dict's values ({key: DTensor, or a whole
         tensor}): a DTensor laid out otherwise is redistributed first (collective, alike on every rank)."""
         out = {}
-        for key, shape, sharded in self.state_layout(i):
+        for key, shape, blocks in self.state_layout(i):
             t = given.get(key)
             if t is None:  # (a master_param left out: the master stays as it is)
                 out[key] = None
                 continue
             if isinstance(t, dtensor_type()):
-                if tuple(t.placements) != tuple(self._placement(sharded)):
-                    t = t.redistribute(t.device_mesh, self._placement(sharded))
+                if tuple(t.placements) != self._placements(i, key):
+                    t = t.redistribute(t.device_mesh, self._placements(i, key))
                 out[key] = t._local_tensor.to(torch.float32)
             else:
-                t = t.to(torch.float32)
-                out[key] = self._rows(t, i, self.rank) if sharded else t
+                out[key] = t.to(torch.float32)[_slices(blocks[self.rank])]
         return out
 
     def load_local_state(self, engine, pieces, steps, entry_steps):
         """Collective. The inverse of local_state: each rank's pieces (per position, {key: tensor}) into the
-        engine, NorMuon's to each matrix's owner; then the counters (group steps, each parameter's count)."""
+        engine, each distinct block of NorMuon's to its matrix's owner; then the counters (group steps, each
+        parameter's count)."""
         views, moves = self._views(engine), []
         for i, e in enumerate(self.planned):
-            for key, shape, sharded in self.state_layout(i):
+            for key, shape, blocks in self.state_layout(i):
                 piece = pieces[i][key]
                 if piece is None:
                     continue
                 if e.algorithm == "adamw":
                     views[i][key].copy_(piece.reshape(views[i][key].shape))
                     continue
-                o, cols = self.owner[i], math.prod(shape[1:])
-                for r in range(self.world):
-                    n = (self.rows[i][r] if sharded else shape[0]) * cols
-                    if not sharded and r != 0:
-                        continue  # a replicated piece: rank 0's
-                    dst = (lambda i=i, key=key, r=r: self._rows(views[i][key], i, r)) if sharded else \
-                        (lambda i=i, key=key: views[i][key])
-                    moves.append((r, o, n, lambda t=piece: t, dst))
+                for r, b in enumerate(blocks):
+                    if blocks.index(b) == r and _numel(b):  # each distinct block once
+                        moves.append((r, self.owner[i], _numel(b), lambda t=piece: t,
+                                      lambda i=i, key=key, b=b: views[i][key][_slices(b)]))
         self._move(moves)
         self.steps, self.entry_steps = list(steps), list(entry_steps)
         engine.set_steps(self.steps, [self.entry_steps[i] for i in self.positions])

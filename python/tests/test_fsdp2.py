@@ -31,12 +31,12 @@ class Tiny(nn.Module):
     """An embedding, two hidden matrices of uneven rows (7 and 13: empty and short shards at 4 ranks), a
     norm and a head."""
 
-    def __init__(self, dtype):
+    def __init__(self, dtype, hidden=13):
         super().__init__()
         torch.manual_seed(3)
         self.embed = nn.Embedding(11, 6)
-        self.up = nn.Linear(6, 13)
-        self.down = nn.Linear(13, 7, bias=False)
+        self.up = nn.Linear(6, hidden)
+        self.down = nn.Linear(hidden, 7, bias=False)
         self.back = nn.Linear(7, 6, bias=False)
         self.norm = nn.LayerNorm(6)
         self.head = nn.Linear(6, 11, bias=False)
@@ -93,18 +93,30 @@ def train(variant, shard, first=1, save=None, load=None, whole=None):
                 comm=opt.last_step_comm, total=opt.comm_stats)
 
 
-def placed(variant, world):
-    """The model's parameters as DTensors on a 1-D mesh, replicated (the embedding and 'up', as data-parallel
-    training holds them) or sharded by rows, stepped with gradients set by hand (the same on every rank);
-    world None: plain tensors in one process."""
+def placements_2d():
+    """FSDP x TP's mixes on a 2 x 2 mesh: rows by both dimensions (uneven), rows x columns, columns x rows,
+    replicated on either dimension."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return {"embed.weight": [Shard(0), Replicate()], "up.weight": [Shard(0), Shard(0)], "up.bias": [Shard(0), Replicate()],
+            "down.weight": [Shard(0), Shard(1)], "back.weight": [Replicate(), Shard(1)],
+            "norm.weight": [Replicate(), Replicate()], "norm.bias": [Shard(0), Shard(0)],
+            "head.weight": [Shard(1), Shard(0)]}
+
+
+def placed(variant, world, two_d=False):
+    """The model's parameters as DTensors, stepped with gradients set by hand (the same on every rank): on a
+    1-D mesh replicated (the embedding and 'up', as data-parallel training holds them) or sharded by rows;
+    two_d: on a 2 x 2 mesh (placements_2d). world None: plain tensors in one process."""
     dtype, backend, kw = VARIANTS[variant]
     named = list(Tiny(dtype).named_parameters())
     if world is not None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-        mesh = init_device_mesh("cpu", (world,))
-        place = {n: [Replicate()] if n.startswith(("embed", "up")) else [Shard(0)] for n, _ in named}
+        mesh = init_device_mesh("cpu", (2, 2) if two_d else (world,))
+        place = placements_2d() if two_d else {n: [Replicate()] if n.startswith(("embed", "up")) else [Shard(0)]
+                                               for n, _ in named}
         named = [(n, nn.Parameter(distribute_tensor(p.detach(), mesh, place[n]))) for n, p in named]
     opt = normuon.NorMuonAdamW(named, backend=backend, threads=1, **kw)
     seen = []
@@ -115,6 +127,38 @@ def placed(variant, world):
         opt.step()
         seen.append({n: (p if world is None else p.full_tensor()).detach().clone() for n, p in named})
     return dict(params=seen, steps=[g["step"] for g in opt.param_groups])
+
+
+def fsdp_tp_against_one_process():
+    """FSDP x TP as torchtitan lays it out (world 4, mesh dp 2 x tp 2: 'up' column-parallel, 'down' row-parallel,
+    then fully_shard over dp, which strides the column-parallel rows). TP's split sums make the gradients
+    differ from one process's, so the comparison is the optimizer's alone: a single-process NorMuonAdamW
+    over the whole parameters, given the whole gradients each step. Returns the steps whose parameters
+    differed (none is right)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = Tiny(torch.float32, hidden=12)  # TP's forward wants the split dimension even
+    twin = {n: p.detach().clone() for n, p in model.named_parameters()}
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    for m in (model.up, model.down, model.back, model.embed, model.head, model.norm):
+        fully_shard(m, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = normuon.NorMuonAdamW(model, threads=1, weight_decay=0.1, ns_precision="fp32")
+    one = normuon.NorMuonAdamW(list(twin.items()), threads=1, weight_decay=0.1, ns_precision="fp32")
+    kinds = {n: type(p.placements[0]).__name__ for n, p in model.named_parameters()}
+    differed = []
+    for step in range(1, STEPS + 1):
+        model(batch(step)).pow(2).mean().backward()
+        for n, p in model.named_parameters():
+            twin[n].grad = p.grad.full_tensor()
+        opt.step()
+        one.step()
+        opt.zero_grad()
+        if any(not torch.equal(p.full_tensor(), twin[n]) for n, p in model.named_parameters()):
+            differed.append(step)
+    return dict(differed=differed, kinds=kinds)
 
 
 RESUMED = ("fast_fp32", "fast_bf16")  # saved at world size 2 after step 1, resumed at 4 and 1
@@ -131,6 +175,9 @@ def rank_job(world, rank, out):
     if world != 2:
         results.update({"resumed_" + v: train(v, shard=True, first=2, load=os.path.join(out, "dcp-" + v))
                         for v in RESUMED})
+    if world == 4:
+        results.update({"2d_" + v: placed(v, world, two_d=True) for v in VARIANTS})
+        results["fsdp_tp"] = fsdp_tp_against_one_process()
     if world == 1:
         return results
     results.update({"placed_" + v: placed(v, world) for v in VARIANTS})
@@ -209,6 +256,28 @@ def test_replicated_and_sharded_parameters_step_as_one_process(runs, variant):
             for step, (a, b) in enumerate(zip(got["params"], one["params"]), start=1):
                 for name in b:
                     assert torch.equal(a[name], b[name]), (world, rank, step, name)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_2x2_mesh_steps_as_one_process(runs, variant):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = placed(variant, None)
+    finally:
+        torch.set_num_threads(threads)
+    for rank, result in enumerate(runs[4]):
+        got = result["2d_" + variant]
+        assert got["steps"] == one["steps"]
+        for step, (a, b) in enumerate(zip(got["params"], one["params"]), start=1):
+            for name in b:
+                assert torch.equal(a[name], b[name]), (rank, step, name)
+
+
+def test_fsdp_x_tp_as_torchtitan_lays_it_out_adds_no_difference(runs):
+    for rank, result in enumerate(runs[4]):
+        assert result["fsdp_tp"]["differed"] == [], (rank, result["fsdp_tp"])
+    assert result["fsdp_tp"]["kinds"]["up.weight"] == "_StridedShard"  # the layout the test is about
 
 
 def test_what_is_not_served_is_refused_by_name(runs):
