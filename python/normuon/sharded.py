@@ -79,6 +79,14 @@ def _numel(block):
     return math.prod(hi - lo for lo, hi in block)
 
 
+def _senders(blocks):
+    """Per rank: whether it sends its block, i.e. is the lowest rank holding that (non-empty) block."""
+    first = {}
+    for r, b in enumerate(blocks):
+        first.setdefault(b, r)
+    return [first[b] == r and _numel(b) > 0 for r, b in enumerate(blocks)]
+
+
 class Shards:
     """The sharded layout of one optimizer: each rank's block of every parameter, which rank owns which
     NorMuon matrix, the entries this rank's engine steps, the exchange, the NaN/Inf verdict and the group
@@ -123,12 +131,12 @@ class Shards:
             mine.append(tuple((o, o + n) for o, n in zip(offset, shape)))
         every = self._agree(planned, mine)
         self.blocks = [[every[r][i] for r in range(self.world)] for i in range(len(planned))]
-        for e, blocks in zip(planned, self.blocks):
-            if sum(_numel(b) for k, b in enumerate(blocks) if blocks.index(b) == k) != math.prod(e.shape):
+        # Who sends each distinct block (the lowest rank that holds it): a block is sent once.
+        self.sender = [_senders(blocks) for blocks in self.blocks]
+        for e, blocks, senders in zip(planned, self.blocks, self.sender):
+            if sum(_numel(b) for b, first in zip(blocks, senders) if first) != math.prod(e.shape):
                 raise ValueError(f"parameter '{e.name}': the ranks' blocks do not tile it once: its meshes do not "
                                  "cover the ranks of the optimizer's group")
-        # Who sends each distinct block (the lowest rank that holds it): a block is sent once.
-        self.sender = [[blocks.index(b) == r and _numel(b) > 0 for r, b in enumerate(blocks)] for blocks in self.blocks]
         matrices = [e for e in planned if e.algorithm == "normuon"]
         values = [v for _, _, v in groups]
         costs = [newton_schulz_flops(e.shape[0], e.shape[1], values[e.group]["ns_steps"],
@@ -166,6 +174,7 @@ class Shards:
         # Bytes this rank sent and received through torch.distributed: in all, and in the last step.
         self.comm_stats = dict(steps=0, collectives=0, bytes_sent=0, bytes_received=0)
         self.last_step_comm = dict(collectives=0, bytes_sent=0, bytes_received=0)
+        self._plans = {}  # (inward, gradients present) -> the exchange's moves
 
     def _whole_everywhere(self, i):
         full = tuple((0, n) for n in self.planned[i].shape)
@@ -242,7 +251,17 @@ class Shards:
     def _exchange(self, has_grad, inward):
         """inward: each distinct block of every NorMuon matrix (parameter, then gradient) from its sender to
         the matrix's owner, whose whole matrix takes it. Else the owners' new blocks to every rank that holds
-        one (a matrix every rank holds whole: to every rank but the owner). One all_to_all."""
+        one (a matrix every rank holds whole: to every rank but the owner). One all_to_all; its plan is
+        made once per pattern of gradients present."""
+        key = (inward, tuple(has_grad))
+        if key not in self._plans:
+            self._plans[key] = self._exchange_moves(has_grad, inward)
+        self._move(self._plans[key])
+        if inward:
+            for i, proxy in self.proxies.items():  # a matrix without a gradient is not stepped
+                proxy.grad = self.grads[i] if has_grad[i] else None
+
+    def _exchange_moves(self, has_grad, inward):
         moves = []
         for i, (e, present) in enumerate(zip(self.planned, has_grad)):
             if e.algorithm != "normuon" or not present:
@@ -261,10 +280,7 @@ class Shards:
                                   lambda i=i, b=b: self.grads[i][_slices(b)]))
                 elif not inward and n:
                     moves.append((o, r, n, lambda i=i, b=b: self.proxies[i][_slices(b)], lambda t=local: t))
-        self._move(moves)
-        if inward:
-            for i, proxy in self.proxies.items():  # a matrix without a gradient is not stepped
-                proxy.grad = self.grads[i] if has_grad[i] else None
+        return moves
 
     def _count(self, sent, received):
         """One collective: bytes to and from other ranks (what a rank keeps for itself is not counted)."""
@@ -403,8 +419,8 @@ class Shards:
                 if e.algorithm == "adamw":
                     views[i][key].copy_(piece.reshape(views[i][key].shape))
                     continue
-                for r, b in enumerate(blocks):
-                    if blocks.index(b) == r and _numel(b):  # each distinct block once
+                for r, (b, first) in enumerate(zip(blocks, _senders(blocks))):
+                    if first:  # each distinct block once
                         moves.append((r, self.owner[i], _numel(b), lambda t=piece: t,
                                       lambda i=i, key=key, b=b: views[i][key][_slices(b)]))
         self._move(moves)
