@@ -61,6 +61,9 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     threads: the fast backend's threads; None (the default) follows torch.get_num_threads(), 0: one per
         processor the process may use, within its CPU quota.
         nonfinite: "error" | "skip_step".
+    process_group: plain parameters that every rank of this torch.distributed group holds whole, with the
+        same gradients (DDP): Newton-Schulz spread over the ranks, one owner per matrix (sharded.py), as
+        for DTensor parameters (FSDP2, FSDP x TP), which need no argument. step() is then collective.
     verdict: on CUDA, when a step's NaN/Inf verdict reaches the host: "sync" (in step(), one host sync) or
         "deferred" (at the next step(), no sync; a bad step changes nothing on the device either way).
     _device_backend: (tests) a device backend from another native module (normuon_emulated's, the CUDA
@@ -77,8 +80,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     def __init__(self, params=None, lr=None, beta1=None, beta2=None, weight_decay=None, nesterov=None, ns_steps=None,
                  *, momentum=None, adamw_lr=None, adamw_betas=None, adamw_eps=None, adamw_weight_decay=None,
                  normuon_params=None, adamw_params=None, model=None, overrides=None, roles=None, backend=None,
-                 threads=None, nonfinite="error", verdict="sync", _row_blocks=(), _state_for_frozen=False,
-                 _device_backend=None, **knobs):
+                 threads=None, nonfinite="error", verdict="sync", process_group=None, _row_blocks=(),
+                 _state_for_frozen=False, _device_backend=None, **knobs):
         require("NorMuonAdamW")
         knobs = _torch_keywords(knobs)
         unknown = sorted(set(knobs) - set(NORMUON_KNOBS))
@@ -100,6 +103,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self._choice = resolve_modes(backend, nonfinite, verdict)
         self.nonfinite = nonfinite
         self.verdict = verdict
+        self._process_group = process_group
         self._device_backend = _device_backend
         # Frozen parameters (requires_grad=False, no gradient) get no state until they have a gradient.
         # The wrappers hand over tensors that are no autograd leaves (Megatron's main parameters, a rank's
@@ -149,7 +153,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         groups = [(g["name"], g["algorithm"], self._validated(i, g)) for i, g in enumerate(self.param_groups)]
         laid = [e for e in entries if id(e) not in left_out]
         # DTensor parameters (FSDP2): this rank's shards and the matrices it owns (sharded.py).
-        self._shards = Shards(laid, groups) if is_sharded(laid) else None
+        sharded = self._process_group is not None or is_sharded(laid)
+        self._shards = Shards(laid, groups, self._process_group) if sharded else None
         self.engine = Engine(self._shards.entries if self._shards else laid, groups, self._choice,
                              threads=self._threads, nonfinite=self.nonfinite, verdict=self.verdict, frozen=frozen,
                              row_blocks=bool(self._row_blocks), device_backend=self._device_backend)

@@ -71,6 +71,11 @@ def _shard_dim(placement):
     return placement.dim if placement.is_shard() or hasattr(placement, "split_factor") else None
 
 
+def _local(t):
+    """A DTensor's local piece, or a plain tensor itself (replicated over a process group)."""
+    return t._local_tensor if isinstance(t, dtensor_type() or ()) else t
+
+
 def _slices(block):
     return tuple(slice(lo, hi) for lo, hi in block)
 
@@ -93,16 +98,27 @@ class Shards:
     counters of the whole model.
 
     planned: the optimizer's planned entries (global shapes, their tensors DTensors); groups: (name,
-    algorithm, checked values) per group, as the engine takes them."""
+    algorithm, checked values) per group, as the engine takes them; process_group: instead of DTensors,
+    plain tensors that every rank of this group holds whole, with the same gradients (DDP)."""
 
-    def __init__(self, planned, groups):
+    def __init__(self, planned, groups, process_group=None):
         import torch.distributed as dist
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("sharded or process_group= parameters need torch.distributed: call "
+                               "torch.distributed.init_process_group() first (gloo on CPUs, nccl on GPUs)")
         kind = dtensor_type()
         meshes = []
         for e in planned:
             where = f"parameter '{e.name}'"
+            if process_group is not None:
+                if kind is not None and isinstance(e.tensor, kind):
+                    raise ValueError(f"{where} is a DTensor: process_group= is for plain tensors every rank holds "
+                                     "whole (DDP); DTensors bring their own mesh")
+                if e.block is not None:
+                    raise ValueError(f"{where}: blocks of rows under process_group= are not served")
+                continue
             if not isinstance(e.tensor, kind):
                 raise ValueError(f"{where} is a plain tensor beside DTensor parameters: shard every parameter (FSDP2's "
                                  "fully_shard on the model) or none")
@@ -116,19 +132,24 @@ class Shards:
                 raise ValueError(f"{where}: blocks of rows of a sharded parameter are not served")
         # The collectives go over one 1-D mesh's group, or else (FSDP x TP: a 2-D mesh, and its 1-D dp part
         # for the parameters TP leaves whole) over the world, every rank of which holds a block of each.
-        self.group = meshes[0].get_group() if len(meshes) == 1 and meshes[0].ndim == 1 else None
+        if process_group is not None:
+            self.group = process_group
+        else:
+            self.group = meshes[0].get_group() if len(meshes) == 1 and meshes[0].ndim == 1 else None
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.planned = planned
         # This rank's block of each parameter (ranges per dimension), as DTensor lays it out; then everyone's.
         mine = []
-        for e in planned:
+        for e in planned if process_group is None else ():
             shape, offset = compute_local_shape_and_global_offset(e.shape, e.tensor.device_mesh, e.tensor.placements)
-            local = tuple(e.tensor._local_tensor.shape)
-            if tuple(shape) != local or not e.tensor._local_tensor.is_contiguous():
+            local = tuple(_local(e.tensor).shape)
+            if tuple(shape) != local or not _local(e.tensor).is_contiguous():
                 raise ValueError(f"parameter '{e.name}': its local piece {list(local)} is not the block its placements "
                                  f"{tuple(e.tensor.placements)} give ({list(shape)}): uneven custom sharding is not "
                                  "served")
             mine.append(tuple((o, o + n) for o, n in zip(offset, shape)))
+        if process_group is not None:  # every rank holds every tensor whole
+            mine = [tuple((0, n) for n in e.shape) for e in planned]
         every = self._agree(planned, mine)
         self.blocks = [[every[r][i] for r in range(self.world)] for i in range(len(planned))]
         # Who sends each distinct block (the lowest rank that holds it): a block is sent once.
@@ -153,13 +174,13 @@ class Shards:
             if e.algorithm == "normuon" and self.owner[i] != self.rank:
                 continue
             if e.algorithm == "normuon" and not self._whole_everywhere(i):  # whole here, from the blocks
-                mine.tensor = torch.zeros(e.shape, dtype=e.dtype, device=e.tensor._local_tensor.device)
+                mine.tensor = torch.zeros(e.shape, dtype=e.dtype, device=_local(e.tensor).device)
                 self.grads[i] = mine.tensor.grad = torch.zeros_like(mine.tensor)
                 self.proxies[i] = mine.tensor
             else:
-                mine.tensor = e.tensor._local_tensor
+                mine.tensor = _local(e.tensor)
                 mine.shape = tuple(mine.tensor.shape)
-                mine.grad_of = e.tensor
+                mine.grad_of = e.tensor if mine.tensor is not e.tensor else None
             self.entries.append(mine)
             self.positions.append(i)
         # The whole model's layout: the counters of one process (the core's rule, _C.advance_steps).
@@ -228,7 +249,7 @@ class Shards:
         for i, (e, present) in enumerate(zip(self.planned, has_grad)):
             if not present or not self.sender[i][self.rank]:
                 continue
-            g = e.tensor.grad._local_tensor
+            g = _local(e.tensor.grad)
             bad = (~torch.isfinite(g)).nonzero()
             if bad.numel():
                 where = bad[0].tolist()  # the block's first in row-major order: the whole tensor's first in it
@@ -266,7 +287,7 @@ class Shards:
         for i, (e, present) in enumerate(zip(self.planned, has_grad)):
             if e.algorithm != "normuon" or not present:
                 continue
-            o, local, blocks = self.owner[i], e.tensor._local_tensor, self.blocks[i]
+            o, local, blocks = self.owner[i], _local(e.tensor), self.blocks[i]
             if i not in self.proxies and self._whole_everywhere(i):
                 if not inward:
                     moves += [(o, r, local.numel(), lambda t=local: t, lambda t=local: t)
@@ -276,7 +297,7 @@ class Shards:
                 n = _numel(b)
                 if inward and self.sender[i][r]:
                     moves.append((r, o, n, lambda t=local: t, lambda i=i, b=b: self.proxies[i][_slices(b)]))
-                    moves.append((r, o, n, lambda e=e: e.tensor.grad._local_tensor,
+                    moves.append((r, o, n, lambda e=e: _local(e.tensor.grad),
                                   lambda i=i, b=b: self.grads[i][_slices(b)]))
                 elif not inward and n:
                     moves.append((o, r, n, lambda i=i, b=b: self.proxies[i][_slices(b)], lambda t=local: t))
@@ -301,7 +322,7 @@ class Shards:
             send_sizes[m[1]] += m[2]
         for m in recv:
             recv_sizes[m[0]] += m[2]
-        device = self.planned[0].tensor._local_tensor.device
+        device = _local(self.planned[0].tensor).device
         parts = [m[3]().reshape(-1).to(torch.float32) for m in send if m[2]]
         send_buf = torch.cat(parts) if parts else torch.zeros(0, device=device)
         recv_buf = torch.empty(sum(recv_sizes), dtype=torch.float32, device=device)
@@ -371,7 +392,7 @@ class Shards:
                     continue
                 mine = blocks[self.rank]
                 pieces[key] = torch.empty(tuple(hi - lo for lo, hi in mine), dtype=torch.float32,
-                                          device=e.tensor._local_tensor.device)
+                                          device=_local(e.tensor).device)
                 for r, b in enumerate(blocks):
                     moves.append((self.owner[i], r, _numel(b), lambda i=i, key=key, b=b: views[i][key][_slices(b)],
                                   lambda t=pieces[key]: t))
@@ -381,7 +402,10 @@ class Shards:
 
     def dtensors(self, i, pieces):
         """Parameter i's state pieces (local_state) as DTensors of the whole shapes, laid out as the
-        parameter (what torch.distributed.checkpoint saves and reshards)."""
+        parameter (what torch.distributed.checkpoint saves and reshards); plain tensors held whole by every
+        rank: the pieces as they are (the whole state)."""
+        if not isinstance(self.planned[i].tensor, dtensor_type() or ()):
+            return dict(pieces)
         mesh, out = self.planned[i].tensor.device_mesh, {}
         for key, shape, _ in self.state_layout(i):
             stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
@@ -398,7 +422,7 @@ class Shards:
             if t is None:  # (a master_param left out: the master stays as it is)
                 out[key] = None
                 continue
-            if isinstance(t, dtensor_type()):
+            if isinstance(t, dtensor_type() or ()):
                 if tuple(t.placements) != self._placements(i, key):
                     t = t.redistribute(t.device_mesh, self._placements(i, key))
                 out[key] = t._local_tensor.to(torch.float32)

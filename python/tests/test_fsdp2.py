@@ -161,6 +161,27 @@ def fsdp_tp_against_one_process():
     return dict(differed=differed, kinds=kinds)
 
 
+def ddp_train(variant):
+    """DDP over plain tensors (every rank holds them whole, with the all-reduced gradients), the optimizer
+    told the process group: the same sharded path. Returns the parameters after each step and the final
+    state dict (one process's form: plain tensors)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    dtype, backend, kw = VARIANTS[variant]
+    model = Tiny(dtype)
+    ddp = DistributedDataParallel(model)
+    opt = normuon.NorMuonAdamW(model, backend=backend, threads=1, process_group=dist.group.WORLD, **kw)
+    seen = []
+    for step in range(1, STEPS + 1):
+        ddp(batch(step)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return dict(params=seen, steps=[g["step"] for g in opt.param_groups], state=opt.state_dict()["state"],
+                comm=opt.last_step_comm)
+
+
+DDP = ("fast_fp32", "reference")  # (Gloo's all-reduce of DDP: fp32)
 RESUMED = ("fast_fp32", "fast_bf16")  # saved at world size 2 after step 1, resumed at 4 and 1
 
 
@@ -175,6 +196,8 @@ def rank_job(world, rank, out):
     if world != 2:
         results.update({"resumed_" + v: train(v, shard=True, first=2, load=os.path.join(out, "dcp-" + v))
                         for v in RESUMED})
+    if world in (2, 4):
+        results.update({"ddp_" + v: ddp_train(v) for v in DDP})
     if world == 4:
         results.update({"2d_" + v: placed(v, world, two_d=True) for v in VARIANTS})
         results["fsdp_tp"] = fsdp_tp_against_one_process()
@@ -278,6 +301,34 @@ def test_fsdp_x_tp_as_torchtitan_lays_it_out_adds_no_difference(runs):
     for rank, result in enumerate(runs[4]):
         assert result["fsdp_tp"]["differed"] == [], (rank, result["fsdp_tp"])
     assert result["fsdp_tp"]["kinds"]["up.weight"] == "_StridedShard"  # the layout the test is about
+
+
+@pytest.mark.parametrize("variant", DDP)
+def test_ddp_over_plain_tensors_takes_the_same_path_bit_for_bit(runs, variant):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = Tiny(VARIANTS[variant][0])
+        opt = normuon.NorMuonAdamW(model, backend=VARIANTS[variant][1], threads=1, **VARIANTS[variant][2])
+        seen = []
+        for step in range(1, STEPS + 1):
+            model(batch(step)).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            seen.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        state = opt.state_dict()["state"]
+    finally:
+        torch.set_num_threads(threads)
+    for world in (2, 4):
+        for rank, result in enumerate(runs[world]):
+            got = result["ddp_" + variant]
+            assert got["comm"]["bytes_sent"] > 0 or rank != 0  # rank 0 owns a matrix or two: it sends
+            for step, (a, b) in enumerate(zip(got["params"], seen), start=1):
+                for name in b:
+                    assert torch.equal(a[name], b[name]), (world, rank, step, name)
+            assert set(got["state"]) == set(state)
+            for k, s in state.items():  # one process's state dict, on every rank
+                assert all(torch.equal(got["state"][k][key], v) for key, v in s.items()), (world, rank, k)
 
 
 def test_what_is_not_served_is_refused_by_name(runs):
