@@ -1,6 +1,7 @@
 """NorMuonAdamW over FSDP2's sharded parameters (DTensors, Shard(0) on a 1-D mesh): Gloo on the CPU, world
 sizes 2 and 4, each rank training on the same batch (so that the reduced gradient is the single process's),
 compared bit for bit with NorMuonAdamW in one process: parameters after every step, and the counters."""
+import contextlib
 import os
 
 import pytest
@@ -90,7 +91,7 @@ def train(variant, shard, first=1, save=None, load=None, whole=None):
             dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
                      checkpoint_id=save[1])
     return dict(params=seen, steps=[g["step"] for g in opt.param_groups], backend=opt.backend,
-                comm=opt.last_step_comm, total=opt.comm_stats)
+                comm=opt.last_step_comm, total=opt.comm_stats, state=None if shard else opt.state_dict()["state"])
 
 
 def placements_2d():
@@ -228,9 +229,7 @@ def rank_job(world, rank, out):
 def runs(tmp_path_factory):
     require_native()
     out = str(tmp_path_factory.mktemp("fsdp2"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the workers' forward and backward
-    try:
+    with one_thread():
         for v in RESUMED:  # one process's state dicts after step 1, for the world-2 ranks to start from
             dtype, backend, kw = VARIANTS[v]
             model = Tiny(dtype)
@@ -238,18 +237,32 @@ def runs(tmp_path_factory):
             model(batch(1)).float().pow(2).mean().backward()
             opt.step()
             torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, os.path.join(out, f"whole-{v}.pt"))
-    finally:
-        torch.set_num_threads(threads)
     return {world: run_gloo_ranks(rank_job, world, out) for world in (2, 4, 1)}  # 2 first: it saves
 
 
-def single(variant):
+@contextlib.contextmanager
+def one_thread():
+    """The workers' thread count, for the single-process runs: torch's own forward and backward sum in an
+    order that follows it where oneDNN has no kernel."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the workers' forward and backward
+    torch.set_num_threads(1)
     try:
-        return train(variant, shard=False)
+        yield
     finally:
         torch.set_num_threads(threads)
+
+
+def single(variant):
+    with one_thread():
+        return train(variant, shard=False)
+
+
+def assert_same(got, one, where, first=1):
+    """A rank's run (from step `first`) equals one process's, parameters after every step and counters."""
+    assert got["steps"] == one["steps"], (where, got["steps"], one["steps"])
+    for step, (a, b) in enumerate(zip(got["params"], one["params"][first - 1:]), start=first):
+        for name in b:
+            assert torch.equal(a[name], b[name]), (where, step, name, (a[name] - b[name]).abs().max())
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -257,44 +270,24 @@ def single(variant):
 def test_fsdp2_steps_bit_for_bit_as_one_process(runs, world, variant):
     one = single(variant)
     for rank, result in enumerate(runs[world]):
-        got = result[variant]
-        assert got["steps"] == one["steps"], (rank, got["steps"], one["steps"])
-        for step, (a, b) in enumerate(zip(got["params"], one["params"]), start=1):
-            for name in b:
-                assert torch.equal(a[name], b[name]), (world, rank, step, name, (a[name] - b[name]).abs().max())
+        assert_same(result[variant], one, (world, rank))
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_replicated_and_sharded_parameters_step_as_one_process(runs, variant):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         one = placed(variant, None)
-    finally:
-        torch.set_num_threads(threads)
     for world in (2, 4):
         for rank, result in enumerate(runs[world]):
-            got = result["placed_" + variant]
-            assert got["steps"] == one["steps"]
-            for step, (a, b) in enumerate(zip(got["params"], one["params"]), start=1):
-                for name in b:
-                    assert torch.equal(a[name], b[name]), (world, rank, step, name)
+            assert_same(result["placed_" + variant], one, (world, rank))
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_a_2x2_mesh_steps_as_one_process(runs, variant):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         one = placed(variant, None)
-    finally:
-        torch.set_num_threads(threads)
     for rank, result in enumerate(runs[4]):
-        got = result["2d_" + variant]
-        assert got["steps"] == one["steps"]
-        for step, (a, b) in enumerate(zip(got["params"], one["params"]), start=1):
-            for name in b:
-                assert torch.equal(a[name], b[name]), (rank, step, name)
+        assert_same(result["2d_" + variant], one, rank)
 
 
 def test_fsdp_x_tp_as_torchtitan_lays_it_out_adds_no_difference(runs):
@@ -305,27 +298,13 @@ def test_fsdp_x_tp_as_torchtitan_lays_it_out_adds_no_difference(runs):
 
 @pytest.mark.parametrize("variant", DDP)
 def test_ddp_over_plain_tensors_takes_the_same_path_bit_for_bit(runs, variant):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = Tiny(VARIANTS[variant][0])
-        opt = normuon.NorMuonAdamW(model, backend=VARIANTS[variant][1], threads=1, **VARIANTS[variant][2])
-        seen = []
-        for step in range(1, STEPS + 1):
-            model(batch(step)).float().pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-            seen.append({n: p.detach().clone() for n, p in model.named_parameters()})
-        state = opt.state_dict()["state"]
-    finally:
-        torch.set_num_threads(threads)
+    one = single(variant)
+    state = one["state"]
     for world in (2, 4):
         for rank, result in enumerate(runs[world]):
             got = result["ddp_" + variant]
             assert got["comm"]["bytes_sent"] > 0 or rank != 0  # rank 0 owns a matrix or two: it sends
-            for step, (a, b) in enumerate(zip(got["params"], seen), start=1):
-                for name in b:
-                    assert torch.equal(a[name], b[name]), (world, rank, step, name)
+            assert_same(got, one, (world, rank))
             assert set(got["state"]) == set(state)
             for k, s in state.items():  # one process's state dict, on every rank
                 assert all(torch.equal(got["state"][k][key], v) for key, v in s.items()), (world, rank, k)
@@ -363,11 +342,7 @@ def test_fsdp1_flat_parameters_are_refused_by_name():
 def test_one_processs_state_dict_loads_into_sharded_parameters(runs, variant):
     one = single(variant)
     for rank, result in enumerate(runs[2]):
-        got = result["whole_" + variant]
-        assert got["steps"] == one["steps"]
-        for step, (a, b) in enumerate(zip(got["params"], one["params"][1:]), start=2):
-            for name in b:
-                assert torch.equal(a[name], b[name]), (rank, step, name)
+        assert_same(result["whole_" + variant], one, rank, first=2)
 
 
 @pytest.mark.parametrize("variant", RESUMED)
@@ -377,8 +352,4 @@ def test_a_checkpoint_saved_at_two_ranks_resumes_at_four_and_one_bit_for_bit(run
     # dcp.load at 4 and 1 (resharded), then steps 2.. as the uninterrupted single process.
     one = single(variant)
     for rank, result in enumerate(runs[world]):
-        got = result["resumed_" + variant]
-        assert got["steps"] == one["steps"]
-        for step, (a, b) in enumerate(zip(got["params"], one["params"][1:]), start=2):
-            for name in b:
-                assert torch.equal(a[name], b[name]), (world, rank, step, name, (a[name] - b[name]).abs().max())
+        assert_same(result["resumed_" + variant], one, (world, rank), first=2)
