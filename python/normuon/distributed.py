@@ -16,7 +16,7 @@ from .native import _C
 from .optim import NorMuonAdamW, NotCopyable
 from .plan import ADAMW_KEYS, NORMUON_FIELDS, resolve_inputs
 from .routing import ROUTING_COLUMNS, routing_text
-from .sharded import assign_owners, newton_schulz_flops  # noqa: F401 (the owner rule: one, shared)
+from .sharded import _comm_device, _object_group, assign_owners, newton_schulz_flops  # noqa: F401 (shared)
 
 # Group keys that are bookkeeping, not hyper-parameters: never copied into the per-rank optimizer.
 _GROUP_BOOKKEEPING = ("params", "names", "name", "algorithm", "step")
@@ -460,37 +460,6 @@ class _StateWriter(NorMuonAdamW):
     @property
     def backend(self):
         return self.ran_on
-
-
-def _comm_device(dist_backend, device):
-    """Where the collectives' buffers live. NCCL moves CUDA tensors only: the parameters' GPU, which must be
-    this rank's current device (NCCL's communicator is bound to it); CPU parameters under a plain "nccl"
-    group go through the current device. Gloo (also the CPU half of "cpu:gloo,cuda:nccl") moves CPU ones."""
-    if "nccl" not in dist_backend:
-        return torch.device("cpu")
-    if device.type == "cuda":
-        current = torch.cuda.current_device()
-        if device.index != current:
-            raise RuntimeError(f"DistributedNorMuonAdamW: the parameters are on {device}, but this rank's current "
-                               f"CUDA device is cuda:{current}; NCCL needs each rank's GPU to be its current device: "
-                               "call torch.cuda.set_device(local_rank) on every rank before init_process_group "
-                               "and before building the model")
-        return device
-    if "gloo" in dist_backend:
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def _object_group(process_group, dist_backend):
-    """The group for the pickled state and verdicts (state_dict, export_state, loading). A group with NCCL
-    only would stage every rank's pickle on each GPU: a Gloo side group over the world moves them on the
-    CPU. new_group is collective over the whole world, so it is made only when this group spans it (every
-    rank builds this optimizer then); a smaller NCCL-only group carries the objects itself."""
-    if "nccl" not in dist_backend or "gloo" in dist_backend or not dist.is_gloo_available():
-        return process_group
-    if process_group is not None and dist.get_world_size(process_group) != dist.get_world_size():
-        return process_group
-    return dist.new_group(backend="gloo")
 
 
 def _listed(params):

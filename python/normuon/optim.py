@@ -145,21 +145,26 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         """The engine over the param groups as they are: checked values, layout, buffers, backend, and the
         state views. Frozen parameters are left out of the layout, unless their id is in `keep` (they had
         state)."""
-        frozen = [] if self._state_for_frozen else [
+        # Sharded (DTensors, or process_group=): everything laid out, as the wrappers do (one plan per rank).
+        sharded = self._process_group is not None or is_sharded(entries)
+        frozen = [] if self._state_for_frozen or sharded else [
             e for e in entries if not e.tensor.requires_grad and e.tensor.grad is None and id(e.tensor) not in keep]
         left_out = {id(e) for e in frozen}
         self._betas_seen = [(g["beta1"], g["beta2"]) if g["algorithm"] == "normuon" else None
                             for g in self.param_groups]
         groups = [(g["name"], g["algorithm"], self._validated(i, g)) for i, g in enumerate(self.param_groups)]
         laid = [e for e in entries if id(e) not in left_out]
-        # DTensor parameters (FSDP2): this rank's shards and the matrices it owns (sharded.py).
-        sharded = self._process_group is not None or is_sharded(laid)
+        # This rank's pieces and the matrices it owns (sharded.py).
         self._shards = Shards(laid, groups, self._process_group) if sharded else None
         self.engine = Engine(self._shards.entries if self._shards else laid, groups, self._choice,
                              threads=self._threads, nonfinite=self.nonfinite, verdict=self.verdict, frozen=frozen,
                              row_blocks=bool(self._row_blocks), device_backend=self._device_backend)
         param_of = {e.index: e.tensor for e in entries}
         self.state = defaultdict(dict)
+        if self._shards is not None:
+            self._shards.refresh(self.engine)  # the owners' whole matrices and their masters from the model
+            for e in laid:  # every parameter has an entry, so torch's DCP helpers see state on every rank
+                self.state[e.tensor] = {}
         for e in self.engine.entries:  # live views, for inspection as with torch's optimizers
             self.state[param_of[e.index]] = self._state_views(e)
 
@@ -294,8 +299,9 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             if self._shards is None:
                 self.last_skip_reason = self.engine.step(scaler)
             elif scaler is not None:
-                raise RuntimeError("a gradient scaler with DTensor (FSDP2) parameters is not served yet: unscale and "
-                                   "check the gradients yourself, or train in bf16 without a scaler")
+                raise RuntimeError("a gradient scaler with sharded parameters (DTensors, or process_group=) is not "
+                                   "served yet: unscale and check the gradients yourself, or train in bf16 without "
+                                   "a scaler")
             else:
                 self.last_skip_reason = self._shards.step(self.engine, self.nonfinite)
         finally:  # a deferred verdict raised here has rolled the counters back
@@ -334,8 +340,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
 
     def _not_sharded(self, what):
         if self._shards is not None:
-            raise RuntimeError(f"NorMuonAdamW.{what} over DTensor (FSDP2) parameters is not served yet (its state "
-                               "lies on the ranks that own it): torch.distributed.checkpoint support is coming")
+            raise RuntimeError(f"NorMuonAdamW.{what} over sharded parameters (DTensors, or process_group=) is not "
+                               "served yet: save and load through state_dict() (torch.distributed.checkpoint)")
 
     def _settle(self):
         """verdict='deferred': the pending step's verdict now (the next step(), state_dict, state files), so
@@ -365,7 +371,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
 
     @property
     def comm_stats(self):
-        """Over DTensor parameters: what this rank sent and received through torch.distributed, in all
+        """Over sharded parameters: what this rank sent and received through torch.distributed, in all
         ({steps, collectives, bytes_sent, bytes_received}); None in one process. last_step_comm: the last step."""
         return None if self._shards is None else self._shards.comm_stats
 
@@ -422,6 +428,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self._reconcile_betas()  # a scheduler may have moved betas since the last step
         if self._shards is not None:
             sh = self._shards
+            sh.refresh(self.engine)  # masters as the model has them now (a bf16 matrix's, at its owner)
             pieces = sh.local_state(self.engine)
             by_tensor = {id(e.tensor): (sh.dtensors(i, pieces[i]), sh.entry_steps[i]) for i, e in enumerate(sh.planned)}
         else:
@@ -535,6 +542,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                     else:
                         writes.append((dst, src))
         if sh is not None:  # collective: every rank's pieces to where its engine holds them
+            sh.refresh(self.engine)
             sh.load_local_state(self.engine, [sh.local_pieces(i, p) for i, p in enumerate(pieces)], steps,
                                 [own_steps[id(e.tensor)] for e in sh.planned])
         for dst, src in writes:

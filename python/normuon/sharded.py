@@ -17,6 +17,7 @@ import copy
 import math
 
 import torch
+import torch.distributed as dist
 
 from .engine import param_specs
 from .native import _C, require
@@ -71,6 +72,37 @@ def _shard_dim(placement):
     return placement.dim if placement.is_shard() or hasattr(placement, "split_factor") else None
 
 
+def _comm_device(dist_backend, device):
+    """Where the collectives' buffers live. NCCL moves CUDA tensors only: the parameters' GPU, which must be
+    this rank's current device (NCCL's communicator is bound to it); CPU parameters under a plain "nccl"
+    group go through the current device. Gloo (also the CPU half of "cpu:gloo,cuda:nccl") moves CPU ones."""
+    if "nccl" not in dist_backend:
+        return torch.device("cpu")
+    if device.type == "cuda":
+        current = torch.cuda.current_device()
+        if device.index != current:
+            raise RuntimeError(f"the parameters are on {device}, but this rank's current "
+                               f"CUDA device is cuda:{current}; NCCL needs each rank's GPU to be its current device: "
+                               "call torch.cuda.set_device(local_rank) on every rank before init_process_group "
+                               "and before building the model")
+        return device
+    if "gloo" in dist_backend:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _object_group(process_group, dist_backend):
+    """The group for the pickled state and verdicts (state_dict, export_state, loading). A group with NCCL
+    only would stage every rank's pickle on each GPU: a Gloo side group over the world moves them on the
+    CPU. new_group is collective over the whole world, so it is made only when this group spans it (every
+    rank builds this optimizer then); a smaller NCCL-only group carries the objects itself."""
+    if "nccl" not in dist_backend or "gloo" in dist_backend or not dist.is_gloo_available():
+        return process_group
+    if process_group is not None and dist.get_world_size(process_group) != dist.get_world_size():
+        return process_group
+    return dist.new_group(backend="gloo")
+
+
 def _local(t):
     """A DTensor's local piece, or a plain tensor itself (replicated over a process group)."""
     return t._local_tensor if isinstance(t, dtensor_type() or ()) else t
@@ -102,7 +134,6 @@ class Shards:
     plain tensors that every rank of this group holds whole, with the same gradients (DDP)."""
 
     def __init__(self, planned, groups, process_group=None):
-        import torch.distributed as dist
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -134,22 +165,32 @@ class Shards:
         # for the parameters TP leaves whole) over the world, every rank of which holds a block of each.
         if process_group is not None:
             self.group = process_group
+        elif len(meshes) == 1 and meshes[0].ndim == 1:
+            self.group = meshes[0].get_group()
+        elif max(m.size() for m in meshes) == dist.get_world_size():
+            self.group = None  # the world, which the largest mesh spans
         else:
-            self.group = meshes[0].get_group() if len(meshes) == 1 and meshes[0].ndim == 1 else None
+            raise ValueError("a mesh of more than one dimension (or several meshes) over part of the world is not "
+                             "served: the collectives go over the world, which the mesh must span")
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        backend = str(dist.get_backend(self.group)).lower()
+        self.comm_device = _comm_device(backend, _local(planned[0].tensor).device)  # NCCL: CUDA buffers only
+        self.object_group = _object_group(self.group, backend)  # pickles over Gloo where NCCL is the group's
         self.planned = planned
         # This rank's block of each parameter (ranges per dimension), as DTensor lays it out; then everyone's.
-        mine = []
-        for e in planned if process_group is None else ():
-            shape, offset = compute_local_shape_and_global_offset(e.shape, e.tensor.device_mesh, e.tensor.placements)
-            local = tuple(_local(e.tensor).shape)
-            if tuple(shape) != local or not _local(e.tensor).is_contiguous():
-                raise ValueError(f"parameter '{e.name}': its local piece {list(local)} is not the block its placements "
-                                 f"{tuple(e.tensor.placements)} give ({list(shape)}): uneven custom sharding is not "
-                                 "served")
-            mine.append(tuple((o, o + n) for o, n in zip(offset, shape)))
         if process_group is not None:  # every rank holds every tensor whole
             mine = [tuple((0, n) for n in e.shape) for e in planned]
+        else:
+            mine = []
+            for e in planned:
+                shape, offset = compute_local_shape_and_global_offset(e.shape, e.tensor.device_mesh,
+                                                                      e.tensor.placements)
+                local = tuple(_local(e.tensor).shape)
+                if tuple(shape) != local or not _local(e.tensor).is_contiguous():
+                    raise ValueError(f"parameter '{e.name}': its local piece {list(local)} is not the block its "
+                                     f"placements {tuple(e.tensor.placements)} give ({list(shape)}): uneven custom "
+                                     "sharding is not served")
+                mine.append(tuple((o, o + n) for o, n in zip(offset, shape)))
         every = self._agree(planned, mine)
         self.blocks = [[every[r][i] for r in range(self.world)] for i in range(len(planned))]
         # Who sends each distinct block (the lowest rank that holds it): a block is sent once.
@@ -170,9 +211,9 @@ class Shards:
         self.proxies = {}  # position -> the whole matrix an owner steps
         self.grads = {}    # position -> its gradient buffer (the proxy's .grad when the matrix has a gradient)
         for i, e in enumerate(planned):
-            mine = copy.copy(e)
             if e.algorithm == "normuon" and self.owner[i] != self.rank:
                 continue
+            mine = copy.copy(e)
             if e.algorithm == "normuon" and not self._whole_everywhere(i):  # whole here, from the blocks
                 mine.tensor = torch.zeros(e.shape, dtype=e.dtype, device=_local(e.tensor).device)
                 self.grads[i] = mine.tensor.grad = torch.zeros_like(mine.tensor)
@@ -205,11 +246,9 @@ class Shards:
         """Every rank's blocks, after checking that every rank of the mesh holds the same parameter list
         (names, shapes, dtypes, routing): else a ValueError on every rank alike, naming the first difference,
         instead of a collective that hangs."""
-        import torch.distributed as dist
-
         mine = [(e.name, tuple(e.shape), str(e.dtype), e.algorithm) for e in planned]
         every = [None] * self.world
-        dist.all_gather_object(every, (mine, blocks), group=self.group)
+        dist.all_gather_object(every, (mine, blocks), group=self.object_group)
         for r, (theirs, _) in enumerate(every):
             if theirs != mine:
                 diff = next((f"'{a[0]}' {a[1:]} here, '{b[0]}' {b[1:]} on rank {r}" for a, b in zip(mine, theirs)
@@ -237,15 +276,25 @@ class Shards:
             raise RuntimeError(f"rank {self.rank}: the engine skipped a step the ranks agreed on: {skipped}")
         self._exchange(has_grad, inward=False)
         self.steps, self.entry_steps = _C.advance_steps(self.layout, has_grad, self.steps, self.entry_steps)
-        engine.set_steps(self.steps, engine.entry_steps)
+        engine.set_steps(self.steps, [self.entry_steps[i] for i in self.positions])
         return None
+
+    def refresh(self, engine):
+        """Collective. The owners' whole matrices from the parameters as they are now (their blocks, no
+        gradients), and the engine's masters from them: before state is read or loaded, so a bf16 master
+        follows the model (the first step's, or one written from outside since)."""
+        if ("params",) not in self._plans:
+            self._plans[("params",)] = [m for m in self._exchange_moves([True] * len(self.planned), True)
+                                        if m[5] == "param"]
+        self._move(self._plans[("params",)])
+        engine.refresh_masters()
 
     def _first_nonfinite(self, has_grad):
         """(position, element of the whole tensor, value) of the first NaN/Inf gradient, the same on every
         rank, or None. Each distinct block is scanned by its sender only."""
-        import torch.distributed as dist
-
         first, value = (len(self.planned), 0), 0.0
+        # Which parameters have a gradient must be the same everywhere, or the exchanges would not pair up.
+        pattern = hash(tuple(has_grad)) & ((1 << 61) - 1)
         for i, (e, present) in enumerate(zip(self.planned, has_grad)):
             if not present or not self.sender[i][self.rank]:
                 continue
@@ -258,13 +307,18 @@ class Shards:
                     element = element * n + lo + k
                 first, value = (i, element), float(g[tuple(where)])
                 break
-        key = torch.tensor([first[0] * 2**40 + first[1]], dtype=torch.int64)
+        key = torch.tensor([first[0] * 2**40 + first[1], pattern, -pattern], dtype=torch.int64, device=self.comm_device)
         dist.all_reduce(key, op=dist.ReduceOp.MIN, group=self.group)
-        self._count(8 * (self.world > 1), 8 * (self.world > 1))
-        index, element = divmod(int(key), 2**40)
+        self._count(24 * (self.world > 1), 24 * (self.world > 1))
+        key = key.tolist()
+        if key[1] != -key[2]:
+            raise ValueError("the ranks disagree on which parameters have a gradient this step: every rank must "
+                             "compute gradients for the same parameters (nothing was changed)")
+        index, element = divmod(key[0], 2**40)
         if index == len(self.planned):
             return None
-        mine = torch.tensor([value if (first[0], first[1]) == (index, element) else 0.0], dtype=torch.float64)
+        mine = torch.tensor([value if (first[0], first[1]) == (index, element) else 0.0], dtype=torch.float64,
+                            device=self.comm_device)
         dist.all_reduce(mine, group=self.group)  # NaN + 0 and inf + 0 keep their value
         self._count(8 * (self.world > 1), 8 * (self.world > 1))
         return index, element, float(mine)
@@ -276,6 +330,8 @@ class Shards:
         made once per pattern of gradients present."""
         key = (inward, tuple(has_grad))
         if key not in self._plans:
+            if len(self._plans) > 16:  # (MoE: a few patterns of experts without gradients; not without bound)
+                self._plans.clear()
             self._plans[key] = self._exchange_moves(has_grad, inward)
         self._move(self._plans[key])
         if inward:
@@ -290,17 +346,17 @@ class Shards:
             o, local, blocks = self.owner[i], _local(e.tensor), self.blocks[i]
             if i not in self.proxies and self._whole_everywhere(i):
                 if not inward:
-                    moves += [(o, r, local.numel(), lambda t=local: t, lambda t=local: t)
+                    moves += [(o, r, local.numel(), lambda t=local: t, lambda t=local: t, "out")
                               for r in range(self.world) if r != o]
                 continue
             for r, b in enumerate(blocks):
                 n = _numel(b)
                 if inward and self.sender[i][r]:
-                    moves.append((r, o, n, lambda t=local: t, lambda i=i, b=b: self.proxies[i][_slices(b)]))
+                    moves.append((r, o, n, lambda t=local: t, lambda i=i, b=b: self.proxies[i][_slices(b)], "param"))
                     moves.append((r, o, n, lambda e=e: _local(e.tensor.grad),
-                                  lambda i=i, b=b: self.grads[i][_slices(b)]))
+                                  lambda i=i, b=b: self.grads[i][_slices(b)], "grad"))
                 elif not inward and n:
-                    moves.append((o, r, n, lambda i=i, b=b: self.proxies[i][_slices(b)], lambda t=local: t))
+                    moves.append((o, r, n, lambda i=i, b=b: self.proxies[i][_slices(b)], lambda t=local: t, "out"))
         return moves
 
     def _count(self, sent, received):
@@ -313,8 +369,6 @@ class Shards:
     def _move(self, moves):
         """moves: (source rank, destination rank, elements, what to send (called on the source), where it
         goes (called on the destination)), listed alike on every rank. One all_to_all_single, in fp32."""
-        import torch.distributed as dist
-
         send = sorted((m for m in moves if m[0] == self.rank), key=lambda m: m[1])  # stable: the list's order
         recv = sorted((m for m in moves if m[1] == self.rank), key=lambda m: m[0])
         send_sizes, recv_sizes = [0] * self.world, [0] * self.world
@@ -322,10 +376,9 @@ class Shards:
             send_sizes[m[1]] += m[2]
         for m in recv:
             recv_sizes[m[0]] += m[2]
-        device = _local(self.planned[0].tensor).device
-        parts = [m[3]().reshape(-1).to(torch.float32) for m in send if m[2]]
-        send_buf = torch.cat(parts) if parts else torch.zeros(0, device=device)
-        recv_buf = torch.empty(sum(recv_sizes), dtype=torch.float32, device=device)
+        parts = [m[3]().reshape(-1).to(self.comm_device, torch.float32) for m in send if m[2]]
+        send_buf = torch.cat(parts) if parts else torch.zeros(0, device=self.comm_device)
+        recv_buf = torch.empty(sum(recv_sizes), dtype=torch.float32, device=self.comm_device)
         dist.all_to_all_single(recv_buf, send_buf, recv_sizes, send_sizes, group=self.group)
         self._count(4 * (sum(send_sizes) - send_sizes[self.rank]), 4 * (sum(recv_sizes) - recv_sizes[self.rank]))
         at = 0
@@ -422,12 +475,14 @@ class Shards:
             if t is None:  # (a master_param left out: the master stays as it is)
                 out[key] = None
                 continue
-            if isinstance(t, dtensor_type() or ()):
+            kind, mine = dtensor_type() or (), self.planned[i].tensor
+            if isinstance(t, kind) and isinstance(mine, kind) and t.device_mesh == mine.device_mesh:
                 if tuple(t.placements) != self._placements(i, key):
                     t = t.redistribute(t.device_mesh, self._placements(i, key))
                 out[key] = t._local_tensor.to(torch.float32)
-            else:
-                out[key] = t.to(torch.float32)[_slices(blocks[self.rank])]
+            else:  # a whole tensor, or a DTensor laid out on another mesh: its whole values, this rank's block
+                whole = t.full_tensor() if isinstance(t, kind) else t
+                out[key] = whole.to(torch.float32)[_slices(blocks[self.rank])]
         return out
 
     def load_local_state(self, engine, pieces, steps, entry_steps):

@@ -54,6 +54,14 @@ def batch(step):
     return torch.randint(0, 11, (4, 5), generator=g)
 
 
+def sharded_tiny(dtype):
+    model = Tiny(dtype)
+    for m in (model.up, model.down, model.back, model.embed, model.head, model.norm):
+        fully_shard(m)
+    fully_shard(model)
+    return model
+
+
 def train(variant, shard, first=1, save=None, load=None, whole=None):
     """Steps first..STEPS; save / load: a torch.distributed.checkpoint folder written after step `first`
     - 1... (save: after the step of that number, as (step, folder)); whole: a file with one process's model and
@@ -63,11 +71,7 @@ def train(variant, shard, first=1, save=None, load=None, whole=None):
                                                          set_model_state_dict, set_optimizer_state_dict)
 
     dtype, backend, kw = VARIANTS[variant]
-    model = Tiny(dtype)
-    if shard:
-        for m in (model.up, model.down, model.back, model.embed, model.head, model.norm):
-            fully_shard(m)
-        fully_shard(model)
+    model = sharded_tiny(dtype) if shard else Tiny(dtype)
     opt = normuon.NorMuonAdamW(model, backend=backend, threads=1, **kw)
     if whole is not None:  # one process's state dicts, loaded as they are
         from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -217,6 +221,27 @@ def rank_job(world, rank, out):
         opt.export_state(os.path.join(out, "never.safetensors"))
     except RuntimeError as error:
         results["export_state"] = str(error)
+    if world == 2:
+        # bf16: a state dict before any step holds the model's values as masters (the owners' whole
+        # copies are filled from the shards when the optimizer is built)
+        bf16 = sharded_tiny(torch.bfloat16)
+        opt = normuon.NorMuonAdamW(bf16, threads=1)
+        state, named = opt.state_dict()["state"], dict(bf16.named_parameters())
+        order = [n for g in opt.param_groups for n in g["names"]]
+        results["masters"] = {n: torch.equal(state[k]["master_param"].full_tensor(), named[n].full_tensor().float())
+                              for k, n in enumerate(order)}
+        # a gradient on one rank only: every rank refuses the step, nothing changes
+        fp32 = sharded_tiny(torch.float32)
+        opt = normuon.NorMuonAdamW(fp32, threads=1)
+        fp32(batch(1)).pow(2).mean().backward()
+        if rank == 1:
+            fp32.head.weight.grad = None
+        before = [p.full_tensor() for p in fp32.parameters()]
+        try:
+            opt.step()
+        except ValueError as error:
+            results["grad_pattern"] = str(error)
+        results["unchanged"] = all(torch.equal(a, p.full_tensor()) for a, p in zip(before, fp32.parameters()))
     named = list(model.named_parameters())
     try:  # rank 1 leaves a parameter out: every rank is told, none waits in a collective
         normuon.NorMuonAdamW(named[:-1] if rank == 1 else named, threads=1)
@@ -313,10 +338,22 @@ def test_ddp_over_plain_tensors_takes_the_same_path_bit_for_bit(runs, variant):
 def test_what_is_not_served_is_refused_by_name(runs):
     for result in runs[2]:
         assert "plain tensor beside DTensor parameters" in result["mixed"]
-        assert "export_state() over DTensor (FSDP2) parameters is not served yet" in result["export_state"]
+        assert "export_state() over sharded parameters (DTensors, or process_group=) is not served yet" \
+            in result["export_state"]
         assert "the ranks of the mesh disagree on the parameters" in result["disagree"]
     assert "8 parameters here, 7 on rank 1" in runs[2][0]["disagree"]
     assert "7 parameters here, 8 on rank 0" in runs[2][1]["disagree"]
+
+
+def test_bf16_masters_in_a_state_dict_before_any_step_are_the_models_values(runs):
+    for result in runs[2]:
+        assert all(result["masters"].values()) and len(result["masters"]) == 8, result["masters"]
+
+
+def test_a_gradient_on_one_rank_only_is_refused_everywhere(runs):
+    for result in runs[2]:
+        assert "the ranks disagree on which parameters have a gradient" in result["grad_pattern"]
+        assert result["unchanged"]
 
 
 def test_the_bytes_each_step_moves_are_counted(runs):
