@@ -263,6 +263,10 @@ class Shards:
         """One step of every rank (collective): the verdict, the exchange in, the engine's step, the
         exchange out, the counters. Returns the reason a skip_step policy skipped it, or None."""
         has_grad = [e.tensor.grad is not None for e in self.planned]
+        for e, present in zip(self.planned, has_grad):  # a gradient laid out otherwise than its parameter
+            g = e.tensor.grad
+            if present and isinstance(g, dtensor_type() or ()) and g.placements != e.tensor.placements:
+                e.tensor.grad = g.redistribute(g.device_mesh, e.tensor.placements)  # (alike on every rank)
         self.last_step_comm = dict(collectives=0, bytes_sent=0, bytes_received=0)
         self.comm_stats["steps"] += 1
         bad = self._first_nonfinite(has_grad)

@@ -128,7 +128,11 @@ def placed(variant, world, two_d=False):
     for step in range(1, STEPS + 1):
         for k, (n, p) in enumerate(named):
             g = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + k)).to(dtype)
-            p.grad = g if world is None else distribute_tensor(g, p.device_mesh, place[n])
+            if world is None:
+                p.grad = g
+            else:  # (norm.weight's gradient arrives replicated: laid out otherwise than its row-sharded parameter)
+                p.grad = distribute_tensor(g, p.device_mesh, [Replicate()] if n == "norm.weight" and not two_d
+                                           else place[n])
         opt.step()
         seen.append({n: (p if world is None else p.full_tensor()).detach().clone() for n, p in named})
     return dict(params=seen, steps=[g["step"] for g in opt.param_groups])
