@@ -423,12 +423,14 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         have it under FSDP2, for torch.distributed.checkpoint (resharded on load)."""
         for hook in list(getattr(self, "_optimizer_state_dict_pre_hooks", {}).values()):
             hook(self)
-        self.engine.refresh_masters()
+        if self._shards is None:
+            self.engine.refresh_masters()
+        else:  # (collective) the owners' whole matrices first: a bf16 matrix's master is read at its owner
+            self._shards.refresh(self.engine)
         self._settle()
         self._reconcile_betas()  # a scheduler may have moved betas since the last step
         if self._shards is not None:
             sh = self._shards
-            sh.refresh(self.engine)  # masters as the model has them now (a bf16 matrix's, at its owner)
             pieces = sh.local_state(self.engine)
             by_tensor = {id(e.tensor): (sh.dtensors(i, pieces[i]), sh.entry_steps[i]) for i, e in enumerate(sh.planned)}
         else:

@@ -299,19 +299,22 @@ class Shards:
         first, value = (len(self.planned), 0), 0.0
         # Which parameters have a gradient must be the same everywhere, or the exchanges would not pair up.
         pattern = hash(tuple(has_grad)) & ((1 << 61) - 1)
-        for i, (e, present) in enumerate(zip(self.planned, has_grad)):
-            if not present or not self.sender[i][self.rank]:
-                continue
-            g = _local(e.tensor.grad)
-            bad = (~torch.isfinite(g)).nonzero()
-            if bad.numel():
-                where = bad[0].tolist()  # the block's first in row-major order: the whole tensor's first in it
-                element = 0
+        scanned = [(i, _local(e.tensor.grad)) for i, (e, present) in enumerate(zip(self.planned, has_grad))
+                   if present and self.sender[i][self.rank]]
+        # One flag per gradient, read at once (on a GPU, one wait instead of one per parameter); only a
+        # gradient found bad is searched for its first element.
+        finite = torch.stack([torch.isfinite(g).all() for _, g in scanned]).tolist() if scanned else []
+        for (i, g), ok in zip(scanned, finite):
+            if not ok:
+                e = self.planned[i]
+                where = (~torch.isfinite(g)).nonzero()[0].tolist()  # the block's first in row-major order:
+                element = 0  # ... the whole tensor's first in the block
                 for (lo, _), k, n in zip(self.blocks[i][self.rank], where, e.shape):
                     element = element * n + lo + k
                 first, value = (i, element), float(g[tuple(where)])
                 break
-        key = torch.tensor([first[0] * 2**40 + first[1], pattern, -pattern], dtype=torch.int64, device=self.comm_device)
+        key = torch.tensor([first[0] * 2**40 + first[1], pattern, -pattern], dtype=torch.int64,
+                           device=self.comm_device)
         dist.all_reduce(key, op=dist.ReduceOp.MIN, group=self.group)
         self._count(24 * (self.world > 1), 24 * (self.world > 1))
         key = key.tolist()

@@ -246,6 +246,19 @@ def rank_job(world, rank, out):
         except ValueError as error:
             results["grad_pattern"] = str(error)
         results["unchanged"] = all(torch.equal(a, p.full_tensor()) for a, p in zip(before, fp32.parameters()))
+        # a NaN in rank 1's rows of 'down.weight' (rows 4..6 of 7): every rank gets one process's verdict
+        for policy in ("error", "skip_step"):
+            fp32.zero_grad()
+            opt.nonfinite = policy
+            fp32(batch(1)).pow(2).mean().backward()
+            if rank == 1:
+                fp32.down.weight.grad._local_tensor[0, 2] = float("nan")  # element 4 * 13 + 2 of the whole
+            try:
+                opt.step()
+                results["nan_" + policy] = opt.last_skip_reason
+            except RuntimeError as error:
+                results["nan_" + policy] = str(error)
+        results["nan_unchanged"] = all(torch.equal(a, p.full_tensor()) for a, p in zip(before, fp32.parameters()))
     named = list(model.named_parameters())
     try:  # rank 1 leaves a parameter out: every rank is told, none waits in a collective
         normuon.NorMuonAdamW(named[:-1] if rank == 1 else named, threads=1)
@@ -358,6 +371,13 @@ def test_a_gradient_on_one_rank_only_is_refused_everywhere(runs):
     for result in runs[2]:
         assert "the ranks disagree on which parameters have a gradient" in result["grad_pattern"]
         assert result["unchanged"]
+
+
+def test_a_nan_on_one_rank_gets_one_processs_verdict_everywhere(runs):
+    for result in runs[2]:
+        assert "step 1: gradient of 'down.weight' holds nan at element 54 (nothing was changed" in result["nan_error"]
+        assert result["nan_skip_step"] == "step 1: gradient of 'down.weight' holds nan at element 54; step skipped"
+        assert result["nan_unchanged"]
 
 
 def test_the_bytes_each_step_moves_are_counted(runs):
