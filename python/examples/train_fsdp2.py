@@ -2,13 +2,14 @@
 """Trains a small GPT-like model with NorMuonAdamW under FSDP2 (docs/distributed.md), saves a checkpoint with
 torch.distributed.checkpoint and loads it back into a fresh model and optimizer.
 
-    torchrun --nproc-per-node 2 python/examples/train_fsdp2.py          # any launcher that sets the env
-    python3 python/examples/train_fsdp2.py --spawn 2                     # or: this script starts 2 CPU ranks
+    torchrun --nproc-per-node 2 python/examples/train_fsdp2.py --checkpoint DIR   # any launcher that sets the env
+    python3 python/examples/train_fsdp2.py --spawn 2                              # or: this script starts 2 CPU ranks
 
 Gloo on CPUs; with GPUs, NCCL and one GPU per rank. Rank 0 prints the loss of every step.
 """
 import argparse
 import os
+import sys
 import tempfile
 
 import torch
@@ -86,23 +87,31 @@ def rank_main(rank, world, args):
         train(args.steps, os.path.join(args.checkpoint, "dcp"))
     finally:
         dist.destroy_process_group()
+    # Leave without the interpreter's finalization: once FSDP is imported, torch keeps the group (and Gloo's worker
+    # threads) past destroy_process_group, and a worker still dropping a finished collective's tensor while the
+    # interpreter finalizes aborts the process (terminate called without an active exception).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--spawn", type=int, default=0, help="start this many CPU ranks here (default: launched)")
-    parser.add_argument("--checkpoint", help="a folder for the checkpoint (default: a temporary one)")
+    parser.add_argument("--checkpoint", help="a folder every rank can reach, for the checkpoint (with --spawn, by "
+                                             "default a temporary one)")
     args = parser.parse_args()
     if args.steps < 1 or args.spawn < 0:
         parser.error("--steps >= 1, --spawn >= 0")
+    if not args.spawn:  # launched: every rank is this process; they must share one folder
+        if not args.checkpoint:
+            parser.error("launched ranks need --checkpoint, a folder every rank can reach")
+        rank_main(0, 0, args)
     with tempfile.TemporaryDirectory() as tmp:
         args.checkpoint = args.checkpoint or tmp
-        if args.spawn:
-            torch.multiprocessing.start_processes(rank_main, args=(args.spawn, args), nprocs=args.spawn,
-                                                  start_method="spawn")
-        else:
-            rank_main(0, 0, args)
+        torch.multiprocessing.start_processes(rank_main, args=(args.spawn, args), nprocs=args.spawn,
+                                              start_method="spawn")
 
 
 if __name__ == "__main__":

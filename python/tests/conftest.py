@@ -1,6 +1,7 @@
 """Shared pieces of the Python tests. Every test module starts with pytest.importorskip("torch"), so a
 machine without torch reports the skip and its reason instead of failing."""
 import os
+import sys
 
 import pytest
 
@@ -193,6 +194,12 @@ def _gloo_rank(rank, job, world, out):
         torch.save(job(world, rank, out), os.path.join(out, f"w{world}-r{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    # Leave without the interpreter's finalization: once FSDP is imported, torch keeps the group (and Gloo's worker
+    # threads) past destroy_process_group, and a worker still dropping a finished collective's tensor while the
+    # interpreter finalizes aborts the process (terminate called without an active exception).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_gloo_ranks(job, world, out):

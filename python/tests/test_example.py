@@ -43,3 +43,22 @@ def test_train_fsdp2_example(tmp_path):
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
     assert len(losses) == 30 and losses[-1] < 0.85 * losses[0], out.stdout
     assert "parameters equal" in out.stdout and (tmp_path / "dcp").is_dir(), out.stdout
+
+
+def test_train_fsdp2_example_launched(tmp_path):
+    """The same example as a launcher (torchrun) starts it: the rendezvous from the environment, here one rank;
+    without --checkpoint it stops with a clear message (launched ranks need a folder they share)."""
+    require_native()
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except (ImportError, ValueError):
+        pytest.skip("this torch has no FSDP2")
+    example = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "train_fsdp2.py")
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    refused = subprocess.run([sys.executable, example, "--steps", "2"], capture_output=True, text=True, env=env,
+                             timeout=300)
+    assert refused.returncode == 2 and "need --checkpoint" in refused.stderr, refused.stderr
+    out = subprocess.run([sys.executable, example, "--steps", "3", "--checkpoint", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert len(re.findall(r"loss (\d+\.\d+)", out.stdout)) == 3 and "parameters equal" in out.stdout, out.stdout
