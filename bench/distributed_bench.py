@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """Step time and communicated bytes of DistributedNorMuonAdamW against world size (docs/distributed.md).
 
+DistributedNorMuonAdamW is NorMuonAdamW(process_group=), the same path FSDP2 takes: each NorMuon matrix
+has one owner rank, which runs its Newton-Schulz and sends the new values to the other ranks in one
+all_to_all; a 24-byte all_reduce carries the NaN/Inf verdict; AdamW runs on every rank (it sends nothing).
+
 Spawns W ranks on this machine for every world size asked (FileStore rendezvous in a temporary folder),
 on a model with the parameters of the `tiny` preset (GPT-2 style, 4 layers, d_model 256, vocab 4096,
 untied head, fp32). Every rank gets the same gradients (as after a data-parallel all-reduce). Before each
@@ -75,7 +79,7 @@ def params_hash(params):
 OPT_KW = dict(lr=0.02, weight_decay=0.1, adamw_lr=3e-4, adamw_weight_decay=0.1)
 
 
-def worker(rank, world, store, threads, shard_adamw, args, out):
+def worker(rank, world, store, threads, args, out):
     torch.set_num_threads(threads)
     if args.dist_backend == "nccl":
         torch.cuda.set_device(rank)
@@ -83,8 +87,7 @@ def worker(rank, world, store, threads, shard_adamw, args, out):
                             timeout=timedelta(seconds=300))
     try:
         params = make_params()
-        opt = DistributedNorMuonAdamW(params, backend=args.backend, threads=threads, shard_adamw=shard_adamw,
-                                      **OPT_KW)
+        opt = DistributedNorMuonAdamW(params, backend=args.backend, threads=threads, **OPT_KW)
         rows = []
         for step in range(1, args.warmup + args.steps + 1):
             fill_grads(params, step)
@@ -93,8 +96,8 @@ def worker(rank, world, store, threads, shard_adamw, args, out):
             opt.step()
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             if step > args.warmup:
-                rows.append(dict(wall=wall, cpu=cpu, **opt.last_step_seconds, **opt.last_step_comm))
-        table = opt.ownership_table()
+                rows.append(dict(wall=wall, cpu=cpu, **opt.last_step_comm))
+        table = opt.ownership_table()  # AdamW rows have owner "all": owned_numel counts NorMuon matrices only
         flops = [sum(r["cost"] for r in table if r["owner"] == k and r["algorithm"] == "normuon") for k in range(world)]
         result = dict(rank=rank, rows=rows, hash=params_hash(params), backend=opt.backend, ns_flops=flops,
                       matrices=[sum(1 for r in table if r["owner"] == k and r["algorithm"] == "normuon")
@@ -127,10 +130,10 @@ def threads_per_rank(world, args):
     return args.threads_per_rank or max(1, args.cores // world)
 
 
-def run_world(world, shard_adamw, args):
+def run_world(world, args):
     threads = threads_per_rank(world, args)
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(worker, args=(world, os.path.join(out, "store"), threads, shard_adamw, args, out),
+        mp.start_processes(worker, args=(world, os.path.join(out, "store"), threads, args, out),
                            nprocs=world, join=True, start_method="spawn")
         ranks = []
         for r in range(world):
@@ -139,10 +142,8 @@ def run_world(world, shard_adamw, args):
     steps = [[ranks[r]["rows"][i] for r in range(world)] for i in range(args.steps)]
     walls = [max(row["wall"] for row in step) for step in steps]
     cpu = [max(row["cpu"] for row in step) for step in steps]
-    local = [max(row["local"] for row in step) for step in steps]
-    exchange = [max(row["exchange"] for row in step) for step in steps]
     first = ranks[0]["rows"][0]
-    return dict(world=world, threads=threads, walls=walls, cpu=cpu, local=local, exchange=exchange,
+    return dict(world=world, threads=threads, walls=walls, cpu=cpu,
                 collectives=first["collectives"], sent=first["bytes_sent"], received=first["bytes_received"],
                 hashes={r["hash"] for r in ranks}, matrices=ranks[0]["matrices"], ns_flops=ranks[0]["ns_flops"],
                 owned_numel=ranks[0]["owned_numel"], backend=ranks[0]["backend"])
@@ -171,7 +172,6 @@ def main():
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (default 2)")
     parser.add_argument("--backend", default="fast", help="the optimizer backend of every rank (default fast)")
     parser.add_argument("--dist-backend", default="gloo", choices=("gloo", "nccl"))
-    parser.add_argument("--shard-adamw", choices=("off", "on", "both"), default="both")
     parser.add_argument("--cores", type=int, default=os.cpu_count(), help="cores shared by the ranks of one run")
     parser.add_argument("--threads-per-rank", type=int, default=0,
                         help="threads of each rank and of the single process (default: max(1, cores // W))")
@@ -179,20 +179,16 @@ def main():
     parser.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
     args = parser.parse_args()
     worlds = [int(w) for w in args.world_sizes.split(",")]
-    shard_modes = {"off": [False], "on": [True], "both": [False, True]}[args.shard_adamw]
     load_before = os.getloadavg()[0]
     started = datetime.datetime.now(datetime.timezone.utc)
 
     base_threads = threads_per_rank(1, args)
     base_walls, base_cpu, base_hash, base_backend = single_process(args, base_threads)
     runs = []
-    for shard in shard_modes:
-        for world in worlds:
-            run = run_world(world, shard, args)
-            run["shard"] = shard
-            runs.append(run)
-            print(f"world {world} shard_adamw={shard}: step {ms(run['walls'])} ms, sent {run['sent']:,} B/step",
-                  flush=True)
+    for world in worlds:
+        run = run_world(world, args)
+        runs.append(run)
+        print(f"world {world}: step {ms(run['walls'])} ms, sent {run['sent']:,} B/step", flush=True)
 
     threads_text = (f"{args.threads_per_rank} per rank" if args.threads_per_rank
                     else f"max(1, {args.cores} // W) per rank")
@@ -201,8 +197,11 @@ def main():
                    if len(s) == 2 and not n.startswith(("transformer.wte", "transformer.wpe", "lm_head")))
     lines = [f"# Distributed NorMuon ({args.dist_backend}): step time and bytes against world size, "
              f"{started:%Y-%m-%d}", "",
-             "`bench/distributed_bench.py` (docs/distributed.md): `DistributedNorMuonAdamW` on W ranks of this "
-             "machine, every rank with the same gradients; each step's time is the slowest rank's `opt.step()` "
+             "`bench/distributed_bench.py` (docs/distributed.md): `DistributedNorMuonAdamW`, which is "
+             "`NorMuonAdamW(process_group=)` (the same path FSDP2 takes), on W ranks of this machine, every rank "
+             "with the same gradients. Each NorMuon matrix has one owner rank, which runs its Newton-Schulz and "
+             "sends the new values to the other ranks in one all_to_all; a 24-byte all_reduce carries the NaN/Inf "
+             "verdict; AdamW runs on every rank. Each step's time is the slowest rank's `opt.step()` "
              "(after a barrier), median [min - max] over the measured steps; bytes are counted from the buffers "
              "handed to collectives (per rank and step). CPU ms is the busiest rank's process CPU time during "
              "`opt.step()` (all its threads): the work each rank does, which other jobs on the machine disturb "
@@ -223,18 +222,16 @@ def main():
              f"W x threads > {args.cores} oversubscribes them |", "",
              f"Single process (`NorMuonAdamW`, {base_threads} threads): step {ms(base_walls)} ms wall, "
              f"{ms(base_cpu)} ms CPU.", "",
-             "| W | shard_adamw | threads/rank | step ms (wall) | CPU ms per rank (the busiest) "
-             "| local ms (checks, verdict, own step) | exchange ms (pack, all_gather, unpack) | collectives/step "
+             "| W | threads/rank | step ms (wall) | CPU ms per rank (the busiest) | collectives/step "
              "| bytes sent/rank/step | bytes received/rank/step | matrices per rank | NS GFLOP per rank "
              "| bit-identical to 1 process |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         same = "yes" if run["hashes"] == {base_hash} else f"NO ({', '.join(sorted(run['hashes']))} vs {base_hash})"
         gflops = "/".join(f"{f / 1e9:.2f}" for f in run["ns_flops"])
-        lines.append(f"| {run['world']} | {'on' if run['shard'] else 'off'} | {run['threads']} | {ms(run['walls'])} "
-                     f"| {ms(run['cpu'])} "
-                     f"| {ms(run['local'])} | {ms(run['exchange'])} | {run['collectives']} | {run['sent']:,} "
-                     f"| {run['received']:,} | {'/'.join(map(str, run['matrices']))} | {gflops} | {same} |")
+        lines.append(f"| {run['world']} | {run['threads']} | {ms(run['walls'])} | {ms(run['cpu'])} "
+                     f"| {run['collectives']} | {run['sent']:,} | {run['received']:,} "
+                     f"| {'/'.join(map(str, run['matrices']))} | {gflops} | {same} |")
     text = "\n".join(lines) + "\n"
     if args.append:  # a further section of the same results file
         text = "#" + text

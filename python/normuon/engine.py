@@ -400,6 +400,16 @@ def param_specs(entries, group_names, names=None):
             for n, e in zip(names, entries)]
 
 
+def named_state(e, master=True):
+    """{key: view} of an engine entry's state as torch's optimizers name it (momentum_buffer and
+    moment2_buffer, or exp_avg and exp_avg_sq), with master_param: a bf16 or fp16 parameter's fp32 master."""
+    names = ("momentum_buffer", "moment2_buffer") if e.algorithm == "normuon" else ("exp_avg", "exp_avg_sq")
+    out = dict(zip(names, e.state))
+    if master and e.low_precision:
+        out["master_param"] = e.master
+    return out
+
+
 def one_device(entries):
     """The device every planned parameter is on (a CUDA one with its index); ValueError if they differ."""
     devices = sorted({str(e.tensor.device) for e in entries})

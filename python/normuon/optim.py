@@ -5,6 +5,7 @@ the engine the model's tensors and the groups' checked values, and makes one nat
 engine holds the layout, the state and every counter, on the CPU or on a CUDA device; the optimizer's
 state tensors are zero-copy views of its buffers.
 """
+import copy
 import math
 import os
 import warnings
@@ -13,13 +14,14 @@ from collections import defaultdict
 
 import torch
 
-from .engine import FOUND_INF_REASON, Engine, one_device, resolve_modes  # noqa: F401
+from .engine import FOUND_INF_REASON, Engine, named_state, one_device, resolve_modes  # noqa: F401
 from .sharded import Shards, is_sharded
 from .native import (_C, StateFileError, check_values, cuda_unavailable_reason, defaults, native_error,  # noqa: F401
                      require)
 from .plan import (ADAMW_KEYS, ADAMW_PREFIXED, DTYPES, NORMUON_FIELDS, _normuon_betas, plan_groups,  # noqa: F401
                    resolve_inputs, route)
-from .routing import infer_role, output_layer_doubts, routing_text, strip_wrappers, vocabulary_lookalikes  # noqa: F401
+from .routing import (ROUTING_COLUMNS, infer_role, output_layer_doubts, routing_text, strip_wrappers,  # noqa: F401
+                      vocabulary_lookalikes)
 
 NORMUON_KNOBS = NORMUON_FIELDS[6:]  # everything after lr .. ns_steps
 
@@ -166,13 +168,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             for e in laid:  # every parameter has an entry, so torch's DCP helpers see state on every rank
                 self.state[e.tensor] = {}
         for e in self.engine.entries:  # live views, for inspection as with torch's optimizers
-            self.state[param_of[e.index]] = self._state_views(e)
-
-    @staticmethod
-    def _state_views(e):
-        if e.algorithm == "normuon":
-            return {"momentum_buffer": e.state[0], "moment2_buffer": e.state[1]}
-        return {"exp_avg": e.state[0], "exp_avg_sq": e.state[1]}
+            self.state[param_of[e.index]] = named_state(e, master=False)
 
     def add_param_group(self, param_group):
         """torch's add_param_group (a layer unfrozen, a head added): a dict with "params" and, optionally,
@@ -341,7 +337,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     def _not_sharded(self, what):
         if self._shards is not None:
             raise RuntimeError(f"NorMuonAdamW.{what} over sharded parameters (DTensors, or process_group=) is not "
-                               "served yet: save and load through state_dict() (torch.distributed.checkpoint)")
+                               "served yet: build a new optimizer over every group (state_dict() carries the state "
+                               "over)")
 
     def _settle(self):
         """verdict='deferred': the pending step's verdict now (the next step(), state_dict, state files), so
@@ -385,18 +382,31 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         return self.engine.layout
 
     def routing_table(self):
-        """One row per parameter (manifest order): which algorithm and group it got, and why."""
+        """One row per parameter (manifest order): which algorithm and group it got, and why; sharded, also
+        its owner (ownership_table)."""
         frozen = {id(e) for e in self.engine.frozen}
         entries = self._shards.planned if self._shards is not None else self.engine.entries + self.engine.frozen
+        owners = {r["index"]: r["owner"] for r in self.ownership_table() or ()}
         return [dict(index=e.index, name=e.name, shape=tuple(e.shape), dtype=DTYPES[e.dtype], role=e.role,
                      algorithm=e.algorithm, group=self.param_groups[e.group]["name"],
                      why=e.why + (" (frozen: no state until it has a gradient)" if id(e) in frozen else ""),
-                     stats=("" if e.algorithm == "adamw" or id(e) in frozen else "rows" if e.stats_per_row else "cols"))
+                     stats=("" if e.algorithm == "adamw" or id(e) in frozen else "rows" if e.stats_per_row else "cols"),
+                     **({"owner": owners[e.index]} if owners else {}))
                 for e in sorted(entries, key=lambda e: e.index)]
 
     def routing_text(self):
-        return routing_text("NorMuonAdamW", self.routing_table(),
-                            f"backend {self.backend}; layout {self.engine.layout.fingerprint}")
+        tail = f"backend {self.backend}; layout {self.engine.layout.fingerprint}"
+        if self._shards is None:
+            return routing_text(type(self).__name__, self.routing_table(), tail)
+        return routing_text(type(self).__name__, self.routing_table(),
+                            f"{self._shards.world} ranks, this one {self._shards.rank}; " + tail,
+                            ROUTING_COLUMNS[:-1] + ("owner", "why"))
+
+    def ownership_table(self):
+        """Sharded: one row per parameter (manifest order) with its owner, the rank that runs a matrix's
+        Newton-Schulz and sends its new values ('all': every rank steps its own piece, AdamW), and its cost
+        (Newton-Schulz FLOPs, or elements). None in one process."""
+        return None if self._shards is None else self._shards.ownership()
 
     def print_routing(self, file=None):
         print(self.routing_text(), file=file)
@@ -436,10 +446,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         else:
             by_tensor = {}
             for e, own in zip(self.engine.entries, self.engine.entry_steps):
-                s = {k: v.clone() for k, v in self._state_views(e).items()}
-                if e.low_precision:
-                    s["master_param"] = e.master.clone()
-                by_tensor[id(e.tensor)] = s, own
+                by_tensor[id(e.tensor)] = {k: v.clone() for k, v in named_state(e).items()}, own
         groups, state, index = [], {}, 0
         for g in self.param_groups:
             packed = {k: (list(v) if isinstance(v, list) else v) for k, v in g.items() if k != "params"}
@@ -517,8 +524,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 e = by_tensor[id(t)]
                 # What one process holds for it: {key: a tensor of that shape} (sharded: the whole shape).
                 held = ({k: torch.empty(shape, device="meta") for k, shape, _ in sh.state_layout(position[id(t)])}
-                        if sh is not None else dict(self._state_views(e), **({"master_param": e.master}
-                                                                              if e.low_precision else {})))
+                        if sh is not None else named_state(e))
                 s = saved_state.get(idx)
                 if s is None:
                     s = {k: torch.zeros(v.shape) for k, v in held.items() if k != "master_param"}  # never stepped
@@ -562,20 +568,59 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
 
     def export_state(self, path):
         """Writes the project's state file (docs/layout-and-state.md): fp32 master parameters, state,
-        group steps and hyper-parameters. `normuon inspect PATH` reads it, `normuon run --load` resumes it."""
-        self._not_sharded("export_state()")
+        group steps and hyper-parameters. `normuon inspect PATH` reads it, `normuon run --load` resumes it.
+        Sharded (collective): the one-process file, written by rank 0 from every rank's pieces."""
         self._sync_hyper()
-        self.engine.save(os.fspath(path), self.backend)
+        if self._shards is None:
+            self.engine.save(os.fspath(path), self.backend)
+            return
+        whole, error = self._whole_engine(), None
+        if self._shards.rank == 0:
+            try:
+                whole.save(os.fspath(path), self.backend)
+            except Exception as exc:  # every rank raises it
+                error = f"{type(exc).__name__}: {exc}"
+        error = self._shards.share(error)
+        if error is not None:
+            raise RuntimeError(f"rank 0 could not write the state file {os.fspath(path)}: {error}")
+
+    def _whole_engine(self, filled=True):
+        """Sharded: a one-process reference engine over whole CPU copies of the parameters, laid out as one
+        process lays them out (the state file's layout); filled (collective): with the whole state, masters
+        and counters, else zeros."""
+        sh = self._shards
+        if filled:
+            sh.refresh(self.engine)
+            self._settle()
+            pieces = sh.local_state(self.engine)
+        entries = []
+        for e in sh.planned:
+            w = copy.copy(e)
+            w.tensor = (sh.whole(e.tensor.detach()).to("cpu", copy=True) if filled
+                        else torch.zeros(e.shape, dtype=e.dtype))
+            w.grad_of = None
+            entries.append(w)
+        whole = Engine(entries, [(n, g["algorithm"], v) for n, g, v in
+                                 zip(self.engine.group_names, self.param_groups, self.engine.values)], "reference")
+        if filled:
+            for i, w in enumerate(whole.entries):
+                state = sh.dtensors(i, pieces[i])
+                for key, dst in named_state(w).items():
+                    dst.copy_(sh.whole(state[key]))
+            whole.mark_current()
+            whole.set_steps(sh.steps, sh.entry_steps)
+        return whole
 
     def import_state(self, path):
         """Loads a state file of this layout (written by export_state or `normuon run --save`): all or nothing
         (StateFileError). Sets the optimizer state, group steps and hyper-parameters (not nonfinite, not
-        reduce_axis), and the model's parameters from the file's fp32 values."""
-        self._not_sharded("import_state()")
+        reduce_axis), and the model's parameters from the file's fp32 values. Sharded (collective): every rank
+        reads the file (a path they all reach) and takes its pieces."""
         path = os.fspath(path)
         self._settle()  # as load_state_dict
+        target = self.engine if self._shards is None else self._whole_engine(filled=False)
         contents = _C.read_state_file(path)  # one read: the header looked at and the tensors are one version
-        flat = _C.FlatState(self.engine.file_layout(contents.header))
+        flat = _C.FlatState(target.file_layout(contents.header))
         saved = _C.load_state_file(contents, flat)  # all or nothing, into a scratch state
         # Every saved value is checked before anything moves: what the layout and the CUDA plan fixed, and
         # each group's values as a step would check them (a file with ns_steps=0 changed the state first).
@@ -600,7 +645,9 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                                      "with " + ", ".join(f"{k}={self.engine.fixed[i][k]!r}" for k in bad))
             del values
             updated.append(new)
-        self.engine.from_flat(flat)  # the group steps too
+        target.from_flat(flat)  # the group steps too
+        if self._shards is not None:
+            self._shards.load_whole(self.engine, target)
         self._publish_steps()
         for g, new in zip(self.param_groups, updated):
             g.update({k: v for k, v in new.items() if k not in ("params", "names", "name", "algorithm", "step")})

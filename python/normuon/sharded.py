@@ -19,7 +19,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .engine import param_specs
+from .engine import named_state, param_specs
 from .native import _C, require
 
 _DTENSOR = []  # torch.distributed.tensor.DTensor, or None where this torch has none: looked up once
@@ -134,8 +134,6 @@ class Shards:
     plain tensors that every rank of this group holds whole, with the same gradients (DDP)."""
 
     def __init__(self, planned, groups, process_group=None):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("sharded or process_group= parameters need torch.distributed: call "
                                "torch.distributed.init_process_group() first (gloo on CPUs, nccl on GPUs)")
@@ -181,6 +179,8 @@ class Shards:
         if process_group is not None:  # every rank holds every tensor whole
             mine = [tuple((0, n) for n in e.shape) for e in planned]
         else:
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
             mine = []
             for e in planned:
                 shape, offset = compute_local_shape_and_global_offset(e.shape, e.tensor.device_mesh,
@@ -206,6 +206,7 @@ class Shards:
         owners, _ = assign_owners(costs, self.world)
         at = {id(e): i for i, e in enumerate(planned)}  # everything below is keyed by position in `planned`
         self.owner = {at[id(e)]: r for e, r in zip(matrices, owners)}
+        self.cost = {at[id(e)]: c for e, c in zip(matrices, costs)}
         self.entries = []  # what this rank's engine steps, in manifest order
         self.positions = []  # of each of them in `planned`
         self.proxies = {}  # position -> the whole matrix an owner steps
@@ -233,10 +234,28 @@ class Shards:
             e.stats_per_row, e.stat_len = le.stats_per_row, le.stat_len
         self.steps = [0] * len(values)
         self.entry_steps = [0] * len(planned)
-        # Bytes this rank sent and received through torch.distributed: in all, and in the last step.
+        # Bytes this rank sent and received through torch.distributed: in all, and in the last step (not
+        # what state dicts and files move after it).
         self.comm_stats = dict(steps=0, collectives=0, bytes_sent=0, bytes_received=0)
         self.last_step_comm = dict(collectives=0, bytes_sent=0, bytes_received=0)
+        self._tallies = (self.comm_stats,)  # where _count adds: the step's too while it runs
         self._plans = {}  # (inward, gradients present) -> the exchange's moves
+
+    def ownership(self):
+        """One row per parameter (manifest order): index, name, algorithm, shape, owner (the rank that runs a
+        matrix's Newton-Schulz and sends its new values; 'all' for what every rank steps on its own piece)
+        and cost (Newton-Schulz FLOPs of a matrix, elements of the rest)."""
+        return [dict(index=e.index, name=e.name, algorithm=e.algorithm, shape=tuple(e.shape),
+                     owner=self.owner.get(i, "all"), cost=self.cost.get(i, math.prod(e.shape)))
+                for i, e in enumerate(self.planned)]
+
+    def share(self, obj):
+        """Rank 0's `obj` on every rank (collective, pickled over the object group)."""
+        box = [obj]
+        global_rank = getattr(dist, "get_global_rank", None) or dist.distributed_c10d._get_global_rank  # (torch 1.13)
+        src = 0 if self.group is None else global_rank(self.group, 0)
+        dist.broadcast_object_list(box, src=src, group=self.object_group)
+        return box[0]
 
     def _whole_everywhere(self, i):
         full = tuple((0, n) for n in self.planned[i].shape)
@@ -269,16 +288,20 @@ class Shards:
                 e.tensor.grad = g.redistribute(g.device_mesh, e.tensor.placements)  # (alike on every rank)
         self.last_step_comm = dict(collectives=0, bytes_sent=0, bytes_received=0)
         self.comm_stats["steps"] += 1
-        bad = self._first_nonfinite(has_grad)
-        if bad is not None:
-            index, element, value = bad
-            e = self.planned[index]
-            return _C.nonfinite_gradient(e.name, value, element, self.steps[e.group] + 1, nonfinite)
-        self._exchange(has_grad, inward=True)
-        skipped = engine.step()
-        if skipped is not None:  # (every gradient was checked above, on every rank)
-            raise RuntimeError(f"rank {self.rank}: the engine skipped a step the ranks agreed on: {skipped}")
-        self._exchange(has_grad, inward=False)
+        self._tallies = (self.comm_stats, self.last_step_comm)
+        try:
+            bad = self._first_nonfinite(has_grad)
+            if bad is not None:
+                index, element, value = bad
+                e = self.planned[index]
+                return _C.nonfinite_gradient(e.name, value, element, self.steps[e.group] + 1, nonfinite)
+            self._exchange(has_grad, inward=True)
+            skipped = engine.step()
+            if skipped is not None:  # (every gradient was checked above, on every rank)
+                raise RuntimeError(f"rank {self.rank}: the engine skipped a step the ranks agreed on: {skipped}")
+            self._exchange(has_grad, inward=False)
+        finally:
+            self._tallies = (self.comm_stats,)
         self.steps, self.entry_steps = _C.advance_steps(self.layout, has_grad, self.steps, self.entry_steps)
         engine.set_steps(self.steps, [self.entry_steps[i] for i in self.positions])
         return None
@@ -313,21 +336,24 @@ class Shards:
                     element = element * n + lo + k
                 first, value = (i, element), float(g[tuple(where)])
                 break
-        key = torch.tensor([first[0] * 2**40 + first[1], pattern, -pattern], dtype=torch.int64,
-                           device=self.comm_device)
-        dist.all_reduce(key, op=dist.ReduceOp.MIN, group=self.group)
-        self._count(24 * (self.world > 1), 24 * (self.world > 1))
-        key = key.tolist()
+        key = [first[0] * 2**40 + first[1], pattern, -pattern]
+        if self.world > 1:  # (one rank: its own verdict, no collective)
+            key = torch.tensor(key, dtype=torch.int64, device=self.comm_device)
+            dist.all_reduce(key, op=dist.ReduceOp.MIN, group=self.group)
+            self._count(24, 24)
+            key = key.tolist()
         if key[1] != -key[2]:
             raise ValueError("the ranks disagree on which parameters have a gradient this step: every rank must "
                              "compute gradients for the same parameters (nothing was changed)")
         index, element = divmod(key[0], 2**40)
         if index == len(self.planned):
             return None
+        if self.world == 1:
+            return index, element, value
         mine = torch.tensor([value if (first[0], first[1]) == (index, element) else 0.0], dtype=torch.float64,
                             device=self.comm_device)
         dist.all_reduce(mine, group=self.group)  # NaN + 0 and inf + 0 keep their value
-        self._count(8 * (self.world > 1), 8 * (self.world > 1))
+        self._count(8, 8)
         return index, element, float(mine)
 
     def _exchange(self, has_grad, inward):
@@ -368,14 +394,17 @@ class Shards:
 
     def _count(self, sent, received):
         """One collective: bytes to and from other ranks (what a rank keeps for itself is not counted)."""
-        for stats in (self.comm_stats, self.last_step_comm):
+        for stats in self._tallies:
             stats["collectives"] += 1
             stats["bytes_sent"] += sent
             stats["bytes_received"] += received
 
     def _move(self, moves):
         """moves: (source rank, destination rank, elements, what to send (called on the source), where it
-        goes (called on the destination)), listed alike on every rank. One all_to_all_single, in fp32."""
+        goes (called on the destination)), listed alike on every rank. One all_to_all_single, in fp32; none
+        for an empty list (empty alike on every rank: DDP's inward exchange, anything on one rank)."""
+        if not moves:
+            return
         send = sorted((m for m in moves if m[0] == self.rank), key=lambda m: m[1])  # stable: the list's order
         recv = sorted((m for m in moves if m[1] == self.rank), key=lambda m: m[0])
         send_sizes, recv_sizes = [0] * self.world, [0] * self.world
@@ -385,9 +414,12 @@ class Shards:
             recv_sizes[m[0]] += m[2]
         parts = [m[3]().reshape(-1).to(self.comm_device, torch.float32) for m in send if m[2]]
         send_buf = torch.cat(parts) if parts else torch.zeros(0, device=self.comm_device)
-        recv_buf = torch.empty(sum(recv_sizes), dtype=torch.float32, device=self.comm_device)
-        dist.all_to_all_single(recv_buf, send_buf, recv_sizes, send_sizes, group=self.group)
-        self._count(4 * (sum(send_sizes) - send_sizes[self.rank]), 4 * (sum(recv_sizes) - recv_sizes[self.rank]))
+        if self.world == 1:  # (its moves to itself, in the same order: no collective)
+            recv_buf = send_buf
+        else:
+            recv_buf = torch.empty(sum(recv_sizes), dtype=torch.float32, device=self.comm_device)
+            dist.all_to_all_single(recv_buf, send_buf, recv_sizes, send_sizes, group=self.group)
+            self._count(4 * (sum(send_sizes) - send_sizes[self.rank]), 4 * (sum(recv_sizes) - recv_sizes[self.rank]))
         at = 0
         for m in recv:
             if m[2]:
@@ -432,13 +464,7 @@ class Shards:
     def _views(self, engine):
         """position -> {key: this rank's engine view} of what its engine holds (whole matrices it owns,
         local pieces of AdamW parameters)."""
-        out = {}
-        for i, me in zip(self.positions, engine.entries):
-            names = ("momentum_buffer", "moment2_buffer") if me.algorithm == "normuon" else ("exp_avg", "exp_avg_sq")
-            out[i] = dict(zip(names, me.state))
-            if me.low_precision:
-                out[i]["master_param"] = me.master
-        return out
+        return {i: named_state(me) for i, me in zip(self.positions, engine.entries)}
 
     def local_state(self, engine):
         """Collective. Per position, {key: this rank's piece} (fresh fp32 tensors, the blocks state_layout
@@ -459,6 +485,10 @@ class Shards:
             out.append(pieces)
         self._move(moves)
         return out
+
+    def whole(self, t):
+        """A parameter's tensor or a state tensor, whole (a DTensor's gathered: collective)."""
+        return t.full_tensor() if isinstance(t, dtensor_type() or ()) else t
 
     def dtensors(self, i, pieces):
         """Parameter i's state pieces (local_state) as DTensors of the whole shapes, laid out as the
@@ -513,3 +543,14 @@ class Shards:
         self.steps, self.entry_steps = list(steps), list(entry_steps)
         engine.set_steps(self.steps, [self.entry_steps[i] for i in self.positions])
         engine.mark_current()
+
+    def load_whole(self, engine, whole):
+        """Collective. A one-process engine's parameters, state and counters (a state file every rank read)
+        into this rank's blocks of the parameters and its engine."""
+        with torch.no_grad():
+            for i, (e, w) in enumerate(zip(self.planned, whole.entries)):
+                _local(e.tensor).copy_(w.values()[_slices(self.blocks[i][self.rank])])
+        self.refresh(engine)  # the owners' whole matrices from the parameters just written
+        self.load_local_state(engine, [self.local_pieces(i, named_state(w)) for i, w in enumerate(whole.entries)],
+                              whole.steps, whole.entry_steps)
+

@@ -1,5 +1,5 @@
-"""DistributedNorMuonAdamW (docs/distributed.md): multi-process runs over Gloo on the CPU, compared bit for
-bit with the single-process NorMuonAdamW on the same gradients.
+"""DistributedNorMuonAdamW, NorMuonAdamW(process_group=) under its old name (docs/distributed.md): multi-process
+runs over Gloo on the CPU, compared bit for bit with the single-process NorMuonAdamW on the same gradients.
 
 Two launches (2 and 3 ranks, spawned, FileStore rendezvous in a temporary folder) run every scenario;
 each rank saves what it saw, and the tests below compare that with single-process runs made here."""
@@ -18,17 +18,17 @@ from torch import nn  # noqa: E402
 
 import normuon  # noqa: E402
 from conftest import fill_grads, make_model, params_of, require_native, run_gloo_ranks  # noqa: E402
-from normuon.distributed import (DistributedNorMuonAdamW, _comm_device, _object_group,  # noqa: E402
-                                 assign_owners, newton_schulz_flops)
+from normuon.distributed import DistributedNorMuonAdamW  # noqa: E402
+from normuon.sharded import _comm_device, _object_group, assign_owners, newton_schulz_flops  # noqa: E402
 
 STEPS = 4
 VARIANTS = {
-    # name: (model dtype, backend, shard_adamw, scheduler, optimizer keywords)
-    "ref_fp32": (None, "reference", False, False, dict(weight_decay=0.1, adamw_weight_decay=0.05)),
-    "fast_fp32": (None, "fast", False, False, dict(weight_decay=0.1, adamw_weight_decay=0.05)),
-    "fast_fp32_zero": (None, "fast", True, True, dict(weight_decay=0.1, adamw_weight_decay=0.05,
-                                                       reduce_axis="longer_dim", weight_decay_mode="cautious")),
-    "fast_bf16_zero": (torch.bfloat16, "fast", True, False, dict(weight_decay=0.1, adamw_betas=(0.0, 0.95))),
+    # name: (model dtype, backend, scheduler, optimizer keywords)
+    "ref_fp32": (None, "reference", False, dict(weight_decay=0.1, adamw_weight_decay=0.05)),
+    "fast_fp32": (None, "fast", False, dict(weight_decay=0.1, adamw_weight_decay=0.05)),
+    "fast_fp32_sched": (None, "fast", True, dict(weight_decay=0.1, adamw_weight_decay=0.05,
+                                                 reduce_axis="longer_dim", weight_decay_mode="cautious")),
+    "fast_bf16": (torch.bfloat16, "fast", False, dict(weight_decay=0.1, adamw_betas=(0.0, 0.95))),
 }
 
 
@@ -45,10 +45,10 @@ class TwoMatrices(nn.Module):
 
 
 def build(variant, distributed, seed=1):
-    dtype, backend, shard, scheduler, kw = VARIANTS[variant]
+    dtype, backend, scheduler, kw = VARIANTS[variant]
     model = make_model(seed=seed, dtype=dtype)
     if distributed:
-        opt = DistributedNorMuonAdamW(model.named_parameters(), backend=backend, threads=1, shard_adamw=shard, **kw)
+        opt = DistributedNorMuonAdamW(model.named_parameters(), backend=backend, threads=1, **kw)
     else:
         opt = normuon.NorMuonAdamW(model.named_parameters(), backend=backend, threads=1, **kw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 / (1 + 0.5 * i)) if scheduler else None
@@ -152,9 +152,9 @@ def poison_grads(model, victim):
     named["lm_head.weight"].grad.view(-1)[0] = float("inf")
 
 
-def job_two_matrices(with_adamw, shard, world, rank, out):
+def job_two_matrices(with_adamw, world, rank, out):
     model = TwoMatrices(with_adamw)
-    opt = DistributedNorMuonAdamW(model.named_parameters(), threads=1, shard_adamw=shard, weight_decay=0.1)
+    opt = DistributedNorMuonAdamW(model.named_parameters(), threads=1, weight_decay=0.1)
     train(model, opt, None, 1, STEPS)
     if with_adamw:
         opt.export_state(os.path.join(out, "state-two.safetensors"))
@@ -162,17 +162,17 @@ def job_two_matrices(with_adamw, shard, world, rank, out):
 
 
 def job_side_group(world, rank, out):
-    """The objects (state, verdicts) over a Gloo group of their own, as under NCCL: save at step 3, resume
-    in a new optimizer, 2 more steps."""
+    """The objects (a state file's outcome) over a Gloo group of their own, as under NCCL: save at step 3,
+    resume in a new optimizer, 2 more steps."""
     model, opt, _ = build("fast_fp32", True)
-    opt._object_group = _object_group(None, "nccl")  # what an NCCL-only world gets
-    assert dist.get_backend(opt._object_group) == "gloo" and opt._object_group is not opt.process_group
+    opt._shards.object_group = _object_group(None, "nccl")  # what an NCCL-only world gets
+    assert dist.get_backend(opt._shards.object_group) == "gloo" and opt._shards.object_group is not dist.group.WORLD
     train(model, opt, None, 1, 3)
     path = os.path.join(out, f"state-side-w{world}.safetensors")
     opt.export_state(path)
     saved = dict(params=params_of(model), state=opt.state_dict())
     model, opt, _ = build("fast_fp32", True, seed=99)
-    opt._object_group = _object_group(None, "nccl")
+    opt._shards.object_group = _object_group(None, "nccl")
     opt.import_state(path)
     train(model, opt, None, 4, 5)
     return dict(saved=saved, final=record(model, opt))
@@ -185,11 +185,11 @@ def jobs_for(world):
         jobs.update(save=job_save, resume_single=partial(job_resume_file, "state-single.safetensors"),
                     nonfinite=job_nonfinite)
     else:
-        jobs.update({"repeat:fast_bf16_zero": partial(job_train, "fast_bf16_zero"),
+        jobs.update({"repeat:fast_bf16": partial(job_train, "fast_bf16"),
                      "resume_file": partial(job_resume_file, "state-w2.safetensors"),
                      "resume_sd": job_resume_sd,
-                     "two": partial(job_two_matrices, True, False),
-                     "two_bare": partial(job_two_matrices, False, True),
+                     "two": partial(job_two_matrices, True),
+                     "two_bare": partial(job_two_matrices, False),
                      "bad_load": job_bad_load,
                      "side_group": job_side_group})
     return jobs
@@ -259,17 +259,19 @@ def test_matrices_are_spread_and_exchanged_in_one_collective(runs):
             owners = rank_results[0]["owners"]
             matrices = [r for r in owners if r["algorithm"] == "normuon"]
             assert {r["owner"] for r in matrices} == set(range(world))
-            adamw_owners = {r["owner"] for r in owners if r["algorithm"] == "adamw"}
-            sharded = VARIANTS[variant][2]
-            assert ("all" not in adamw_owners) if sharded else adamw_owners == {"all"}
-            # Counted bytes: one 8-byte verdict plus one packed all_gather of the largest rank's share.
-            numel = [sum(math.prod(r["shape"]) for r in owners if r["owner"] == k) for k in range(world)]
-            expected_sent = 8 + 4 * max(numel)
+            assert {r["owner"] for r in owners if r["algorithm"] == "adamw"} == {"all"}
+            # Counted bytes: the 24-byte verdict, then each owner's new matrices to every other rank (every
+            # rank holds the parameters and gradients whole: nothing goes in), but for the one that had no
+            # gradient in the last step.
+            idle = [n for n, _ in make_model().named_parameters()][STEPS % len(owners)]
+            numel = [sum(math.prod(r["shape"]) for r in matrices if r["owner"] == k and r["name"] != idle)
+                     for k in range(world)]
             for rank, res in enumerate(rank_results):
-                assert res["owned"] == [r["name"] for r in owners if r["owner"] == rank]
-                assert res["last"] == dict(collectives=2, bytes_sent=expected_sent,
-                                           bytes_received=8 + (world - 1) * 4 * max(numel))
-                assert res["comm"]["steps"] == STEPS and res["comm"]["collectives"] == 2 * STEPS
+                assert res["owned"] == [r["name"] for r in matrices if r["owner"] == rank]
+                assert res["last"] == dict(collectives=2, bytes_sent=24 + 4 * (world - 1) * numel[rank],
+                                           bytes_received=24 + 4 * (sum(numel) - numel[rank]))
+                # In all: the steps' and the state dict's (record), which last_step_comm leaves out.
+                assert res["comm"]["steps"] == STEPS and res["comm"]["collectives"] == 2 * STEPS + 1
 
 
 def test_rank_that_owns_no_matrix(runs):
@@ -282,13 +284,13 @@ def test_rank_that_owns_no_matrix(runs):
             assert_same(results[job], want)
             owners = results[job]["owners"]
             assert [r["owner"] for r in owners if r["algorithm"] == "normuon"] == [0, 1]
-        assert runs[3][2][job]["owned"] == []  # rank 2 owns nothing, yet sends its padded share
-        assert runs[3][2][job]["last"]["bytes_sent"] == 8 + 4 * 24 * 8
+        assert runs[3][2][job]["owned"] == []  # rank 2 owns nothing: it sends its verdict only
+        assert runs[3][2][job]["last"]["bytes_sent"] == 24
 
 
 def test_run_to_run_bitwise(runs):
     for results in runs[3]:
-        a, b = results["train:fast_bf16_zero"], results["repeat:fast_bf16_zero"]
+        a, b = results["train:fast_bf16"], results["repeat:fast_bf16"]
         assert_same(a, b)
 
 
@@ -448,7 +450,7 @@ def test_world_of_one(one_rank):
     """One rank: no collectives at all, the single-process result."""
     outcomes = []
     for distributed in (True, False):
-        model, opt, sched = build("fast_fp32_zero", distributed)
+        model, opt, sched = build("fast_fp32_sched", distributed)
         train(model, opt, sched, 1, STEPS)
         got = record(model, opt)
         poison_grads(model, "blocks.1.attn.weight")  # left to the local optimizer: same verdict
@@ -486,3 +488,11 @@ def test_bad_parameters_get_the_single_process_errors(one_rank):
                                  ([], ValueError, "empty parameter list")):
         with pytest.raises(error, match=match):
             DistributedNorMuonAdamW(params)
+
+
+def test_shard_adamw_is_gone_with_a_warning(one_rank):
+    """The old keyword still builds the optimizer (the result is the same), with a warning that says so."""
+    with pytest.warns(FutureWarning, match="shard_adamw is gone"):
+        opt = DistributedNorMuonAdamW(make_model().named_parameters(), threads=1, shard_adamw=True)
+    assert isinstance(opt, normuon.NorMuonAdamW) and opt.owned_names() == [
+        r["name"] for r in opt.ownership_table() if r["algorithm"] == "normuon"]

@@ -62,10 +62,11 @@ def sharded_tiny(dtype):
     return model
 
 
-def train(variant, shard, first=1, save=None, load=None, whole=None):
+def train(variant, shard, first=1, save=None, load=None, whole=None, file_in=None, file_out=None):
     """Steps first..STEPS; save / load: a torch.distributed.checkpoint folder written after step `first`
     - 1... (save: after the step of that number, as (step, folder)); whole: a file with one process's model and
-    optimizer state dicts (plain tensors) to start from."""
+    optimizer state dicts (plain tensors) to start from; file_in / file_out: the project's state file to
+    start from / to write at the end."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
@@ -84,6 +85,8 @@ def train(variant, shard, first=1, save=None, load=None, whole=None):
         dcp.load(both, checkpoint_id=load)
         set_model_state_dict(model, both["model"])
         set_optimizer_state_dict(model, opt, both["optim"])
+    if file_in is not None:
+        opt.import_state(file_in)
     seen = []
     for step in range(first, STEPS + 1):
         loss = model(batch(step)).float().pow(2).mean()
@@ -94,6 +97,8 @@ def train(variant, shard, first=1, save=None, load=None, whole=None):
         if save is not None and step == save[0]:
             dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
                      checkpoint_id=save[1])
+    if file_out is not None:
+        opt.export_state(file_out)
     return dict(params=seen, steps=[g["step"] for g in opt.param_groups], backend=opt.backend,
                 comm=opt.last_step_comm, total=opt.comm_stats, state=None if shard else opt.state_dict()["state"])
 
@@ -207,6 +212,9 @@ def rank_job(world, rank, out):
                         for v in RESUMED})
     if world in (2, 4):
         results.update({"ddp_" + v: ddp_train(v) for v in DDP})
+        results.update({"file_" + v: train(v, shard=True, first=2, file_in=os.path.join(out, f"whole-{v}.safetensors"),
+                                           file_out=os.path.join(out, f"file-{v}-w{world}.safetensors"))
+                        for v in RESUMED})
     if world == 4:
         results.update({"2d_" + v: placed(v, world, two_d=True) for v in VARIANTS})
         results["fsdp_tp"] = fsdp_tp_against_one_process()
@@ -220,11 +228,6 @@ def rank_job(world, rank, out):
     except ValueError as error:
         results["mixed"] = str(error)
     fully_shard(model)
-    opt = normuon.NorMuonAdamW(model, threads=1)
-    try:
-        opt.export_state(os.path.join(out, "never.safetensors"))
-    except RuntimeError as error:
-        results["export_state"] = str(error)
     if world == 2:
         # bf16: a state dict before any step holds the model's values as masters (the owners' whole
         # copies are filled from the shards when the optimizer is built)
@@ -279,7 +282,8 @@ def runs(tmp_path_factory):
             model(batch(1)).float().pow(2).mean().backward()
             opt.step()
             torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, os.path.join(out, f"whole-{v}.pt"))
-    return {world: run_gloo_ranks(rank_job, world, out) for world in (2, 4, 1)}  # 2 first: it saves
+            opt.export_state(os.path.join(out, f"whole-{v}.safetensors"))
+    return dict({world: run_gloo_ranks(rank_job, world, out) for world in (2, 4, 1)}, out=out)  # 2 first: it saves
 
 
 @contextlib.contextmanager
@@ -338,6 +342,28 @@ def test_fsdp_x_tp_as_torchtitan_lays_it_out_adds_no_difference(runs):
     assert result["fsdp_tp"]["kinds"]["up.weight"] == "_StridedShard"  # the layout the test is about
 
 
+@pytest.mark.parametrize("variant", RESUMED)
+def test_state_files_cross_between_one_process_and_shards(runs, variant):
+    """The project's state file: one process's (after step 1) resumed under FSDP2 at 2 and 4 ranks; the file
+    those ranks write after the last step (rank 0, from every rank's pieces) resumed in one process: both as
+    the uninterrupted run, bit for bit, state included."""
+    one = single(variant)
+    dtype, backend, kw = VARIANTS[variant]
+    for world in (2, 4):
+        for rank, result in enumerate(runs[world]):
+            assert_same(result["file_" + variant], one, (world, rank), first=2)
+        model = Tiny(dtype)
+        opt = normuon.NorMuonAdamW(model, backend=backend, threads=1, **kw)
+        opt.import_state(os.path.join(runs["out"], f"file-{variant}-w{world}.safetensors"))
+        assert [g["step"] for g in opt.param_groups] == one["steps"]
+        for name, p in model.named_parameters():
+            assert torch.equal(p, one["params"][-1][name]), (world, name)
+        state = opt.state_dict()["state"]
+        assert set(state) == set(one["state"])
+        for k, s in one["state"].items():
+            assert state[k].keys() == s.keys() and all(torch.equal(state[k][key], v) for key, v in s.items()), (world, k)
+
+
 @pytest.mark.parametrize("variant", DDP)
 def test_ddp_over_plain_tensors_takes_the_same_path_bit_for_bit(runs, variant):
     one = single(variant)
@@ -355,8 +381,6 @@ def test_ddp_over_plain_tensors_takes_the_same_path_bit_for_bit(runs, variant):
 def test_what_is_not_served_is_refused_by_name(runs):
     for result in runs[2]:
         assert "plain tensor beside DTensor parameters" in result["mixed"]
-        assert "export_state() over sharded parameters (DTensors, or process_group=) is not served yet" \
-            in result["export_state"]
         assert "the ranks of the mesh disagree on the parameters" in result["disagree"]
     assert "8 parameters here, 7 on rank 1" in runs[2][0]["disagree"]
     assert "7 parameters here, 8 on rank 0" in runs[2][1]["disagree"]
