@@ -123,6 +123,20 @@ PYBIND11_MODULE(_C, m) {
   // std::invalid_argument -> ValueError and std::runtime_error -> RuntimeError are pybind11's own mapping;
   // the state file's errors get their own class so callers can tell a bad file from a bad step.
   py::register_exception<StateFileError>(m, "StateFileError", PyExc_RuntimeError);
+  // A refused option value: a ValueError that also carries its key, value and problem (options.h), so a
+  // caller that names values its own way reads them instead of parsing the message.
+  static py::exception<OptionError> option_error(m, "OptionError", PyExc_ValueError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const OptionError& e) {
+      py::object error = py::reinterpret_borrow<py::object>(option_error.ptr())(e.what());
+      error.attr("key") = e.key;
+      error.attr("value") = e.value;
+      error.attr("problem") = e.problem;
+      PyErr_SetObject(option_error.ptr(), error.ptr());
+    }
+  });
 
   m.attr("STATE_FORMAT") = kStateFormat;
   m.attr("STATE_FORMAT_VERSION") = kStateFormatVersion;

@@ -82,6 +82,31 @@ BOOST_AUTO_TEST_CASE(bad_keys_and_values_are_clear_errors) {
   BOOST_TEST(o.group("normuon").normuon.lr == 0.02);
 }
 
+BOOST_AUTO_TEST_CASE(a_refused_value_carries_its_key_value_and_problem) {
+  // The Megatron adapter names the value under its own key from these parts, instead of parsing what().
+  Options o;
+  auto parts = [&](const std::vector<std::pair<std::string, FieldValue>>& values) {
+    try {
+      o.set_group(0, values);
+    } catch (const OptionError& e) {
+      return std::vector<std::string>{e.key, e.value, e.problem, e.what()};
+    }
+    return std::vector<std::string>{"accepted"};
+  };
+  BOOST_TEST((parts({{"beta1", 1.5}}) ==
+              std::vector<std::string>{"normuon.beta1", "1.5", "is outside [0, 1)", "option 'normuon.beta1': 1.5 is outside [0, 1)"}));
+  BOOST_TEST((parts({{"ns_steps", 0.0}}) ==
+              std::vector<std::string>{"normuon.ns_steps", "0", "is not an integer in [1, 100]",
+                                       "option 'normuon.ns_steps': 0 is not an integer in [1, 100]"}));
+  BOOST_TEST((parts({{"reduce_axis", std::string("cols")}}) ==
+              std::vector<std::string>{"normuon.reduce_axis", "", "unknown value 'cols' (choose rows | longer_dim)",
+                                       "option 'normuon.reduce_axis': unknown value 'cols' (choose rows | longer_dim)"}));
+  BOOST_CHECK_EXCEPTION(o.set("normuon.lr=abc"), OptionError, [](const OptionError& e) {
+    return e.key == "normuon.lr" && e.value == "'abc'" && e.problem == "is not a finite number";
+  });
+  BOOST_TEST(o.group("normuon").normuon.beta1 == 0.95);  // nothing changed
+}
+
 BOOST_AUTO_TEST_CASE(json_round_trip_is_lossless) {
   Options o;
   o.set("normuon.lr=0.0123456789012345");

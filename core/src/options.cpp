@@ -15,6 +15,12 @@
 #include <nlohmann/json.hpp>
 
 namespace normuon {
+
+OptionError::OptionError(std::string key_, std::string value_, std::string problem_)
+    : std::invalid_argument("option '" + key_ + "': " + (value_.empty() ? "" : value_ + " ") + problem_),
+      key(std::move(key_)),
+      value(std::move(value_)),
+      problem(std::move(problem_)) {}
 namespace {
 
 using Json = nlohmann::json;
@@ -59,7 +65,7 @@ E parse_enum(const std::string& key, const std::string& text) {
     if (text == name) return value;
     choices += choices.empty() ? name : std::string(" | ") + name;
   }
-  throw std::invalid_argument("option '" + key + "': unknown value '" + text + "' (choose " + choices + ")");
+  throw OptionError(key, "", "unknown value '" + text + "' (choose " + choices + ")");
 }
 
 // The shortest decimal text that reads back as the same double ("0.95", not "0.94999999999999996").
@@ -82,22 +88,22 @@ double parse_double(const std::string& key, const std::string& text) {
   const bool range_error = errno == ERANGE;
   if (end == begin || static_cast<size_t>(end - begin) != text.size() || std::isnan(value) ||
       (std::isinf(value) && !range_error))
-    throw std::invalid_argument("option '" + key + "': '" + text + "' is not a finite number");
+    throw OptionError(key, "'" + text + "'", "is not a finite number");
   if (range_error && std::isinf(value))
-    throw std::invalid_argument("option '" + key + "': '" + text + "' is out of range: it overflows a double (the largest is " +
-                                format_double(std::numeric_limits<double>::max()) + ")");
+    throw OptionError(key, "'" + text + "'", "is out of range: it overflows a double (the largest is " +
+                                                 format_double(std::numeric_limits<double>::max()) + ")");
   // A result that is nonzero but subnormal is representable (strtod flags it too): only a value that
   // underflows to zero while its text does not say zero is refused.
   if (range_error && value == 0)
-    throw std::invalid_argument("option '" + key + "': '" + text + "' is out of range: it underflows to 0 (the smallest positive double is " +
-                                format_double(std::numeric_limits<double>::denorm_min()) + "); write 0 for zero");
+    throw OptionError(key, "'" + text + "'", "is out of range: it underflows to 0 (the smallest positive double is " +
+                                                 format_double(std::numeric_limits<double>::denorm_min()) + "); write 0 for zero");
   return value;
 }
 
 bool parse_bool(const std::string& key, const std::string& text) {
   if (text == "true" || text == "1" || text == "on") return true;
   if (text == "false" || text == "0" || text == "off") return false;
-  throw std::invalid_argument("option '" + key + "': '" + text + "' is not a boolean (true | false)");
+  throw OptionError(key, "'" + text + "'", "is not a boolean (true | false)");
 }
 
 // A field of a hyper-parameter struct: its public description (FieldSpec) and where it lives. Every way
@@ -126,16 +132,16 @@ FieldValue checked(const FieldSpec& spec, const std::string& key, const FieldVal
     case FieldSpec::Kind::number:
     case FieldSpec::Kind::integer: {
       const double* d = std::get_if<double>(&value);
-      if (!d) throw std::invalid_argument("option '" + key + "': " + describe_value(value) + " is not a number");
+      if (!d) throw OptionError(key, describe_value(value), "is not a number");
       const std::string text = format_double(*d);
-      if (!std::isfinite(*d)) throw std::invalid_argument("option '" + key + "': '" + text + "' is not a finite number");
+      if (!std::isfinite(*d)) throw OptionError(key, "'" + text + "'", "is not a finite number");
       if (spec.kind == FieldSpec::Kind::integer) {
         if (*d != std::floor(*d) || *d < spec.lo || *d > spec.hi)
-          throw std::invalid_argument("option '" + key + "': " + text + " is not an integer in [" +
-                                      format_double(spec.lo) + ", " + format_double(spec.hi) + "]");
+          throw OptionError(key, text, "is not an integer in [" + format_double(spec.lo) + ", " +
+                                           format_double(spec.hi) + "]");
       } else if (*d < spec.lo || *d > spec.hi || (spec.below_hi && *d == spec.hi)) {
-        throw std::invalid_argument("option '" + key + "': " + text + " is outside [" + format_double(spec.lo) +
-                                    ", " + format_double(spec.hi) + (spec.below_hi ? ")" : "]"));
+        throw OptionError(key, text, "is outside [" + format_double(spec.lo) + ", " + format_double(spec.hi) +
+                                         (spec.below_hi ? ")" : "]"));
       }
       return *d;
     }
@@ -143,7 +149,7 @@ FieldValue checked(const FieldSpec& spec, const std::string& key, const FieldVal
       if (const bool* b = std::get_if<bool>(&value)) return *b;
       const double* d = std::get_if<double>(&value);
       if (d && (*d == 0 || *d == 1)) return *d == 1;  // 0 / 1, as Python's bool() of them
-      throw std::invalid_argument("option '" + key + "': " + describe_value(value) + " is not a boolean (true | false)");
+      throw OptionError(key, describe_value(value), "is not a boolean (true | false)");
     }
     case FieldSpec::Kind::choice: {
       const std::string* text = std::get_if<std::string>(&value);
@@ -152,8 +158,7 @@ FieldValue checked(const FieldSpec& spec, const std::string& key, const FieldVal
         if (text && *text == c) return *text;
         choices += (choices.empty() ? "" : " | ") + c;
       }
-      throw std::invalid_argument("option '" + key + "': unknown value " + describe_value(value) + " (choose " +
-                                  choices + ")");
+      throw OptionError(key, "", "unknown value " + describe_value(value) + " (choose " + choices + ")");
     }
   }
   throw std::logic_error("unknown field kind");

@@ -108,13 +108,12 @@ def _checked(label, where, algorithm, values, given, notes=None):
     given: {spec field: (the group's key, its value)}; notes: {spec field: what to add to a refusal}."""
     try:
         return _native.check_values(where, algorithm, values)
-    except ValueError as error:
-        match = re.match(r"option '[^']*\.(\w+)': (?:\S+ )?(is .*)", str(error))
-        if match is None or match.group(1) not in given:
+    except _native.OptionError as error:
+        field = error.key.rsplit(".", 1)[-1]
+        if field not in given or not error.value:
             raise ValueError(f"{label}: {error}") from None
-        key, value = given[match.group(1)]
-        note = (notes or {}).get(match.group(1), "")
-        raise ValueError(f"{label}: {where}: {key}={value!r}{note} {match.group(2)}") from None
+        key, value = given[field]
+        raise ValueError(f"{label}: {where}: {key}={value!r}{(notes or {}).get(field, '')} {error.problem}") from None
 
 
 def ns_precision_for(fp32_matmul_prec):

@@ -18,8 +18,13 @@ class StateFileError(RuntimeError):
     """Stand-in when the native module is missing; normally normuon._C.StateFileError."""
 
 
+class OptionError(ValueError):
+    """Stand-in when the native module is missing; normally normuon._C.OptionError: a refused option value,
+    with its key (GROUP.FIELD), value (as the message writes it) and problem."""
+
+
 if _C is not None:
-    StateFileError = _C.StateFileError  # noqa: F811
+    StateFileError, OptionError = _C.StateFileError, _C.OptionError  # noqa: F811
 
 
 def native_error():

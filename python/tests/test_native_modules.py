@@ -107,3 +107,17 @@ def test_cuda_module_takes_the_core_modules_types():
     launches = cuda.cuda_launches_per_step(layout, options)
     assert isinstance(launches, int) and launches > 0
     assert isinstance(cuda.unsupported_reason(layout, options, 0), str)
+
+
+@needs_native
+def test_a_refused_value_carries_its_parts():
+    """The core's refusal of a value is a ValueError that names its key, value and problem apart (callers
+    that name values their own way, as the Megatron adapter, read them instead of parsing the message)."""
+    with pytest.raises(native.OptionError) as caught:
+        native.check_values("hidden", "normuon", {"beta1": 1.5})
+    e = caught.value
+    assert isinstance(e, ValueError) and (e.key, e.value, e.problem) == ("hidden.beta1", "1.5", "is outside [0, 1)")
+    assert str(e) == "option 'hidden.beta1': 1.5 is outside [0, 1)"
+    with pytest.raises(native.OptionError) as caught:
+        native.check_values("hidden", "normuon", {"reduce_axis": "cols"})
+    assert caught.value.value == "" and caught.value.problem.startswith("unknown value 'cols' (choose ")

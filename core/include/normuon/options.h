@@ -3,12 +3,23 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <variant>
 #include <vector>
 
 namespace normuon {
+
+// A value an option cannot take. what() reads "option 'KEY': VALUE PROBLEM" ("option 'KEY': PROBLEM" when
+// value is empty); the parts are kept for callers that name the value their own way (the Megatron adapter
+// names its own keys), so that no caller parses the text.
+struct OptionError : std::invalid_argument {
+  OptionError(std::string key, std::string value, std::string problem);
+  std::string key;      // GROUP.FIELD, or FIELD
+  std::string value;    // as written in the message ("1.5", "'foo'"), or empty
+  std::string problem;  // "is outside [0, 1)", "is not a finite number", ...
+};
 
 enum class Algorithm { normuon, adamw };
 
