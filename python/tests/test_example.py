@@ -28,17 +28,19 @@ def test_train_tiny_example(args, tmp_path):
     assert "blocks.0.mlp.0.weight" in out.stdout and (tmp_path / "s.safetensors").exists()
 
 
-def test_train_fsdp2_example(tmp_path):
-    """docs/distributed.md's FSDP2 example: two spawned CPU ranks train, save with torch.distributed.checkpoint
-    and load the checkpoint back into a fresh model and optimizer."""
+@pytest.mark.parametrize("layout,ranks", [("fsdp2", 2), ("ddp", 2), ("fsdp-tp", 4)])
+def test_train_fsdp2_example(tmp_path, layout, ranks):
+    """docs/distributed.md's examples: spawned CPU ranks train under FSDP2, DDP (process_group=) and FSDP x TP
+    on a 2 x 2 mesh, save with torch.distributed.checkpoint and load the checkpoint back into a fresh model and
+    optimizer."""
     require_native()
     try:
         from torch.distributed.fsdp import fully_shard  # noqa: F401
     except (ImportError, ValueError):  # torch 1.13 (on Python 3.11 its import fails with a ValueError)
         pytest.skip("this torch has no FSDP2")
     example = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "train_fsdp2.py")
-    out = subprocess.run([sys.executable, example, "--spawn", "2", "--steps", "30", "--checkpoint", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, example, "--spawn", str(ranks), "--layout", layout, "--steps", "30",
+                          "--checkpoint", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
     assert len(losses) == 30 and losses[-1] < 0.85 * losses[0], out.stdout
@@ -58,6 +60,9 @@ def test_train_fsdp2_example_launched(tmp_path):
     refused = subprocess.run([sys.executable, example, "--steps", "2"], capture_output=True, text=True, env=env,
                              timeout=300)
     assert refused.returncode == 2 and "need --checkpoint" in refused.stderr, refused.stderr
+    odd = subprocess.run([sys.executable, example, "--layout", "fsdp-tp", "--checkpoint", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert odd.returncode == 2 and "needs an even number of ranks (a dp x 2 mesh), not 1" in odd.stderr, odd.stderr
     out = subprocess.run([sys.executable, example, "--steps", "3", "--checkpoint", str(tmp_path)],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
