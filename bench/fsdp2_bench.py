@@ -11,6 +11,8 @@ hands to collectives: last_step_comm). The cores are shared: each rank gets core
 
     PYTHONPATH=build/python .venv-torch2/bin/python bench/fsdp2_bench.py --model gpt --world-sizes 1,2,4 \\
         --out bench/results/cpu-fsdp2-$(date -u +%F).md
+    # GPUs: NCCL, one GPU per rank (world sizes up to the GPU count)
+    PYTHONPATH=build-gpu/python python3 bench/fsdp2_bench.py --device cuda --world-sizes 1 --out fsdp2.md
 """
 import argparse
 import datetime
@@ -61,21 +63,26 @@ class Model(nn.Module):
 
 def worker(rank, world, store, args, out):
     torch.set_num_threads(max(1, args.cores // world))
-    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world,
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method="file://" + store, rank=rank, world_size=world,
                             timeout=timedelta(minutes=10))
     try:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import distribute_tensor
 
+        mesh = init_device_mesh(args.device, (world,))  # (named: fully_shard's default follows CUDA when it is there)
         rows = {}
         for name in ("normuon", "adamw"):
             model = Model(**MODELS[args.model])
             for block in model.h:
-                fully_shard(block)
-            fully_shard(model)
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
             for k, p in enumerate(model.parameters()):  # the same gradient on every rank, laid out as p
                 g = torch.randn(p.shape, generator=torch.Generator().manual_seed(k)) * 0.01
-                p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+                p.grad = distribute_tensor(g.to(p.device), p.device_mesh, p.placements)
             opt = (normuon.NorMuonAdamW(model, threads=max(1, args.cores // world)) if name == "normuon" else
                    torch.optim.AdamW(model.parameters(), lr=1e-3))
             times, sent = [], 0
@@ -83,12 +90,14 @@ def worker(rank, world, store, args, out):
                 dist.barrier()
                 start = time.perf_counter()
                 opt.step()
-                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                if cuda:
+                    torch.cuda.synchronize()
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=mesh.device_type)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank
                 if step >= args.warmup:
                     times.append(float(elapsed))
             if name == "normuon":
-                sent = torch.tensor([opt.last_step_comm["bytes_sent"]], dtype=torch.int64)
+                sent = torch.tensor([opt.last_step_comm["bytes_sent"]], dtype=torch.int64, device=mesh.device_type)
                 dist.all_reduce(sent, op=dist.ReduceOp.MAX)
                 sent = int(sent)
             rows[name] = dict(times=times, sent=sent, params=sum(p.numel() for p in model.parameters()))
@@ -113,16 +122,20 @@ def main():
     parser.add_argument("--world-sizes", default="1,2,4", help="comma-separated (default 1,2,4)")
     parser.add_argument("--steps", type=int, default=5, help="measured steps (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default 1)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu (Gloo) or cuda (NCCL, one GPU per rank); default cpu")
     parser.add_argument("--cores", type=int, default=os.cpu_count(), help="cores shared by the ranks of one run")
     parser.add_argument("--out", help="append the markdown report here (default: print only)")
     args = parser.parse_args()
     worlds = [int(w) for w in args.world_sizes.split(",")]
     if args.steps < 1 or args.warmup < 0 or args.cores < 1 or any(w < 1 for w in worlds):
         parser.error("--steps >= 1, --warmup >= 0, --cores >= 1, world sizes >= 1")
+    if args.device == "cuda" and max(worlds) > torch.cuda.device_count():
+        parser.error(f"--device cuda: a world size of {max(worlds)} needs as many GPUs ({torch.cuda.device_count()} here)")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [f"## {args.model} ({MODELS[args.model]}), {datetime.date.today()}, commit {commit}", "",
              f"{platform.machine()}, {os.cpu_count()} cores ({args.cores} shared by the ranks), torch {torch.__version__}, "
-             f"Gloo; `{' '.join(['bench/fsdp2_bench.py'] + sys.argv[1:])}`", "",
+             f"{'NCCL on ' + torch.cuda.get_device_name() if args.device == 'cuda' else 'Gloo'}; `{' '.join(['bench/fsdp2_bench.py'] + sys.argv[1:])}`", "",
              "| world | NorMuonAdamW step, ms | torch AdamW step, ms | ratio | NorMuon bytes sent / step (max rank) |",
              "|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:

@@ -40,7 +40,8 @@ PEER_HELP = "\n".join(f"  {p.name:<24}{p.what}" for p in PEERS)
 EPILOG = f"""peers (--peers, in this order):
 {PEER_HELP}
   official, torch-muon, emerging-adaptive-muon and reference-py are per-parameter ("slow"): they take
-  --slow-steps / --slow-warmup. torch-muon is Muon, not NorMuon. emerging-adaptive-muon steps fp32 copies
+  --slow-steps / --slow-warmup. dion-normuon is torch.compile'd: its first steps compile, so it wants
+  --warmup >= 1 (the default 3 covers it). torch-muon is Muon, not NorMuon. emerging-adaptive-muon steps fp32 copies
   of a bf16 model (it takes fp32 only). official writes into p.grad; its gradients are restored between
   timed steps, outside the timed region. There is no CUDA-graph row for the Python path (fused-py):
   normuon.NorMuonAdamW has no CUDA-graph capture path (its step() waits for the step and reads device
@@ -58,7 +59,8 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     p.add_argument("--preset", default="gpt2-124m",
                    help="preset name(s), comma-separated (`normuon presets`); one table each (default gpt2-124m)")
-    p.add_argument("--peers", default=",".join(PEER_NAMES), help="comma-separated peers (default: all)")
+    p.add_argument("--peers", default=",".join(PEER_NAMES),
+                   help="comma-separated peers, run in this order (default: all, in the order below)")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
     p.add_argument("--threads", type=int,
                    help="--device cpu: the threads of every peer, torch's (torch.set_num_threads) and the fused "
@@ -79,6 +81,9 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=1234, help="seed of parameters and gradients (default 1234)")
     p.add_argument("--official-normuon", default=os.path.join(REPO, ".official", "normuon.py"), metavar="PATH",
                    help="zichongli5/NorMuon's normuon.py (default: .official/normuon.py in the repository)")
+    p.add_argument("--dion-src", default=os.path.join(REPO, ".official", "dion"), metavar="PATH",
+                   help="a folder holding microsoft/dion's dion/ package, NorMuon's files at least (default: "
+                        ".official/dion in the repository)")
     p.add_argument("--cli", default=os.environ.get("NORMUON_CLI") or os.path.join(REPO, "build", "normuon"),
                    help="the normuon tool: manifests and fused-cpp (default: $NORMUON_CLI, else build/normuon)")
     p.add_argument("--markdown", metavar="FILE", help="also write a self-contained markdown report")
@@ -171,7 +176,8 @@ def run_preset(preset, args, ctx, log, rows, save):
     values = sum(s.numel for s in specs)
     log(f"preset {preset}: {len(specs)} parameters, {values / 1e6:.1f}M values, "
         f"{sum(s.algorithm == 'normuon' for s in specs)} matrices on NorMuon")
-    for peer in (p for p in PEERS if p.name in args.peer_list):
+    by_name = {p.name: p for p in PEERS}
+    for peer in (by_name[name] for name in args.peer_list):  # in --peers order: the ones that matter most first
         plan = Plan(warmup=args.slow_warmup if peer.slow else args.warmup,
                     steps=args.slow_steps if peer.slow else args.steps, profile_steps=args.profile_steps)
         log(f"{peer.name}: {plan.warmup} warm-up + {plan.steps} measured + {plan.profile_steps} profiled steps")
@@ -200,7 +206,8 @@ def main(argv=None):
     header = (f"device {where}; torch {torch.__version__}; Python {platform.python_version()}; "
               f"normuon {normuon.__version__} (_C: {'yes' if normuon.native_available() else 'no'}); {date}")
     log(header)
-    ctx = Context(device=args.device, official_path=args.official_normuon, threads=args.threads or 0)
+    ctx = Context(device=args.device, official_path=args.official_normuon, dion_src=args.dion_src,
+                  threads=args.threads or 0)
     measure.warm_up_device(args.device)
     rows = []
     commit = git_commit()

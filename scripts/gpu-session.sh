@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One device call's worth of GPU work, in the order that pays: build, the CUDA tests, the C++ benchmark,
-# the peers, a real Megatron-LM run. Each phase has a time box, so a slow one cannot take the others'
-# time, and everything lands in one output folder (the device call's $OUT). See --help.
+# One device call's worth of GPU work (at most 9 minutes: run's timeout_s 570), in the order that pays:
+# build, the CUDA tests, the peers, the Newton-Schulz variants, Megatron. Each phase has a hard time box, so
+# a slow one cannot take the later ones' time. Everything is written under a work folder; after every phase
+# it is packed into $OUT/session.tar.gz beside at most 7 summary files (a device call returns 8 files), so
+# that a call cut short still returns what it did. See --help; docs/fast-cuda.md, "A GPU session".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,101 +11,176 @@ usage() {
   cat <<'USAGE'
 usage: scripts/gpu-session.sh [options]
 
-Runs on a GPU machine, one phase after another, each bounded by its share of --budget:
-  build     scripts/gpu-test.sh --build-only (build-gpu: CUDA backend, reference on pip torch, tests,
-            the Python module with a private libstdc++)
-  tests     scripts/gpu-test.sh --skip-build (the CUDA CTest suites, test_cuda.py, compare, golden)
-  bench     scripts/gpu-bench.sh --skip-build over --bench-presets
-  ns        normuon bench-cuda on gpt-1.3b, ns_algorithm standard and gram, each with the backend's
-            panels and with full products (--ns-panel-width 1048576): Newton-Schulz's rates against
-            the GEMM rate (issue 15's bars) and what the symmetric panels save, side by side
-            (not in the default list: --phases build,ns)
-  peers     bench/gpu_peers.py over --peer-presets (needs .official/normuon.py and, for the emerging
-            peer, .whl/emerging_optimizers-*.whl)
-  megatron  bench/megatron_gpt.py --optimizers adam,normuon (needs .whl/megatron_core-*.whl)
-Wheels in .whl/ are installed into /tmp/site first. Everything is written under --out; the last lines
-printed are a summary. Carry .gpu-deps, .whl and .official in the device call.
+The first call (default), each phase bounded by its box and by what is left of --budget:
+  build      70 s   scripts/gpu-test.sh --build-only --targets "the tool, _C, _C_cuda, the CUDA test suites"
+  tests     120 s   scripts/gpu-test.sh --skip-build: the CUDA CTest suites, pytest test_cuda.py, compare
+                    --device cuda, golden verify on CUDA (exact for the reference, --cross-platform for fast)
+  peers      90 s   bench/gpu_peers.py --preset moe-8x64: the official NorMuon, NorMuonAdamW (verdict sync and
+                    deferred), the C++ step, torch.optim.Muon + fused AdamW, dion's NorMuon
+  peers13b   60 s   the same on gpt-1.3b, if the budget has it
+  ns         75 s   normuon bench-cuda --no-reference on moe-8x64 and gpt-1.3b: standard and gram, the backend's
+                    panels and full products
+  megatron  rest    bench/megatron_gpt.py --optimizers normuon: distributed optimizer off and on, each with
+                    the bit-for-bit resume check (needs .whl/megatron_core-*.whl)
+The second call (--call second), if the first left device time: the machine is still warm for 30 s, so its
+build folder is there (else add build):
+  diag       ctest -V on the CUDA suites that failed in the first call's report, compute-sanitizer on them
+  fsdp2      bench/fsdp2_bench.py --device cuda --world-sizes 1 (issue 27's benchmark on a GPU, NCCL)
+  ncu        ncu over one bench-cuda step: the update kernel and one Newton-Schulz elementwise kernel
+  pretrain   Megatron-LM's own pretrain_gpt.py --use-distributed-optimizer --mock-data
+             (bench/megatron_pretrain_gpt.py; needs .megatron-lm/ of the carried wheel's release)
+
+Wheels in .whl/ are installed into /tmp/site first. Carry .gpu-deps, .whl, .official and .megatron-lm in
+the call (scripts/gpu-stage.sh makes and checks them).
 
 options:
-  --out DIR              where the reports go (default: $OUT when set, else build-gpu/session)
-  --phases LIST          comma list of phases (default: build,tests,bench,peers,megatron)
-  --budget S             seconds for the whole run (default: 560)
-  --bench-presets "P.."  (default: "gpt-1.3b moe-8x64")
-  --peer-presets P,P     (default: moe-8x64,gpt-1.3b)
-  -h, --help             this text
-exit status: 0 when every phase ran to its end (whatever it measured), 1 otherwise.
+  --call first|second  which call's phases (default first)
+  --phases LIST        comma list of phases instead (e.g. build,tests)
+  --out DIR            what comes back: session.tar.gz and the summaries (default: $OUT when set, else
+                       build-gpu/session-out)
+  --work DIR           where the phases write (default build-gpu/session)
+  --build-dir DIR      the build folder (default build-gpu)
+  --budget S           seconds for the whole call (default 540)
+  --python PYTHON      the interpreter with torch (default python3; here, .venv-torch2/bin/python for a dry run)
+  --dry-run            print each phase's box and command as if every phase ran to its box (the worst case),
+                       run nothing, pack the (empty) work folder
+  -h, --help           this text
+exit status: 0 when every phase ran to its end (whatever it measured), 1 otherwise, 2 for bad options.
 USAGE
 }
 
-out=${OUT:-build-gpu/session}
-phases=build,tests,bench,peers,megatron
-budget=560
-bench_presets="gpt-1.3b moe-8x64"
-peer_presets=moe-8x64,gpt-1.3b
+out=${OUT:-build-gpu/session-out}
+work=build-gpu/session
+build_dir=build-gpu
+call=first
+phases=""
+budget=540
+python=python3
+dry=0
 while (($#)); do
   case "$1" in
-    --out) out=${2:?--out needs a folder}; shift 2 ;;
+    --call) call=${2:?--call needs first or second}; shift 2 ;;
     --phases) phases=${2:?--phases needs a list}; shift 2 ;;
+    --out) out=${2:?--out needs a folder}; shift 2 ;;
+    --work) work=${2:?--work needs a folder}; shift 2 ;;
+    --build-dir) build_dir=${2:?--build-dir needs a folder}; shift 2 ;;
     --budget) budget=${2:?--budget needs seconds}; shift 2 ;;
-    --bench-presets) bench_presets=${2:?}; shift 2 ;;
-    --peer-presets) peer_presets=${2:?}; shift 2 ;;
+    --python) python=${2:?--python needs an interpreter}; shift 2 ;;
+    --dry-run) dry=1; shift ;;
     -h | --help) usage; exit 0 ;;
     *) usage >&2; echo "gpu-session: unknown option '$1'" >&2; exit 2 ;;
   esac
 done
-mkdir -p "$out"
-log=$out/session.log
+case "$call" in
+  first) : "${phases:=build,tests,peers,peers13b,ns,megatron}" ;;
+  second) : "${phases:=diag,fsdp2,ncu,pretrain}" ;;
+  *) echo "gpu-session: --call takes first or second, not '$call'" >&2; exit 2 ;;
+esac
+[[ "$budget" =~ ^[0-9]+$ ]] || { echo "gpu-session: --budget takes seconds, not '$budget'" >&2; exit 2; }
+known=",build,tests,peers,peers13b,ns,megatron,diag,fsdp2,ncu,pretrain,"
+for p in ${phases//,/ }; do
+  [[ "$known" == *",$p,"* ]] || { echo "gpu-session: unknown phase '$p' (${known:1:-1})" >&2; exit 2; }
+done
+mkdir -p "$out" "$work"
+log=$work/session.log
 summary=()
 failed=0
+tool=$build_dir/normuon
 export PYTHONUNBUFFERED=1
 say() { echo "gpu-session [$SECONDS s]: $*" | tee -a "$log"; }
 wants() { [[ ",$phases," == *",$1,"* ]]; }
-left() { echo $((budget - SECONDS)); }
-phase() {  # phase NAME SHARE CMD...: runs CMD for at most SHARE seconds (and what is left of the budget)
-  local name=$1 share=$2 limit rc
+dry_spent=0  # --dry-run: the boxes taken so far, as if every phase ran to its box
+left() { echo $((budget - SECONDS - dry_spent)); }
+
+# What comes back: the whole work folder as one archive, and the summaries a reader looks at first. Written
+# after every phase (a temporary name, then renamed), so a cut call returns what was done.
+SUMMARIES=(summary.md gpu-tests.md peers.md peers13b.md ns.md megatron.md fsdp2.md)  # + session.tar.gz: 8 at most
+pack() {
+  printf '# GPU session (%s call), %s\n\n%s\n' "$call" "$(date -u +%FT%TZ)" "$(printf -- '- %s\n' "${summary[@]}")" \
+    >"$work/summary.md"
+  tar -czf "$out/.session.tar.gz" -C "$work" . && mv "$out/.session.tar.gz" "$out/session.tar.gz"
+  for f in "${SUMMARIES[@]}"; do
+    [ ! -f "$work/$f" ] || cp "$work/$f" "$out/$f"
+  done
+}
+
+phase() {  # phase NAME BOX CMD...: CMD for at most BOX seconds and what is left of the budget (BOX 0: all of it)
+  local name=$1 box=$2 limit rc t0
   shift 2
   limit=$(left)
-  ((share < limit)) && limit=$share
+  ((box > 0 && box < limit)) && limit=$box
   if ((limit < 20)); then
     summary+=("$name: not run (budget spent)")
     failed=1
+    pack
     return
   fi
   say "$name: up to $limit s: $*"
+  if ((dry)); then
+    summary+=("$name: dry run, box $limit s")
+    dry_spent=$((dry_spent + limit))
+    pack
+    return
+  fi
+  t0=$SECONDS
   timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
   rc=$?
   case $rc in
-    0) summary+=("$name: done") ;;
-    124 | 137) summary+=("$name: stopped at its $limit s limit"); failed=1 ;;
-    *) summary+=("$name: exit $rc"); failed=1 ;;
+    0) summary+=("$name: done in $((SECONDS - t0)) s") ;;
+    77) summary+=("$name: no GPU here (exit 77) after $((SECONDS - t0)) s") ;;
+    124 | 137) summary+=("$name: stopped at its $limit s box"); failed=1 ;;
+    *) summary+=("$name: exit $rc after $((SECONDS - t0)) s"); failed=1 ;;
   esac
   say "$name: exit $rc"
+  pack
 }
 
-if wants build; then
-  phase build 150 scripts/gpu-test.sh --build-only --report "$out/gpu-tests.md"
-fi
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+if compgen -G ".whl/*.whl" >/dev/null && ((!dry)); then
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl >>"$log" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-wants tests && phase tests 150 scripts/gpu-test.sh --skip-build --report "$out/gpu-tests.md" --test-timeout 120 \
-  --step-timeout 90 --ctest-regex "fast_cuda|reference_cuda|cuda_plan|ns_gemm|simt"
-wants bench && phase bench 240 scripts/gpu-bench.sh --skip-build --build-dir build-gpu --presets "$bench_presets" \
-  --results "$out"
-if wants ns; then  # four runs in one phase, each its own report (gpu-ns-<algorithm>-<panels>.md)
-  phase ns 240 bash -c 'for a in standard gram; do for w in 0 1048576; do
-      p=$([ "$w" = 0 ] && echo panels || echo full)
-      build-gpu/normuon bench-cuda --preset gpt-1.3b --set ns_algorithm=$a --ns-panel-width $w --no-reference \
-        --warmup 2 --repeats 5 --markdown "$1/gpu-ns-$a-$p.md" --csv "$1/gpu-ns-$a-$p.csv" || exit 1
-    done; done' ns "$out"
-fi
-wants peers && phase peers 200 env PYTHONPATH="build-gpu/python:${PYTHONPATH:-}" python3 bench/gpu_peers.py \
-  --cli build-gpu/normuon --preset "$peer_presets" --profile-steps 1 --markdown "$out/peers.md" --csv "$out/peers.csv"
-wants megatron && phase megatron 200 env PYTHONPATH="build-gpu/python:${PYTHONPATH:-}" python3 bench/megatron_gpt.py \
-  --optimizers adam,normuon --distributed-optimizer off --time-budget 170 --json "$out/megatron.json" \
-  --markdown "$out/megatron.md"
+py=(env "PYTHONPATH=$build_dir/python:${PYTHONPATH:-}" "$python")
+cuda_tests="test_fast_cuda test_reference_cuda test_cuda_plan test_ns_gemm_plan test_simt"
+peers=fused-cpp,fused-py,fused-py-deferred,official,torch-muon,dion-normuon  # dion last: it compiles for minutes
 
-grep -E "^\| " "$out/gpu-tests.md" 2>/dev/null | tail -8
+# ---- the first call
+wants build && phase build 70 scripts/gpu-test.sh --build-only --build-dir "$build_dir" --python "$python" \
+  --report "$work/gpu-tests.md" \
+  --targets "normuon _C _C_cuda $cuda_tests"
+wants tests && phase tests 120 scripts/gpu-test.sh --skip-build --build-dir "$build_dir" --python "$python" \
+  --report "$work/gpu-tests.md" \
+  --test-timeout 90 --step-timeout 60 --ctest-regex "fast_cuda|reference_cuda|cuda_plan|ns_gemm|simt"
+wants peers && phase peers 90 "${py[@]}" bench/gpu_peers.py --cli "$tool" --preset moe-8x64 --peers "$peers" \
+  --profile-steps 1 --markdown "$work/peers.md" --csv "$work/peers.csv"
+wants peers13b && phase peers13b 60 "${py[@]}" bench/gpu_peers.py --cli "$tool" --preset gpt-1.3b --peers "$peers" \
+  --profile-steps 1 --markdown "$work/peers13b.md" --csv "$work/peers13b.csv"
+if wants ns; then  # eight runs, each its own report; ns.md gathers their tables
+  phase ns 75 bash -c 'tool=$1 work=$2; for preset in moe-8x64 gpt-1.3b; do for a in standard gram; do
+      for w in 0 1048576; do
+        p=$([ "$w" = 0 ] && echo panels || echo full)
+        "$tool" bench-cuda --preset $preset --set ns_algorithm=$a --ns-panel-width $w --no-reference --warmup 1 \
+          --repeats 3 --markdown "$work/ns-$preset-$a-$p.md" --csv "$work/ns-$preset-$a-$p.csv" || exit
+        { echo "## $preset, $a, $p"; grep "^|" "$work/ns-$preset-$a-$p.md"; echo; } >>"$work/ns.md"
+      done; done; done' ns "$tool" "$work"
+fi
+wants megatron && phase megatron 0 "${py[@]}" bench/megatron_gpt.py --optimizers normuon --distributed-optimizer both \
+  --ckpt-formats torch --time-budget $(($(left) - 20)) --json "$work/megatron.json" --markdown "$work/megatron.md"
+
+# ---- the second call
+if wants diag; then  # the failed CUDA suites again, verbose, then under compute-sanitizer
+  phase diag 150 bash -c 'build=$1; ctest --test-dir "$build" -V --rerun-failed --timeout 90 ||
+      for t in '"$cuda_tests"'; do [ -x "$build/tests/$t" ] && compute-sanitizer --error-exitcode 9 "$build/tests/$t"; done' \
+    diag "$build_dir"
+fi
+wants fsdp2 && phase fsdp2 90 "${py[@]}" bench/fsdp2_bench.py --device cuda --world-sizes 1 --model gpt \
+  --out "$work/fsdp2.md"
+wants ncu && phase ncu 90 ncu --clock-control none --launch-skip 200 --launch-count 40 --csv --log-file "$work/ncu.csv" \
+  "$tool" bench-cuda --preset gpt-1.3b --no-reference --warmup 1 --repeats 1
+if wants pretrain; then  # the stock script's command as bench/megatron_gpt.py prints it, with the distributed optimizer
+  phase pretrain 0 bash -c 'cmd=$("$@" bench/megatron_gpt.py --pretrain-gpt | tail -1) &&
+      eval "$cmd --use-distributed-optimizer"' pretrain "${py[@]}"
+fi
+
+pack
 printf '%s\n' "${summary[@]}" | tee -a "$log"
 exit "$failed"

@@ -43,6 +43,7 @@ options:
   --cuda-arch LIST    CMAKE_CUDA_ARCHITECTURES (default: the visible GPU's, e.g. 90-real; else the project's list)
   --fast-cpu on|off   build the fast CPU backend (default: off; on needs oneDNN here or staged)
   --jobs N            build jobs (default: nproc)
+  --targets "T T.."   build only these targets (default: everything; a device call builds what it runs)
   --ctest-jobs N      tests run at once (default: 4)
   --ctest-regex RE    which CTest tests (default: "cuda|simt|ns_gemm|python|selector|golden|compare"; "." for all)
   --test-timeout S    seconds one CTest test may run before it counts as failed (default: 300)
@@ -73,6 +74,7 @@ ctest_regex="cuda|simt|ns_gemm|python|selector|golden|compare"
 test_timeout=300
 step_timeout=600
 report=""
+targets=""
 build_only=0
 skip_build=0
 stage_dir=""
@@ -87,6 +89,7 @@ while (($#)); do
     --cuda-arch) cuda_arch=${2:?--cuda-arch needs a value}; shift 2 ;;
     --fast-cpu) fast_cpu=${2:?--fast-cpu needs on or off}; shift 2 ;;
     --jobs) jobs=${2:?--jobs needs a value}; shift 2 ;;
+    --targets) targets=${2:?--targets needs a list}; shift 2 ;;
     --ctest-jobs) ctest_jobs=${2:?--ctest-jobs needs a value}; shift 2 ;;
     --ctest-regex) ctest_regex=${2:?--ctest-regex needs a value}; shift 2 ;;
     --report) report=${2:?--report needs a file}; shift 2 ;;
@@ -190,8 +193,10 @@ step() {  # [STEP_LIMIT=S] step NAME CMD...: shows and runs CMD, keeps its outpu
   # would hold the trap until it ended), and the trap stops the step through the pid in step_pidfile
   # (timeout puts the step in a process group of its own, which a signal to the script's group misses).
   step_pidfile=$(mktemp)
-  { timeout --kill-after=10 "$step_limit" "$@" 2>&1 & echo $! >"$step_pidfile"; wait $!; echo $? >"$rc_file"; } |
-    tee "$step_log" &
+  # (The status is taken with `||`: under the script's errexit a bare failing `wait` ended the group before
+  # the status was written, and every failed step read "failed (exit )", a timed-out one too.)
+  { timeout --kill-after=10 "$step_limit" "$@" 2>&1 & echo $! >"$step_pidfile"; rc=0; wait $! || rc=$?
+    echo "$rc" >"$rc_file"; } | tee "$step_log" &
   wait $! || true
   step_rc=$(cat "$rc_file" 2>/dev/null || echo 1)
   rm -f "$rc_file" "$step_pidfile"
@@ -302,8 +307,12 @@ if ((!skip_build)); then
   if ((step_rc == 0)); then
     keep_going=()
     [ ! -f "$build_dir/build.ninja" ] || keep_going=(-- -k 0)  # build all it can; the failures are in the log
-    STEP_LIMIT=0 step build cmake --build "$build_dir" -j "$jobs" ${keep_going[@]+"${keep_going[@]}"}
-    record build "$(outcome "$step_rc")" "$step_time" "cmake --build $build_dir -j $jobs"
+    target_args=()
+    # shellcheck disable=SC2206  # a space-separated list of target names
+    [ -z "$targets" ] || target_args=(--target $targets)
+    STEP_LIMIT=0 step build cmake --build "$build_dir" -j "$jobs" ${target_args[@]+"${target_args[@]}"} \
+      ${keep_going[@]+"${keep_going[@]}"}
+    record build "$(outcome "$step_rc")" "$step_time" "cmake --build $build_dir -j $jobs${targets:+ --target $targets}"
   else
     record build "failed (not run: configure failed)" 0 "cmake --build $build_dir"
   fi

@@ -47,3 +47,25 @@ kill -TERM "$pid"
 rc=0
 wait "$pid" || rc=$?
 check "SIGTERM to the script" "$rc" $((SECONDS - t0)) "$work/script.md"
+
+# 3. a step that fails, and one that outlives its --step-timeout: each recorded with why (the step's exit
+# status was lost under the script's errexit, and a timed-out step read "failed (exit )")
+rm -f "$work/started"
+printf '#!/bin/sh\nexit 0\n' >"$work/bin/ctest"
+# (answers the script's own "python -c" questions; the step itself fails)
+printf '#!/bin/sh\n[ "$1" = -c ] && { echo "$0"; exit 0; }\necho "no pytest here" >&2\nexit 3\n' >"$work/bin/python3"
+chmod +x "$work/bin/ctest" "$work/bin/python3"
+mkdir -p "$work/build/python/normuon"
+touch "$work/build/python/normuon/__init__.py" "$work/build/python/normuon/_C.so"
+rc=0
+"$repo/scripts/gpu-test.sh" "${args[@]}" --report "$work/failed.md" --python "$work/bin/python3" >"$work/out.log" 2>&1 || rc=$?
+((rc == 1)) || fail "a failed step: gpu-test.sh exited $rc, not 1"
+grep -q "| python CUDA tests | failed (exit 3) |" "$work/failed.md" ||
+  fail "a failed step is not recorded with its exit status: $(grep 'python CUDA tests |' "$work/failed.md")"
+printf '#!/bin/sh\n[ "$1" = -c ] && { echo "$0"; exit 0; }\nsleep 30\n' >"$work/bin/python3"
+rc=0
+"$repo/scripts/gpu-test.sh" "${args[@]}" --report "$work/slow.md" --python "$work/bin/python3" --step-timeout 2 \
+  >"$work/out.log" 2>&1 || rc=$?
+grep -q "| python CUDA tests | failed (timed out after 2 s) |" "$work/slow.md" ||
+  fail "a timed-out step is not recorded as such: $(grep 'python CUDA tests |' "$work/slow.md")"
+echo "a failed step and a timed-out one: recorded with why"

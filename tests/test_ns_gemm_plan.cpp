@@ -308,11 +308,19 @@ BOOST_AUTO_TEST_CASE(lower_panels_compute_the_lower_triangle_and_nothing_else) {
   }
 }
 
-// The backend's panel width (ns_auto_panel_width): the full product (s) for small or lonely matrices,
-// else a multiple of 128 below s that makes 2 to 8 panels, never fewer panels for a larger batch.
+// The backend's panel width (ns_auto_panel_width): the full product (s) for small or lonely matrices, and
+// where a panel would do too little arithmetic per byte it reads; else a multiple of 128 below s that makes
+// 2 to 8 panels, never fewer panels for a larger batch.
 BOOST_AUTO_TEST_CASE(auto_panel_width_splits_only_what_fills_the_gpu) {
-  BOOST_TEST(ns_auto_panel_width(2048, 24) == 512);  // gpt-1.3b's hidden size, 24 layers: 4 panels
-  BOOST_TEST(ns_auto_panel_width(2048, 1) == 2048);  // one matrix: its full product is about one wave
+  // moe-8x64's 512 x 1024 experts: 4 panels of 128 would re-read X for each, under 110 FLOP per byte.
+  BOOST_TEST(ns_auto_panel_width(512, 512) == 512);
+  BOOST_TEST(ns_panel_intensity(128, 128, 512) < 110);
+  // gpt-1.3b's 2048: 2 panels of 1024 would do 410 FLOP per byte, under kNsPanelMinIntensity.
+  BOOST_TEST(ns_auto_panel_width(2048, 24) == 2048);
+  BOOST_TEST(ns_panel_intensity(1024, 1024, 2048) == 1024.0 * 2048 / (2 * 2048 + 1024), boost::test_tools::tolerance(1e-12));
+  BOOST_TEST(ns_auto_panel_width(8192, 24) == 1024);  // 8 panels: the last at 482 FLOP per byte
+  BOOST_TEST(ns_auto_panel_width(4096, 24) == 1024);  // 4 panels (8 of 512 would be at 241)
+  BOOST_TEST(ns_auto_panel_width(8192, 1) == 2048);   // one matrix: 4 panels (8 would leave SMs idle)
   BOOST_TEST(ns_auto_panel_width(64, 1000) == 64);
   for (const int64_t s : {int64_t{1}, int64_t{100}, int64_t{128}, int64_t{300}, int64_t{768}, int64_t{2048}, int64_t{4096},
                           int64_t{8192}})

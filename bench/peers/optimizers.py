@@ -4,8 +4,11 @@ matrices and AdamW on the rest, routed by the project's rule (spec section 2).
 A peer's prepare(ctx) checks that it can run here (raising Skip with the reason if not) and returns
 (make, notes); make(model) builds a fresh optimizer and returns (step, more_notes), step() being one
 optimizer step as a user calls it."""
+import importlib
 import importlib.util
 import os
+import sys
+import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -26,6 +29,7 @@ class Skip(Exception):
 class Context:
     device: torch.device
     official_path: str
+    dion_src: str              # a folder holding microsoft/dion's package folder dion/
     threads: int = 0  # CPU: the fused backend's threads (0: its default); torch's are set by the caller
 
 
@@ -113,6 +117,53 @@ def _prepare_emerging(ctx):
                   "eps_placement=clamp); fp32 parameters only (its newton_schulz refuses other dtypes)"]
 
 
+def _import_dion_normuon(src):
+    """dion/normuon.py (and the modules it imports) from src, without dion/__init__.py: that imports every
+    dion optimizer, and only NorMuon's files are staged. A private package name keeps an installed dion apart."""
+    folder = os.path.join(src, "dion")
+    if not os.path.isfile(os.path.join(folder, "normuon.py")):
+        raise Skip(f"{folder}/normuon.py not found (--dion-src PATH: a folder holding microsoft/dion's dion/)")
+    # Afresh on every call (each preset): torch.compile's recompile limit counts per code object, and one
+    # preset's shapes would use up what the next needs.
+    for name in [n for n in sys.modules if n == "_peer_dion" or n.startswith("_peer_dion.")]:
+        del sys.modules[name]
+    package = types.ModuleType("_peer_dion")
+    package.__path__ = [folder]
+    sys.modules["_peer_dion"] = package
+    try:
+        return importlib.import_module("_peer_dion.normuon")
+    except Exception as error:  # its own imports may be missing here
+        raise Skip(f"{folder}/normuon.py does not import ({type(error).__name__}: {error})") from None
+
+
+def _prepare_dion(ctx):
+    module = _import_dion_normuon(ctx.dion_src)
+    commit = "unknown commit"
+    if os.path.isfile(os.path.join(ctx.dion_src, "COMMIT")):  # written when staged: which dion this is
+        with open(os.path.join(ctx.dion_src, "COMMIT")) as f:
+            commit = f.read().strip()[:12]
+
+    def make(model):
+        # The official shape factor max(1, rows/cols)^0.5: dion's "spectral_norm" (rows/cols)^0.5 on tall and
+        # square matrices, no factor (None) on wide ones. Nesterov as the official (dion's momentum mu*M + G is
+        # the official's lerp over 1 - mu: the same direction into Newton-Schulz). NorMuon's epsilon only
+        # guards Newton-Schulz, so the AdamW group sets its own.
+        tall = [p for p in model.matrices() if p.shape[-2] >= p.shape[-1]]
+        wide = [p for p in model.matrices() if p.shape[-2] < p.shape[-1]]
+        groups = [dict(params=tall, adjust_lr="spectral_norm"), dict(params=wide, adjust_lr=None),
+                  dict(params=model.others(), algorithm="adamw", lr=ADAMW_HP["lr"], beta1=ADAMW_HP["betas"][0],
+                       beta2=ADAMW_HP["betas"][1], epsilon=ADAMW_HP["eps"], weight_decay=ADAMW_HP["weight_decay"])]
+        opt = module.NorMuon([g for g in groups if g["params"]], distributed_mesh=None, lr=NORMUON_HP["lr"],
+                             mu=NORMUON_HP["momentum"], muon_beta2=NORMUON_HP["beta2"],
+                             weight_decay=NORMUON_HP["weight_decay"], nesterov=True)
+        return opt.step, []
+    return make, [f"dion {commit} NorMuon, single device (distributed_mesh=None): one batched update per "
+                  "matrix shape, torch.compile'd (the first steps compile: warm-up absorbs them); Newton-Schulz is "
+                  "Polar Express in bf16 (dion's default; other coefficients, the same 5 iterations); "
+                  "normalisation eps 1e-8 (official 1e-10); AdamW groups by dion itself (torch._fused_adamw_); "
+                  "state in the parameter dtype"]
+
+
 def _normuon_kwargs(model, backend, threads=0):
     return dict(threads=threads, lr=NORMUON_HP["lr"], momentum=NORMUON_HP["momentum"], beta2=NORMUON_HP["beta2"],
                 weight_decay=NORMUON_HP["weight_decay"], adamw_lr=ADAMW_HP["lr"], adamw_betas=ADAMW_HP["betas"],
@@ -120,14 +171,14 @@ def _normuon_kwargs(model, backend, threads=0):
                 roles={s.name: s.role for s in model.specs}, backend=backend)
 
 
-def _prepare_normuon(backend):
+def _prepare_normuon(backend, verdict="sync"):
     def prepare(ctx):
         if backend != "reference" and not normuon.native_available():
             raise Skip(f"normuon._C does not import ({normuon.native_error()}); build it and set PYTHONPATH")
 
         def make(model):
-            opt = normuon.NorMuonAdamW(model.named(), **_normuon_kwargs(model, backend, ctx.threads))
-            return opt.step, [f"backend {opt.backend}"]
+            opt = normuon.NorMuonAdamW(model.named(), verdict=verdict, **_normuon_kwargs(model, backend, ctx.threads))
+            return opt.step, [f"backend {opt.backend}, verdict {verdict}"]
         return make, []
     return prepare
 
@@ -142,10 +193,14 @@ PEERS = [
          _prepare_torch_muon, slow=True),
     Peer("emerging-adaptive-muon", "NVIDIA emerging_optimizers AdaptiveMuon(moment2_method='normuon') on the "
          "matrices + torch.optim.AdamW(fused=True) on the rest", _prepare_emerging, slow=True, fp32_only=True),
+    Peer("dion-normuon", "microsoft/dion's NorMuon (megabatched by shape, torch.compile'd) with its own AdamW "
+         "groups (--dion-src)", _prepare_dion),
     Peer("reference-py", "this project's pure-torch per-parameter reference: "
          "normuon.NorMuonAdamW(backend='reference')", _prepare_normuon("reference"), slow=True),
     Peer("fused-py", "this project's normuon.NorMuonAdamW(backend='fast'): the fused CPU or CUDA backend",
          _prepare_normuon("fast")),
+    Peer("fused-py-deferred", "the same with verdict='deferred': on CUDA, a step's NaN/Inf verdict read at the next "
+         "step, so no host sync per step", _prepare_normuon("fast", "deferred")),
     Peer("fused-cpp", "the C++ fused step through the tool: `normuon bench-cuda` (CUDA) or `normuon bench` (CPU)",
          None, external=True),
 ]

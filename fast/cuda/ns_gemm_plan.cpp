@@ -56,6 +56,11 @@ NsGemmSpec ns_panel_gemm(const NsGemmSpec& full, const fast::SymmetricPanel& pan
   return g;
 }
 
+double ns_panel_intensity(int64_t r, int64_t w, int64_t k) {
+  const double rd = static_cast<double>(r), wd = static_cast<double>(w), kd = static_cast<double>(k);
+  return rd * wd * kd / (rd * kd + wd * kd + rd * wd);
+}
+
 int64_t ns_auto_panel_width(int64_t s, int64_t count) {
   for (const int64_t panels : {8, 4, 2}) {
     const int64_t width = (s + panels - 1) / panels;
@@ -63,7 +68,8 @@ int64_t ns_auto_panel_width(int64_t s, int64_t count) {
     if (rounded >= s) continue;
     const int64_t last = s - (s - 1) / rounded * rounded;  // the last panel is last x last
     const int64_t tiles = (last + 127) / 128;
-    if (tiles * tiles * count >= kNsMinPanelTiles) return rounded;
+    if (tiles * tiles * count >= kNsMinPanelTiles && ns_panel_intensity(last, last, s) >= kNsPanelMinIntensity)
+      return rounded;
   }
   return s;
 }

@@ -74,12 +74,19 @@ NsGemmSpec ns_panel_gemm(const NsGemmSpec& full, const fast::SymmetricPanel& pan
 
 // Panel width for symmetric products of s x s over `count` matrices, when the caller leaves it to the
 // backend: the narrowest of ceil(s / 8), ceil(s / 4) and ceil(s / 2), rounded up to a multiple of 128 (so
-// up to 8 panels, the last one narrower), whose last, smallest panel still gives the GPU
-// kNsMinPanelTiles output tiles of 128 x 128 over the batch; s (one panel: the full product) when even
-// two panels would starve it. Chosen on paper (H100: 132 SMs); `bench-cuda --ns-panel-width` measures
-// others.
+// up to 8 panels, the last one narrower), whose last, smallest panel
+//  - still gives the GPU kNsMinPanelTiles output tiles of 128 x 128 over the batch, and
+//  - stays compute-bound: a panel re-reads its operands, so a narrow one does little arithmetic per byte.
+//    Its GEMM (r x w, inner dimension k; 2-byte operands and output) does r w k / (r k + w k + r w) FLOPs
+//    per byte; the last panel (r = w) of the s x s products (k = s, the lowest of Newton-Schulz's
+//    products) must reach kNsPanelMinIntensity, well above the dense-bf16 balance of the GPUs served
+//    (H100 about 295 FLOP per byte, H200 about 206, B200 about 280).
+// Else s: one panel, the full product. Chosen on paper; `bench-cuda --ns-panel-width` measures others.
 constexpr int64_t kNsMinPanelTiles = 128;
+constexpr double kNsPanelMinIntensity = 450;
 int64_t ns_auto_panel_width(int64_t s, int64_t count);
+// FLOPs per byte of a panel GEMM of r x w with inner dimension k (2-byte operands and output).
+double ns_panel_intensity(int64_t r, int64_t w, int64_t k);
 
 // The lower panels of an s x s product: `width` (0: ns_auto_panel_width) in [ceil(s / kNsMaxPanels), s],
 // so that a tiny width cannot plan thousands of GEMMs.
