@@ -104,10 +104,10 @@ BOOST_AUTO_TEST_CASE(shape_syntax) {
 
 BOOST_AUTO_TEST_CASE(enum_names) {
   for (DType d : {DType::f32, DType::bf16, DType::f16}) BOOST_TEST((parse_dtype(to_string(d)) == d));
-  for (Role r : {Role::matrix, Role::embedding, Role::head, Role::norm, Role::bias, Role::other})
+  for (Role r : {Role::matrix, Role::embedding, Role::head, Role::norm, Role::bias, Role::other, Role::router})
     BOOST_TEST((parse_role(to_string(r)) == r));
   check_error([] { parse_dtype("f64"); }, {"\"f64\"", "f32", "bf16", "f16"});
-  check_error([] { parse_role("weight"); }, {"\"weight\"", "matrix", "embedding", "head", "norm", "bias", "other"});
+  check_error([] { parse_role("weight"); }, {"\"weight\"", "matrix", "embedding", "head", "norm", "bias", "other", "router"});
 }
 
 // ---- routing and validation --------------------------------------------------------------------
@@ -115,7 +115,7 @@ BOOST_AUTO_TEST_CASE(enum_names) {
 BOOST_AUTO_TEST_CASE(routing_by_role_and_rank) {
   for (Role r : {Role::matrix, Role::norm, Role::bias, Role::other})
     BOOST_TEST((route(spec("w", {8, 4}, r)) == Algorithm::normuon), to_string(r));
-  for (Role r : {Role::embedding, Role::head})
+  for (Role r : {Role::embedding, Role::head, Role::router})
     BOOST_TEST((route(spec("w", {8, 4}, r)) == Algorithm::adamw), to_string(r));
   BOOST_TEST((route(spec("b", {768}, Role::matrix)) == Algorithm::adamw));
   BOOST_TEST((route(spec("conv", {2, 3, 4}, Role::matrix)) == Algorithm::adamw));

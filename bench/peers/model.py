@@ -23,7 +23,7 @@ class Spec:
     name: str
     shape: tuple
     dtype: str       # the manifest's model dtype: f32 | bf16 | f16
-    role: str        # matrix | embedding | head | norm | bias | other
+    role: str        # matrix | embedding | head | norm | bias | other | router
     algorithm: str   # normuon | adamw, by the project's routing rule (spec section 2)
 
     @property

@@ -178,6 +178,7 @@ const char* to_string(Role r) {
     case Role::norm: return "norm";
     case Role::bias: return "bias";
     case Role::other: return "other";
+    case Role::router: return "router";
   }
   throw std::invalid_argument("invalid Role value");
 }
@@ -189,10 +190,10 @@ DType parse_dtype(const std::string& s) {
 }
 
 Role parse_role(const std::string& s) {
-  for (Role r : {Role::matrix, Role::embedding, Role::head, Role::norm, Role::bias, Role::other})
+  for (Role r : {Role::matrix, Role::embedding, Role::head, Role::norm, Role::bias, Role::other, Role::router})
     if (s == to_string(r)) return r;
   throw std::invalid_argument("unknown role " + quoted(s) +
-                              " (expected matrix, embedding, head, norm, bias or other)");
+                              " (expected matrix, embedding, head, norm, bias, other or router)");
 }
 
 std::string shape_to_string(const std::vector<int64_t>& shape) {
@@ -245,8 +246,10 @@ Algorithm route(const ParamSpec& p) {
                                   shape_for_humans(p.shape) + " (NorMuon needs a 2-D matrix)");
     return *p.algorithm;
   }
-  return matrix && p.role != Role::embedding && p.role != Role::head ? Algorithm::normuon
-                                                                     : Algorithm::adamw;
+  // A MoE's router goes to AdamW: a few rows (one per expert) that decide where tokens go, as the official
+  // NorMuon leaves the embedding and the head to AdamW.
+  return matrix && p.role != Role::embedding && p.role != Role::head && p.role != Role::router ? Algorithm::normuon
+                                                                                              : Algorithm::adamw;
 }
 
 std::string resolved_group(const ParamSpec& p) {

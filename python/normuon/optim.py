@@ -18,10 +18,10 @@ from .engine import FOUND_INF_REASON, Engine, named_state, one_device, resolve_m
 from .sharded import Shards, is_sharded
 from .native import (_C, StateFileError, check_values, cuda_unavailable_reason, defaults, native_error,  # noqa: F401
                      require)
-from .plan import (ADAMW_KEYS, ADAMW_PREFIXED, DTYPES, NORMUON_FIELDS, _normuon_betas, plan_groups,  # noqa: F401
-                   resolve_inputs, route)
-from .routing import (ROUTING_COLUMNS, infer_role, output_layer_doubts, routing_text, strip_wrappers,  # noqa: F401
-                      vocabulary_lookalikes)
+from .plan import (ADAMW_KEYS, ADAMW_PREFIXED, DTYPES, NORMUON_FIELDS, _normuon_betas, param_names,  # noqa: F401
+                   plan_groups, resolve_inputs, route)
+from .routing import (ROUTING_COLUMNS, expand_patterns, infer_role, output_layer_doubts, routing_text,  # noqa: F401
+                      strip_wrappers, vocabulary_lookalikes)
 
 NORMUON_KNOBS = NORMUON_FIELDS[6:]  # everything after lr .. ns_steps
 
@@ -58,7 +58,9 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         (knobs: ns_coefficients, ns_precision, reduce_axis, lr_scale, weight_decay_mode, eps_placement,
         ns_eps, denom_eps, renorm_eps).
     adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW defaults.
-    overrides: {name: "normuon" | "adamw" | "auto"}, wins over the rule. roles: {name: role}.
+    overrides: {name: "normuon" | "adamw" | "auto"}, wins over the rule. roles: {name: role} (matrix, embedding,
+        head, norm, bias, other, router). Either takes glob patterns for names ("*.mlp.gate.weight"): an exact
+        name wins, then the first pattern that matches; a pattern that matches nothing is an error.
     backend: "auto" | "fast" | "reference"; None reads NORMUON_BACKEND, then "auto" (= fast). No fallback.
     threads: the fast backend's threads; None (the default) follows torch.get_num_threads(), 0: one per
         processor the process may use, within its CPU quota.
@@ -113,8 +115,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self._state_for_frozen = _state_for_frozen
         # The Megatron adapter's split QKV: RowBlocks, each standing in the groups as its key tensor.
         self._row_blocks = {id(b.key): b for b in _row_blocks}
-        overrides = dict(overrides or {})
         params, roles = resolve_inputs(params, normuon_params, adamw_params, model, roles)
+        overrides = expand_patterns(dict(overrides or {}), param_names(params), "overrides")
         # What add_param_group needs later: the constructor's values for a new group, and the model to name
         # and route its tensors (a weak reference: the optimizer must not keep a model alive).
         self._defaults_by_algorithm = (normuon_defaults, adamw_defaults)

@@ -6,7 +6,7 @@ import warnings
 import torch
 
 from .native import _C, fields, require
-from .routing import infer_role, module_roles
+from .routing import expand_patterns, infer_role, module_roles, router_roles
 
 NORMUON_FIELDS = fields("normuon") if _C is not None else ()  # the core's fields of a NorMuon group
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -25,7 +25,7 @@ def route(name, shape, role, override=None):
         return algorithm, "override"
     if algorithm == "normuon":
         return algorithm, "rule: 2-D matrix"
-    return algorithm, f"rule: {role}" if role in ("embedding", "head") else f"rule: {len(shape)}-D"
+    return algorithm, f"rule: {role}" if role in ("embedding", "head", "router") else f"rule: {len(shape)}-D"
 
 
 class _Entry:
@@ -156,7 +156,7 @@ def plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, row_
                                  f"NorMuon group may hold (it went to {e.algorithm}: {e.why})")
             if algorithm != "auto" and explicit not in ("normuon", "adamw"):
                 e.why = f"group '{base}'"
-            elif e.why.startswith("rule: ") and e.role in ("embedding", "head"):
+            elif e.why.startswith("rule: ") and e.role in ("embedding", "head", "router"):
                 e.why += f" ({evidence})"  # what told the role: a module, the name, or roles=
             if not given and evidence == "name" and e.algorithm == "normuon" and override is None:
                 unnamed.append(name)
@@ -263,13 +263,22 @@ def resolve_inputs(params, normuon_params=None, adamw_params=None, model=None, r
             given = [] if given is None else [given] if isinstance(given, torch.Tensor) else list(given)
             if given:
                 params.append({"params": given, "algorithm": name, "name": name})
+    if not isinstance(params, torch.Tensor):
+        params = list(params)  # walked more than once below (a generator, as named_parameters(), once only)
     told = {}
     if model is not None:
         by_module = module_roles(model)
         params = _named_by(params, {id(p): n for n, p in model.named_parameters()})
         told = {n: by_module[id(t)] for n, t in _pairs(params) if id(t) in by_module}
-    told.update(roles or {})
+    names = param_names(params)
+    told.update(router_roles(names))  # a router's Linear is a matrix to its module, a router by what lies beside it
+    told.update(expand_patterns(roles or {}, names, "roles"))
     return params, told
+
+
+def param_names(params):
+    """The names that params gives its tensors (bare tensors have none yet), in order."""
+    return [n for n, _ in _pairs(params)]
 
 
 def _pairs(params):
@@ -320,8 +329,9 @@ def _make_entry(index, name, tensor, role, block=None):
     e.index, e.name, e.tensor, e.block = index, name, tensor, block
     e.shape, e.dtype = tuple(tensor.shape) if block is None else block.shape, tensor.dtype
     e.role = role if role is not None else infer_role(name, e.shape)
-    if e.role not in ("matrix", "embedding", "head", "norm", "bias", "other"):
-        raise ValueError(f"parameter '{name}': unknown role {e.role!r} (matrix | embedding | head | norm | bias | other)")
+    if e.role not in ("matrix", "embedding", "head", "norm", "bias", "other", "router"):
+        raise ValueError(f"parameter '{name}': unknown role {e.role!r} (matrix | embedding | head | norm | bias | other "
+                         "| router)")
     e.has_grad = False
     e.grad_of = None  # a sharded parameter's DTensor, whose .grad holds this entry's gradient (sharded.py)
     e.stats_per_row, e.stat_len = True, 0

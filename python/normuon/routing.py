@@ -10,7 +10,11 @@ it: RoBERTa's lm_head.dense). With no head from the vocabulary, a last layer who
 layer has may be the model's output layer: it stays a hidden matrix, with a warning.
 Name evidence (bare tensors, named_parameters()): wrapper prefixes are stripped first (DDP's module.,
 torch.compile's _orig_mod., model., FSDP's and checkpointing's wrappers).
+A mixture-of-experts router, by name: a module named gate or router (or ..._gate: Qwen2-MoE's
+shared_expert_gate) with an `experts` module beside it (Mixtral's mlp.gate, DeepSeek-V3's MoEGate, torchtitan's
+moe.router.gate): its weight scores the experts, so it is a router, not a hidden matrix.
 """
+import fnmatch
 import math
 import warnings
 
@@ -36,6 +40,40 @@ HEAD_ANYWHERE = ("lm_head", "classifier", "class_embed", "output_layer", "predic
 # timm's head.pre_logits.fc, torchvision ViT's heads.pre_logits.
 HEAD_HIDDEN = ("dense", "transform", "pre_logits")
 EMBEDDING_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+ROUTER_WORDS = ("gate", "router")  # a router module's name, or its ending after "_"
+
+
+def router_roles(names):
+    """{name: ("router", evidence)} for the parameters of MoE routers among `names` (module docstring)."""
+    beside = {n.split(".experts.")[0] for n in names if ".experts." in n}  # modules that hold experts
+    beside |= {"" for n in names if n.startswith("experts.")}
+    out = {}
+    for name in names:
+        parts = name.split(".")
+        for i, part in enumerate(parts[:-1]):
+            if (part.lower() in ROUTER_WORDS or part.lower().endswith(tuple("_" + w for w in ROUTER_WORDS))) \
+                    and ".".join(parts[:i]) in beside:
+                where = ".".join(parts[:i] + ["experts"])
+                out[name] = ("router", f"'{'.'.join(parts[:i + 1])}' beside '{where}'")
+                break
+    return out
+
+
+def expand_patterns(table, names, what):
+    """{name: value} from a table of parameter names and glob patterns (fnmatch's *, ? and [...], matched
+    against whole names): an exact name wins, then the first pattern in the table's order. A pattern that
+    matches no name is a ValueError; exact names are left for the caller to check."""
+    out = {}
+    for key, value in table.items():
+        if not any(c in key for c in "*?["):
+            continue
+        hits = [n for n in names if fnmatch.fnmatchcase(n, key)]
+        if not hits:
+            raise ValueError(f"{what} pattern {key!r} matches no parameter")
+        for n in hits:
+            out.setdefault(n, value)
+    out.update({k: v for k, v in table.items() if not any(c in k for c in "*?[")})
+    return out
 
 
 def strip_wrappers(name):

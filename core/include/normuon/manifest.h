@@ -21,7 +21,7 @@ constexpr int64_t kMaxParamElements = int64_t{1} << 40;
 enum class DType { f32, bf16, f16 };
 
 // What a parameter is in the model; routing reads it.
-enum class Role { matrix, embedding, head, norm, bias, other };
+enum class Role { matrix, embedding, head, norm, bias, other, router };  // router: a MoE's gate
 
 struct ParamSpec {
   std::string name;
@@ -43,7 +43,7 @@ struct Manifest {
 
   // CSV with header: name,shape,dtype,role,group,algorithm
   //   shape: extents joined by 'x' ("768x3072"), "" for a scalar; dtype: f32|bf16|f16;
-  //   role: matrix|embedding|head|norm|bias|other; group: free text or empty; algorithm: auto|normuon|adamw.
+  //   role: matrix|embedding|head|norm|bias|other|router; group: free text or empty; algorithm: auto|normuon|adamw.
   // Errors name the line and the column.
   static Manifest read_csv(std::istream& in, const std::string& source_name = "<csv>");
   static Manifest read_csv_file(const std::string& path);

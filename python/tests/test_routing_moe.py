@@ -1,0 +1,106 @@
+"""Mixture-of-experts models as transformers 5.x builds them (tiny, from their configs, random weights; nothing is
+downloaded): their routers take the router role and go to AdamW, by their modules or by their names alone, and
+overrides= / roles= take glob patterns to move them (or anything else) by the layer."""
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Python tests need it")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (scripts/setup.sh puts it "
+                                                          "in the torch 2.x environment)")
+
+import normuon  # noqa: E402
+from normuon.routing import expand_patterns, router_roles  # noqa: E402
+
+
+def mixtral():
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2)
+    return transformers.MixtralForCausalLM(config)
+
+
+def qwen2_moe():
+    config = transformers.Qwen2MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                                         shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
+    return transformers.Qwen2MoeForCausalLM(config)
+
+
+def deepseek_v3():
+    config = transformers.DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                           n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                           first_k_dense_replace=0, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                                           qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1)
+    return transformers.DeepseekV3ForCausalLM(config)
+
+
+ROUTERS = {  # model: its routers in layer 0 (every layer has them)
+    mixtral: ["model.layers.0.mlp.gate.weight"],
+    qwen2_moe: ["model.layers.0.mlp.gate.weight", "model.layers.0.mlp.shared_expert_gate.weight"],
+    deepseek_v3: ["model.layers.0.mlp.gate.weight"],
+}
+
+
+def rows_of(opt):
+    return {r["name"]: r for r in opt.routing_table()}
+
+
+@pytest.mark.parametrize("make", list(ROUTERS), ids=lambda m: m.__name__)
+@pytest.mark.parametrize("given", ["model", "names"])
+def test_routers_go_to_adamw_by_their_role(make, given, native):
+    torch.manual_seed(0)
+    model = make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the names-only form may warn about the head; not what is tested)
+        opt = normuon.NorMuonAdamW(model if given == "model" else model.named_parameters(), threads=1)
+    rows = rows_of(opt)
+    routers = [n for n in rows if rows[n]["role"] == "router"]
+    assert routers == [n for n in rows if any(n == r.replace("layers.0", f"layers.{k}") for r in ROUTERS[make]
+                                              for k in range(2))]
+    for name in routers:
+        assert rows[name]["algorithm"] == "adamw", rows[name]
+        assert rows[name]["why"].startswith("rule: router (") and "experts'" in rows[name]["why"], rows[name]["why"]
+    # Nothing else moved: the shared experts' and attention's matrices stay on NorMuon.
+    assert all(r["algorithm"] == "normuon" for n, r in rows.items() if n.endswith(("q_proj.weight", "o_proj.weight",
+                                                                                   "shared_expert.gate_proj.weight")))
+    opt.print_routing(file=open("/dev/null", "w"))
+
+
+def test_router_rule_needs_experts_beside_it():
+    names = ["a.mlp.gate.weight", "a.mlp.experts.gate_up_proj", "b.mlp.gate.weight", "b.mlp.up.weight",
+             "c.moe.router.gate.weight", "c.moe.experts.w1", "d.block_sparse_moe.gate.weight",
+             "d.block_sparse_moe.experts.0.w1.weight", "e.mlp.gate_proj.weight", "e.mlp.experts.down_proj",
+             "f.mlp.shared_experts.gate.weight"]
+    assert sorted(router_roles(names)) == ["a.mlp.gate.weight", "c.moe.router.gate.weight",
+                                           "d.block_sparse_moe.gate.weight"]
+    assert router_roles(names)["c.moe.router.gate.weight"] == ("router", "'c.moe.router' beside 'c.moe.experts'")
+
+
+def test_overrides_and_roles_take_glob_patterns(native):
+    model = mixtral()
+    opt = normuon.NorMuonAdamW(model, threads=1, overrides={"*.mlp.gate.weight": "normuon",
+                                                           "model.layers.1.mlp.gate.weight": "adamw"})
+    rows = rows_of(opt)
+    assert rows["model.layers.0.mlp.gate.weight"]["algorithm"] == "normuon"  # the pattern
+    assert rows["model.layers.0.mlp.gate.weight"]["why"] == "override"
+    assert rows["model.layers.1.mlp.gate.weight"]["algorithm"] == "adamw"    # an exact name wins over it
+    opt = normuon.NorMuonAdamW(model, threads=1, roles={"*.self_attn.[qk]_proj.weight": "router"})
+    rows = rows_of(opt)
+    assert {n for n, r in rows.items() if r["role"] == "router" and "self_attn" in n} == {
+        f"model.layers.{k}.self_attn.{p}_proj.weight" for k in range(2) for p in "qk"}
+
+
+def test_a_pattern_that_matches_nothing_is_refused(native):
+    model = mixtral()
+    with pytest.raises(ValueError, match=r"overrides pattern '\*\.router\.weight' matches no parameter"):
+        normuon.NorMuonAdamW(model, overrides={"*.router.weight": "adamw"})
+    with pytest.raises(ValueError, match=r"roles pattern 'encoder\.\*' matches no parameter"):
+        normuon.NorMuonAdamW(model, roles={"encoder.*": "matrix"})
+
+
+def test_expand_patterns_order():
+    names = ["x.a", "x.b", "y.a"]
+    got = expand_patterns({"*.a": 1, "x.*": 2, "x.b": 3, "missing": 4}, names, "overrides")
+    assert got == {"x.a": 1, "y.a": 1, "x.b": 3, "missing": 4}  # first pattern, then exact names (checked later)
