@@ -167,10 +167,11 @@ wants megatron && phase megatron 0 "${py[@]}" bench/megatron_gpt.py --optimizers
   --ckpt-formats torch --time-budget $(($(left) - 20)) --json "$work/megatron.json" --markdown "$work/megatron.md"
 
 # ---- the second call
-if wants diag; then  # the failed CUDA suites again, verbose, then under compute-sanitizer
-  phase diag 150 bash -c 'build=$1; ctest --test-dir "$build" -V --rerun-failed --timeout 90 ||
-      for t in '"$cuda_tests"'; do [ -x "$build/tests/$t" ] && compute-sanitizer --error-exitcode 9 "$build/tests/$t"; done' \
-    diag "$build_dir"
+if wants diag; then  # the CUDA suites that failed, again, verbose, then each under compute-sanitizer
+  phase diag 150 bash -c 'build=$1; ctest --test-dir "$build" -V --rerun-failed --timeout 90 && exit 0
+      rc=1; for t in $(sed "s/^[0-9]*://" "$build/Testing/Temporary/LastTestsFailed.log"); do
+        [ -x "$build/tests/$t" ] && { compute-sanitizer --error-exitcode 9 "$build/tests/$t" || rc=$?; }; done
+      exit $rc' diag "$build_dir"
 fi
 wants fsdp2 && phase fsdp2 90 "${py[@]}" bench/fsdp2_bench.py --device cuda --world-sizes 1 --model gpt \
   --out "$work/fsdp2.md"

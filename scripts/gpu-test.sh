@@ -198,7 +198,8 @@ step() {  # [STEP_LIMIT=S] step NAME CMD...: shows and runs CMD, keeps its outpu
   { timeout --kill-after=10 "$step_limit" "$@" 2>&1 & echo $! >"$step_pidfile"; rc=0; wait $! || rc=$?
     echo "$rc" >"$rc_file"; } | tee "$step_log" &
   wait $! || true
-  step_rc=$(cat "$rc_file" 2>/dev/null || echo 1)
+  step_rc=$(cat "$rc_file" 2>/dev/null || true)
+  step_rc=${step_rc:-1}  # (no status written: the step was ended by a signal)
   rm -f "$rc_file" "$step_pidfile"
   step_pidfile=""
   step_time=$((SECONDS - t0))

@@ -9,7 +9,8 @@ with torch.distributed.checkpoint and loads it back into a fresh model and optim
 
 Layouts: fsdp2 (fully_shard on every block and the model), fsdp-tp (tensor parallel inside each block on the
 mesh's "tp" dimension, fully_shard over "dp", as torchtitan lays it out) and ddp (DistributedDataParallel,
-plain tensors). Gloo on CPUs; with GPUs, NCCL and one GPU per rank. Rank 0 prints the loss of every step.
+plain tensors). CPU ranks over Gloo here; on GPUs, NCCL, one GPU per rank and a "cuda" mesh instead.
+Rank 0 prints the loss of every step.
 """
 import argparse
 import os
@@ -136,6 +137,7 @@ def main():
         if not args.checkpoint:
             parser.error("launched ranks need --checkpoint, a folder every rank can reach")
         rank_main(0, 0, args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         args.checkpoint = args.checkpoint or tmp
         torch.multiprocessing.start_processes(rank_main, args=(args.spawn, args), nprocs=args.spawn,

@@ -27,6 +27,18 @@ class DistributedNorMuonAdamW(NorMuonAdamW):
         super().__init__(params, *args, process_group=dist.group.WORLD if process_group is None else process_group,
                          **kwargs)
 
+    @property
+    def process_group(self):
+        return self._process_group
+
+    @property
+    def rank(self):
+        return self._shards.rank
+
+    @property
+    def world_size(self):
+        return self._shards.world
+
     def owned_names(self, rank=None):
         """Names of the matrices whose Newton-Schulz `rank` (default: this one) runs."""
         rank = self._shards.rank if rank is None else rank

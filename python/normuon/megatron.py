@@ -114,6 +114,8 @@ def _checked(label, where, algorithm, values, given, notes=None):
             raise ValueError(f"{label}: {error}") from None
         key, value = given[field]
         raise ValueError(f"{label}: {where}: {key}={value!r}{(notes or {}).get(field, '')} {error.problem}") from None
+    except ValueError as error:  # the group's values together (a Polar Express schedule too long), a missing value
+        raise ValueError(f"{label}: {error}") from None
 
 
 def ns_precision_for(fp32_matmul_prec):

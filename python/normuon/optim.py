@@ -20,8 +20,8 @@ from .native import (_C, StateFileError, check_values, cuda_unavailable_reason, 
                      require)
 from .plan import (ADAMW_KEYS, ADAMW_PREFIXED, DTYPES, NORMUON_FIELDS, _normuon_betas, param_names,  # noqa: F401
                    plan_groups, resolve_inputs, route)
-from .routing import (ROUTING_COLUMNS, expand_patterns, infer_role, output_layer_doubts, routing_text,  # noqa: F401
-                      strip_wrappers, vocabulary_lookalikes)
+from .routing import (ROUTING_COLUMNS, expand_patterns, infer_role, output_layer_doubts, router_roles,  # noqa: F401
+                      routing_text, strip_wrappers, vocabulary_lookalikes)
 
 NORMUON_KNOBS = NORMUON_FIELDS[6:]  # everything after lr .. ns_steps
 
@@ -201,6 +201,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         new_extra = {k: v for k, v in param_group.items() if k not in known}  # a scheduler's initial_lr, ...
         added, roles = resolve_inputs([{k: v for k, v in param_group.items() if k in known}], model=model)
         old = {id(e.tensor): e for e in self.engine.entries + self.engine.frozen}
+        # A router added now has its experts among the parameters already here.
+        roles.update(router_roles([e.name for e in old.values()] + param_names(added)))
         roles.update({e.name: (e.role, e.evidence) for e in old.values()})
         groups, entries = plan_groups(kept + added, *self._defaults_by_algorithm, {}, roles, self._row_blocks)
         one_device(entries)
@@ -576,8 +578,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         if self._shards is None:
             self.engine.save(os.fspath(path), self.backend)
             return
-        whole, error = self._whole_engine(), None
-        if self._shards.rank == 0:
+        whole, error = self._whole_engine()[0], None  # (collective; rank 0's alone)
+        if whole is not None:
             try:
                 whole.save(os.fspath(path), self.backend)
             except Exception as exc:  # every rank raises it
@@ -587,45 +589,83 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             raise RuntimeError(f"rank 0 could not write the state file {os.fspath(path)}: {error}")
 
     def _whole_engine(self, filled=True):
-        """Sharded: a one-process reference engine over whole CPU copies of the parameters, laid out as one
-        process lays them out (the state file's layout); filled (collective): with the whole state, masters
-        and counters, else zeros."""
+        """Sharded: (a one-process reference engine over whole CPU copies of the parameters, the position in
+        the sharded plan of each of its entries), laid out as one process lays them out: the state file's
+        layout, where a frozen parameter that never had a gradient has no place. filled (collective): with the
+        whole state, masters and counters, built on rank 0 alone (None elsewhere); else zeros, on every rank."""
         sh = self._shards
         if filled:
             sh.refresh(self.engine)
             self._settle()
             pieces = sh.local_state(self.engine)
-        entries = []
-        for e in sh.planned:
+        keep = not filled or sh.rank == 0
+        laid, frozen, states = [], [], []
+        for i, e in enumerate(sh.planned):
+            if filled:  # (a DTensor's whole values: collective, on every rank)
+                values = sh.whole(e.tensor.detach())
+                state = {k: sh.whole(v) for k, v in sh.dtensors(i, pieces[i]).items()}
+            if not keep:
+                continue
             w = copy.copy(e)
-            w.tensor = (sh.whole(e.tensor.detach()).to("cpu", copy=True) if filled
-                        else torch.zeros(e.shape, dtype=e.dtype))
+            w.tensor = values.to("cpu", copy=True) if filled else torch.zeros(e.shape, dtype=e.dtype)
             w.grad_of = None
-            entries.append(w)
-        whole = Engine(entries, [(n, g["algorithm"], v) for n, g, v in
-                                 zip(self.engine.group_names, self.param_groups, self.engine.values)], "reference")
+            if not e.tensor.requires_grad and e.tensor.grad is None and sh.entry_steps[i] == 0:
+                frozen.append(w)
+            else:
+                laid.append((i, w))
+                states.append(state if filled else None)
+        if not keep:
+            return None, None
+        whole = Engine([w for _, w in laid], [(n, g["algorithm"], v) for n, g, v in
+                                              zip(self.engine.group_names, self.param_groups, self.engine.values)],
+                       "reference", frozen=frozen)
         if filled:
-            for i, w in enumerate(whole.entries):
-                state = sh.dtensors(i, pieces[i])
+            for w, state in zip(whole.entries, states):
                 for key, dst in named_state(w).items():
-                    dst.copy_(sh.whole(state[key]))
+                    dst.copy_(state[key])
             whole.mark_current()
-            whole.set_steps(sh.steps, sh.entry_steps)
-        return whole
+            whole.set_steps(sh.steps, [sh.entry_steps[i] for i, _ in laid])
+        return whole, [i for i, _ in laid]
 
     def import_state(self, path):
         """Loads a state file of this layout (written by export_state or `normuon run --save`): all or nothing
         (StateFileError). Sets the optimizer state, group steps and hyper-parameters (not nonfinite, not
         reduce_axis), and the model's parameters from the file's fp32 values. Sharded (collective): every rank
-        reads the file (a path they all reach) and takes its pieces."""
+        reads the file (a path they all reach) and takes its pieces; a rank that cannot read it makes every
+        rank raise, nothing changed."""
         path = os.fspath(path)
         self._settle()  # as load_state_dict
-        target = self.engine if self._shards is None else self._whole_engine(filled=False)
+        target, positions = (self.engine, None) if self._shards is None else self._whole_engine(filled=False)
+        try:
+            flat, updated = self._read_state_file(path, target)
+            error = None
+        except Exception as exc:
+            if self._shards is None:
+                raise
+            flat, updated, error = None, None, exc
+        if self._shards is not None:  # every rank's outcome, before any collective that moves state
+            failed = self._shards.agree(None if error is None else f"{type(error).__name__}: {error}")
+            if error is not None:
+                raise error
+            if failed is not None:
+                raise RuntimeError(f"rank {failed[0]} could not load the state file {path}: {failed[1]} (nothing "
+                                   "was changed)")
+        target.from_flat(flat)  # the group steps too
+        if self._shards is not None:
+            self._shards.load_whole(self.engine, target, positions)
+        self._publish_steps()
+        for g, new in zip(self.param_groups, updated):
+            g.update({k: v for k, v in new.items() if k not in ("params", "names", "name", "algorithm", "step")})
+        self._sync_hyper()
+
+    def _read_state_file(self, path, target):
+        """The file read into a scratch FlatState of `target`'s layout, every saved value checked as a step
+        would check it: (the flat state, each group's values as they will be). Nothing changes here."""
         contents = _C.read_state_file(path)  # one read: the header looked at and the tensors are one version
         flat = _C.FlatState(target.file_layout(contents.header))
         saved = _C.load_state_file(contents, flat)  # all or nothing, into a scratch state
-        # Every saved value is checked before anything moves: what the layout and the CUDA plan fixed, and
-        # each group's values as a step would check them (a file with ns_steps=0 changed the state first).
+        # What the layout and the CUDA plan fixed, and each group's values as a step would check them (a file
+        # with ns_steps=0 changed the state first).
         updated = []
         for i, g in enumerate(self.param_groups):
             h = saved.hyper(i)
@@ -635,7 +675,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 new = dict(g, **{k: v for k, v in h.items() if k not in _C.layout_fields()})
                 new.pop("betas", None)  # follows beta1 / beta2
             try:
-                values = self._validated(i, new)
+                self._validated(i, new)
             except ValueError as error:
                 raise ValueError(f"{path}: {error}") from None
             if g["algorithm"] == "normuon":
@@ -645,15 +685,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                     raise ValueError(f"{path}: group '{g['name']}' was saved with "
                                      + ", ".join(f"{k}={h[k]!r}" for k in bad) + ", but this optimizer was built "
                                      "with " + ", ".join(f"{k}={self.engine.fixed[i][k]!r}" for k in bad))
-            del values
             updated.append(new)
-        target.from_flat(flat)  # the group steps too
-        if self._shards is not None:
-            self._shards.load_whole(self.engine, target)
-        self._publish_steps()
-        for g, new in zip(self.param_groups, updated):
-            g.update({k: v for k, v in new.items() if k not in ("params", "names", "name", "algorithm", "step")})
-        self._sync_hyper()
+        return flat, updated
 
 
 _GROUP_OWN_KEYS = {"params", "names", "name", "algorithm", "step", "betas"}  # the optimizer's own group keys

@@ -263,8 +263,8 @@ def resolve_inputs(params, normuon_params=None, adamw_params=None, model=None, r
             given = [] if given is None else [given] if isinstance(given, torch.Tensor) else list(given)
             if given:
                 params.append({"params": given, "algorithm": name, "name": name})
-    if not isinstance(params, torch.Tensor):
-        params = list(params)  # walked more than once below (a generator, as named_parameters(), once only)
+    if not isinstance(params, torch.Tensor):  # walked more than once below: generators (named_parameters(), a
+        params = [_listed(item) for item in params]  # group's parameters()) as lists
     told = {}
     if model is not None:
         by_module = module_roles(model)
@@ -274,6 +274,13 @@ def resolve_inputs(params, normuon_params=None, adamw_params=None, model=None, r
     told.update(router_roles(names))  # a router's Linear is a matrix to its module, a router by what lies beside it
     told.update(expand_patterns(roles or {}, names, "roles"))
     return params, told
+
+
+def _listed(item):
+    """A param group with its "params" as a list (a generator is walked once only); anything else as it is."""
+    if isinstance(item, dict) and "params" in item and not isinstance(item["params"], torch.Tensor):
+        return dict(item, params=list(item["params"]))
+    return item
 
 
 def param_names(params):

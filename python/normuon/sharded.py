@@ -257,6 +257,13 @@ class Shards:
         dist.broadcast_object_list(box, src=src, group=self.object_group)
         return box[0]
 
+    def agree(self, error):
+        """Every rank's outcome (None, or what went wrong) (collective): (rank, error) of the first rank that
+        failed, or None. Before a collective that some ranks would not reach."""
+        every = [None] * self.world
+        dist.all_gather_object(every, error, group=self.object_group)
+        return next(((r, e) for r, e in enumerate(every) if e is not None), None)
+
     def _whole_everywhere(self, i):
         full = tuple((0, n) for n in self.planned[i].shape)
         return all(b == full for b in self.blocks[i])
@@ -544,13 +551,17 @@ class Shards:
         engine.set_steps(self.steps, [self.entry_steps[i] for i in self.positions])
         engine.mark_current()
 
-    def load_whole(self, engine, whole):
+    def load_whole(self, engine, whole, positions):
         """Collective. A one-process engine's parameters, state and counters (a state file every rank read)
-        into this rank's blocks of the parameters and its engine."""
+        into this rank's blocks of the parameters and its engine; positions: where each of its entries lies
+        in the plan (a parameter it leaves out, frozen and never stepped, stays as it is)."""
+        given = [{} for _ in self.planned]
+        entry_steps = list(self.entry_steps)
         with torch.no_grad():
-            for i, (e, w) in enumerate(zip(self.planned, whole.entries)):
-                _local(e.tensor).copy_(w.values()[_slices(self.blocks[i][self.rank])])
+            for i, w, count in zip(positions, whole.entries, whole.entry_steps):
+                _local(self.planned[i].tensor).copy_(w.values()[_slices(self.blocks[i][self.rank])])
+                given[i], entry_steps[i] = named_state(w), count
         self.refresh(engine)  # the owners' whole matrices from the parameters just written
-        self.load_local_state(engine, [self.local_pieces(i, named_state(w)) for i, w in enumerate(whole.entries)],
-                              whole.steps, whole.entry_steps)
+        self.load_local_state(engine, [self.local_pieces(i, g) for i, g in enumerate(given)], whole.steps,
+                              entry_steps)
 

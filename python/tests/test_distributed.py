@@ -178,12 +178,53 @@ def job_side_group(world, rank, out):
     return dict(saved=saved, final=record(model, opt))
 
 
+FROZEN = "blocks.1.mlp_fc.weight"
+
+
+def frozen_run(distributed, first, last, seed=1, load=None):
+    """Steps first..last of a model with a frozen matrix that never has a gradient (one process leaves it
+    out of its layout), after loading a state file if given."""
+    model = make_model(seed=seed)
+    model.get_parameter(FROZEN).requires_grad_(False)
+    cls = DistributedNorMuonAdamW if distributed else normuon.NorMuonAdamW
+    opt = cls(model.named_parameters(), threads=1, weight_decay=0.1)
+    if load is not None:
+        opt.import_state(load)
+    for step in range(first, last + 1):
+        fill_grads(model, step, skip={FROZEN})
+        opt.step()
+    return model, opt
+
+
+def job_frozen(world, rank, out):
+    """The ranks' state file of that model after steps 1-2, and one process's file resumed for step 3."""
+    _, opt = frozen_run(True, 1, 2)
+    opt.export_state(os.path.join(out, f"frozen-w{world}.safetensors"))
+    model, _ = frozen_run(True, 3, 3, seed=99, load=os.path.join(out, "frozen-single.safetensors"))
+    return params_of(model)
+
+
+def job_missing_file(world, rank, out):
+    """Rank 1 cannot read the file (a path not on its node): every rank raises, none waits in a
+    collective, nothing changes."""
+    model, opt, _ = build("fast_fp32", True)
+    train(model, opt, None, 1, 1)
+    before = record(model, opt)
+    path = os.path.join(out, "state-w2.safetensors") if rank == 0 else os.path.join(out, "not-there.safetensors")
+    try:
+        opt.import_state(path)
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return dict(error=error, before=before, after=record(model, opt))
+
+
 def jobs_for(world):
     """The jobs of one launch, run in this order (world 3 reads what world 2 wrote)."""
     jobs = {f"train:{v}": partial(job_train, v) for v in VARIANTS}
     if world == 2:
         jobs.update(save=job_save, resume_single=partial(job_resume_file, "state-single.safetensors"),
-                    nonfinite=job_nonfinite)
+                    nonfinite=job_nonfinite, frozen=job_frozen, missing_file=job_missing_file)
     else:
         jobs.update({"repeat:fast_bf16": partial(job_train, "fast_bf16"),
                      "resume_file": partial(job_resume_file, "state-w2.safetensors"),
@@ -207,6 +248,8 @@ def runs(tmp_path_factory):
     model, opt, _ = build("fast_fp32", False)  # a single-process file for the world-2 run to resume
     train(model, opt, None, 1, 3)
     opt.export_state(os.path.join(out, "state-single.safetensors"))
+    _, opt = frozen_run(False, 1, 2)
+    opt.export_state(os.path.join(out, "frozen-single.safetensors"))
     runs = {"out": out}
     for world in (2, 3):
         runs[world] = run_gloo_ranks(rank_jobs, world, out)
@@ -496,3 +539,27 @@ def test_shard_adamw_is_gone_with_a_warning(one_rank):
         opt = DistributedNorMuonAdamW(make_model().named_parameters(), threads=1, shard_adamw=True)
     assert isinstance(opt, normuon.NorMuonAdamW) and opt.owned_names() == [
         r["name"] for r in opt.ownership_table() if r["algorithm"] == "normuon"]
+    assert (opt.rank, opt.world_size, opt.process_group) == (0, 1, dist.group.WORLD)  # as the class had them
+
+
+def test_state_files_leave_a_frozen_matrix_out_as_one_process_does(runs):
+    """A parameter frozen and never stepped has no place in one process's state file: the ranks' file is that
+    file, so each side resumes the other's (the frozen matrix keeps the resuming model's values)."""
+    want = params_of(frozen_run(False, 1, 3)[0])
+    resumed = params_of(frozen_run(False, 3, 3, seed=99, load=os.path.join(runs["out"], "frozen-w2.safetensors"))[0])
+    for got in [resumed] + [r["frozen"] for r in runs[2]]:
+        assert got.keys() == want.keys()
+        for name in want:
+            if name != FROZEN:
+                assert torch.equal(got[name], want[name]), name
+        assert torch.equal(got[FROZEN], make_model(seed=99).get_parameter(FROZEN).detach())
+
+
+def test_a_file_one_rank_cannot_read_is_refused_everywhere(runs):
+    got = [r["missing_file"] for r in runs[2]]
+    assert got[1]["error"].startswith("StateFileError") and "not-there.safetensors" in got[1]["error"]
+    assert got[0]["error"] == (f"RuntimeError: rank 1 could not load the state file "
+                               f"{os.path.join(runs['out'], 'state-w2.safetensors')}: {got[1]['error']} "
+                               "(nothing was changed)")
+    for r in got:
+        assert_same(r["after"], r["before"])

@@ -544,6 +544,7 @@ class FakeGroup:
     (dict(verdict="later"), "verdict='later': choose sync | deferred"),
     (dict(num_ns_steps=0), r"num_ns_steps=0 is not an integer in \[1, 100\]"),  # the core's range
     (dict(num_ns_steps=True), "num_ns_steps=True is not a number"),
+    (dict(num_ns_steps=None), r"^MegatronNorMuon: .*ns_steps"),  # a refusal that names no value keeps the label
     (dict(nesterov="yes"), "nesterov='yes' is not a boolean"),
     (dict(nonfinite="never"), "nonfinite='never'.*choose error | skip_step"),
     (dict(scale_mode="rms"), "scale_mode='rms'"),

@@ -262,3 +262,15 @@ def test_add_param_group_with_a_bad_value_changes_nothing(native):
     opt.param_groups[0]["initial_lr"] = 0.02
     opt.add_param_group({"params": [("extra.weight", torch.nn.Parameter(torch.zeros(8, 8)))], "initial_lr": 0.1})
     assert opt.param_groups[0]["initial_lr"] == 0.02 and opt.param_groups[-1]["initial_lr"] == 0.1
+
+
+def test_groups_given_as_generators_keep_every_parameter(native):
+    """A group's "params" may be a generator (module.parameters(), as torch's optimizers take them): walked
+    more than once while planning, it must be read once (it was used up: parameters lost without a word)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    with pytest.warns(UserWarning, match="without names"):
+        opt = normuon.NorMuonAdamW([{"params": model[0].parameters()},
+                                    {"params": list(model[1].parameters()), "lr": 0.01}], threads=1)
+    assert sum(len(g["params"]) for g in opt.param_groups) == 4
+    opt = normuon.NorMuonAdamW([{"params": model.parameters()}], model=model, threads=1)
+    assert sum(len(g["params"]) for g in opt.param_groups) == 4

@@ -104,3 +104,14 @@ def test_expand_patterns_order():
     names = ["x.a", "x.b", "y.a"]
     got = expand_patterns({"*.a": 1, "x.*": 2, "x.b": 3, "missing": 4}, names, "overrides")
     assert got == {"x.a": 1, "y.a": 1, "x.b": 3, "missing": 4}  # first pattern, then exact names (checked later)
+
+
+def test_a_router_added_later_is_still_a_router(native):
+    """add_param_group: the router's experts are among the parameters already there."""
+    model = mixtral()
+    named = dict(model.named_parameters())
+    gate = "model.layers.0.mlp.gate.weight"
+    opt = normuon.NorMuonAdamW([(n, p) for n, p in named.items() if n != gate], model=model, threads=1)
+    opt.add_param_group({"params": [named[gate]]})
+    row = rows_of(opt)[gate]
+    assert row["role"] == "router" and row["algorithm"] == "adamw", row
