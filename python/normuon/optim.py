@@ -20,8 +20,8 @@ from .native import (_C, StateFileError, check_values, cuda_unavailable_reason, 
                      require)
 from .plan import (ADAMW_KEYS, ADAMW_PREFIXED, DTYPES, NORMUON_FIELDS, _normuon_betas, param_names,  # noqa: F401
                    plan_groups, resolve_inputs, route)
-from .routing import (ROUTING_COLUMNS, expand_patterns, infer_role, output_layer_doubts, router_roles,  # noqa: F401
-                      routing_text, strip_wrappers, vocabulary_lookalikes)
+from .routing import (ROUTING_COLUMNS, expand_patterns, high_rank_by_rule, infer_role,  # noqa: F401
+                      output_layer_doubts, router_roles, routing_text, strip_wrappers, vocabulary_lookalikes)
 
 NORMUON_KNOBS = NORMUON_FIELDS[6:]  # everything after lr .. ns_steps
 
@@ -142,6 +142,14 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         if doubts:
             warnings.warn("NorMuonAdamW: " + "; ".join(doubts) + ". The routing:\n" + self.routing_text(),
                           stacklevel=2)
+        high = high_rank_by_rule(entries)
+        if high:
+            names = ", ".join(repr(e.name) for e in high[:4]) + (f" and {len(high) - 4} more" if len(high) > 4 else "")
+            warnings.warn(f"NorMuonAdamW: {names} (3 or more dimensions) went to AdamW by the rule for such tensors, "
+                          "which cannot tell a mixture-of-experts bank [E, m, n] (E matrices, which NorMuon does "
+                          "not step yet where they lie) from a conv kernel or a per-head weight. Say what they are "
+                          "and the warning ends: overrides= (e.g. {'*.experts.*': 'adamw'}) or roles= (e.g. "
+                          "{'*.conv*.weight': 'other'}). The routing:\n" + self.routing_text(), stacklevel=2)
 
     # ------------------------------------------------------------------------------------------- building
 

@@ -288,6 +288,15 @@ def vocabulary_lookalikes(entries):
     return [e for e in suspect if e in holders] if len(holders) <= 2 else []
 
 
+def high_rank_by_rule(entries):
+    """Entries of 3 or more dimensions (two of them above 1: not a vector kept as [1, 1, d]) that went to AdamW
+    by the rule for their rank on their names alone (no torch.nn layer, no roles=, no override told what they
+    are): a MoE's expert bank [E, m, n] is E matrices, a conv kernel or a per-head weight is not, and names
+    cannot tell."""
+    return [e for e in entries if len(e.shape) >= 3 and sum(d > 1 for d in e.shape) >= 2 and e.override is None
+            and e.evidence == "name" and e.algorithm == "adamw" and e.why == f"rule: {len(e.shape)}-D"]
+
+
 def output_layer_doubts(entries):
     """What to say about the layers the modules routed to NorMuon that may be the output layer
     (_doubt_the_last_layer), unless roles= or overrides= said what they are: one message each."""

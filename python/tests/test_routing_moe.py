@@ -115,3 +115,16 @@ def test_a_router_added_later_is_still_a_router(native):
     opt.add_param_group({"params": [named[gate]]})
     row = rows_of(opt)[gate]
     assert row["role"] == "router" and row["algorithm"] == "adamw", row
+
+
+def test_tensors_of_three_dimensions_routed_by_the_rule_are_named(native):
+    """transformers 5.x keeps each layer's experts as [E, m, n] banks: the rule sends them to AdamW, which a
+    warning names (NorMuon on banks is not served yet); saying what they are ends it."""
+    model = mixtral()
+    with pytest.warns(UserWarning, match=r"'model\.layers\.0\.mlp\.experts\.gate_up_proj', .* \(3 or more "
+                                         r"dimensions\) went to AdamW by the rule"):
+        normuon.NorMuonAdamW(model, threads=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = normuon.NorMuonAdamW(model, threads=1, overrides={"*.experts.*": "adamw"})
+    assert rows_of(opt)["model.layers.1.mlp.experts.down_proj"]["why"] == "override"
