@@ -160,7 +160,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         # Sharded (DTensors, or process_group=): everything laid out, as the wrappers do (one plan per rank).
         sharded = self._process_group is not None or is_sharded(entries)
         frozen = [] if self._state_for_frozen or sharded else [
-            e for e in entries if not e.tensor.requires_grad and e.tensor.grad is None and id(e.tensor) not in keep]
+            e for e in entries if e.frozen and id(e.tensor) not in keep]
         left_out = {id(e) for e in frozen}
         self._betas_seen = [(g["beta1"], g["beta2"]) if g["algorithm"] == "normuon" else None
                             for g in self.param_groups]
@@ -592,9 +592,9 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 whole.save(os.fspath(path), self.backend)
             except Exception as exc:  # every rank raises it
                 error = f"{type(exc).__name__}: {exc}"
-        error = self._shards.share(error)
-        if error is not None:
-            raise RuntimeError(f"rank 0 could not write the state file {os.fspath(path)}: {error}")
+        failed = self._shards.agree(error)
+        if failed is not None:
+            raise RuntimeError(f"rank {failed[0]} could not write the state file {os.fspath(path)}: {failed[1]}")
 
     def _whole_engine(self, filled=True):
         """Sharded: (a one-process reference engine over whole CPU copies of the parameters, the position in
@@ -617,7 +617,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             w = copy.copy(e)
             w.tensor = values.to("cpu", copy=True) if filled else torch.zeros(e.shape, dtype=e.dtype)
             w.grad_of = None
-            if not e.tensor.requires_grad and e.tensor.grad is None and sh.entry_steps[i] == 0:
+            if e.frozen and sh.entry_steps[i] == 0:
                 frozen.append(w)
             else:
                 laid.append((i, w))

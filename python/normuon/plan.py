@@ -40,6 +40,11 @@ class _Entry:
         return self.dtype != torch.float32
 
     @property
+    def frozen(self):
+        """requires_grad=False and no gradient: one process leaves it out of its layout (no state) until it has one."""
+        return not self.tensor.requires_grad and self.tensor.grad is None
+
+    @property
     def source(self):
         """The tensor that holds the values: the parameter, or the one a block of rows lies in (RowBlock)."""
         return self.tensor if self.block is None else self.block.param

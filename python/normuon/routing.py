@@ -63,16 +63,15 @@ def expand_patterns(table, names, what):
     """{name: value} from a table of parameter names and glob patterns (fnmatch's *, ? and [...], matched
     against whole names): an exact name wins, then the first pattern in the table's order. A pattern that
     matches no name is a ValueError; exact names are left for the caller to check."""
+    patterns = {k: v for k, v in table.items() if any(c in k for c in "*?[")}
     out = {}
-    for key, value in table.items():
-        if not any(c in key for c in "*?["):
-            continue
+    for key, value in patterns.items():
         hits = [n for n in names if fnmatch.fnmatchcase(n, key)]
         if not hits:
             raise ValueError(f"{what} pattern {key!r} matches no parameter")
         for n in hits:
             out.setdefault(n, value)
-    out.update({k: v for k, v in table.items() if not any(c in k for c in "*?[")})
+    out.update({k: v for k, v in table.items() if k not in patterns})
     return out
 
 

@@ -249,14 +249,6 @@ class Shards:
                      owner=self.owner.get(i, "all"), cost=self.cost.get(i, math.prod(e.shape)))
                 for i, e in enumerate(self.planned)]
 
-    def share(self, obj):
-        """Rank 0's `obj` on every rank (collective, pickled over the object group)."""
-        box = [obj]
-        global_rank = getattr(dist, "get_global_rank", None) or dist.distributed_c10d._get_global_rank  # (torch 1.13)
-        src = 0 if self.group is None else global_rank(self.group, 0)
-        dist.broadcast_object_list(box, src=src, group=self.object_group)
-        return box[0]
-
     def agree(self, error):
         """Every rank's outcome (None, or what went wrong) (collective): (rank, error) of the first rank that
         failed, or None. Before a collective that some ranks would not reach."""
@@ -525,8 +517,7 @@ class Shards:
                     t = t.redistribute(t.device_mesh, self._placements(i, key))
                 out[key] = t._local_tensor.to(torch.float32)
             else:  # a whole tensor, or a DTensor laid out on another mesh: its whole values, this rank's block
-                whole = t.full_tensor() if isinstance(t, kind) else t
-                out[key] = whole.to(torch.float32)[_slices(blocks[self.rank])]
+                out[key] = self.whole(t).to(torch.float32)[_slices(blocks[self.rank])]
         return out
 
     def load_local_state(self, engine, pieces, steps, entry_steps):
