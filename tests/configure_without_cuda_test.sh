@@ -14,7 +14,8 @@ grep -q "no CUDA toolkit found" "$log" || { cat "$log"; echo "FAIL: no line says
 grep -q "NORMUON_BUILD_CUDA:BOOL=OFF" "$work/build/CMakeCache.txt" || { echo "FAIL: NORMUON_BUILD_CUDA is not OFF"; exit 1; }
 cmake --build "$work/build" --target _C -j "$(nproc)" >"$work/build.log" 2>&1 || { tail -40 "$work/build.log"; echo "FAIL: build"; exit 1; }
 module=$(ls "$work"/build/python/normuon/_C.*so)
-if ldd "$module" | grep -q cudart; then ldd "$module"; echo "FAIL: the module links the CUDA runtime"; exit 1; fi
+libs=$(ldd "$module")  # (not piped into grep -q: under pipefail, ldd's SIGPIPE would hide a match)
+if grep -q cudart <<<"$libs"; then echo "$libs"; echo "FAIL: the module links the CUDA runtime"; exit 1; fi
 if compgen -G "$work/build/python/normuon/_C_cuda*" >/dev/null; then echo "FAIL: a CUDA module in a build without CUDA"; exit 1; fi
 python=$(command -v /usr/bin/python3 || command -v python3)
 PYTHONPATH="$work/build/python" "$python" -c "
