@@ -32,7 +32,7 @@ import normuon  # noqa: E402
 from peers import measure, report  # noqa: E402
 from peers.cli_peer import run_fused_cpp  # noqa: E402
 from peers.files import write_atomic  # noqa: E402
-from peers.model import DTYPES, ManifestError, load_manifest  # noqa: E402
+from peers.model import DTYPES, ManifestError, bank_specs, load_manifest  # noqa: E402
 from peers.optimizers import PEER_NAMES, PEERS, Context  # noqa: E402
 from peers.run import Plan, run_python_peer  # noqa: E402
 
@@ -78,6 +78,10 @@ def parse_args(argv):
                    help="warm-up steps of the per-parameter peers (default: the smaller of 1 and --warmup)")
     p.add_argument("--profile-steps", type=int, default=2,
                    help="steps profiled for the counts, after the measured ones (default 2; 0: no counts)")
+    p.add_argument("--banks", action="store_true",
+                   help="stack each preset's experts (...experts.K.NAME.weight) into 3-D banks ...experts.NAME "
+                        "[E, m, n], as transformers 5.x stores them: every peer steps the banks (fused-py-2d their "
+                        "experts as 2-D parameters)")
     p.add_argument("--seed", type=int, default=1234, help="seed of parameters and gradients (default 1234)")
     p.add_argument("--official-normuon", default=os.path.join(REPO, ".official", "normuon.py"), metavar="PATH",
                    help="zichongli5/NorMuon's normuon.py (default: .official/normuon.py in the repository)")
@@ -129,6 +133,8 @@ def parse_args(argv):
     for preset in args.presets:  # all of them before anything runs: a bad name costs nothing
         try:
             args.manifests[preset] = load_manifest(args.cli, preset)
+            if args.banks:
+                args.manifests[preset] = bank_specs(args.manifests[preset])
         except ManifestError as error:
             p.error(f"--preset {preset}: {error}")
     return args

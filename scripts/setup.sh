@@ -34,11 +34,13 @@ if [ "${NORMUON_TORCH2:-1}" != 0 ] && ! "$torch2_venv/bin/python" -c "import tor
   python3 -m venv --clear "$torch2_venv"
   "$torch2_venv/bin/pip" install -q --disable-pip-version-check "$torch2_pin" "numpy<2" pytest setuptools wheel
 fi
-# transformers, for the tests on real model layouts (tiny models built from their configs: nothing downloaded).
+# transformers, for the tests on real model layouts (tiny models built from their configs: nothing downloaded),
+# and accelerate, which its Trainer needs (the Trainer test).
 transformers_pin="transformers==5.24.0"
-if [ "${NORMUON_TORCH2:-1}" != 0 ] && ! "$torch2_venv/bin/python" -c "import transformers" 2>/dev/null; then
-  echo "setup: installing $transformers_pin into $torch2_venv"
-  "$torch2_venv/bin/pip" install -q --disable-pip-version-check "$transformers_pin"
+accelerate_pin="accelerate==1.15.0"
+if [ "${NORMUON_TORCH2:-1}" != 0 ] && ! "$torch2_venv/bin/python" -c "import transformers, accelerate" 2>/dev/null; then
+  echo "setup: installing $transformers_pin and $accelerate_pin into $torch2_venv"
+  "$torch2_venv/bin/pip" install -q --disable-pip-version-check "$transformers_pin" "$accelerate_pin"
 fi
 torch2_python=""
 [ "${NORMUON_TORCH2:-1}" != 0 ] && torch2_python="$PWD/$torch2_venv/bin/python"

@@ -86,6 +86,38 @@ BOOST_AUTO_TEST_CASE(an_empty_matrix_has_an_empty_second_moment) {
   }
 }
 
+// An expert bank [E, m, n] is laid out as its E experts, "name[k]": consecutive entries of one shape, so each
+// of their buffers (momentum, second moment, masters) holds them a fixed stride apart, and a bank-shaped view of
+// the state needs no copy (python/normuon/engine.py). The bank itself is refused, with what to do.
+BOOST_AUTO_TEST_CASE(an_expert_bank_is_laid_out_as_its_experts_a_fixed_stride_apart) {
+  Manifest m;
+  m.params = {param("w", {5, 3}, Role::matrix)};  // same shape, before the bank: the bucket holds it first
+  for (int k = 0; k < 4; ++k) m.params.push_back(param(expert_name("bank", k), {5, 3}, Role::experts));
+  m.params.push_back(param("tail", {5, 3}, Role::matrix));
+  for (auto& p : m.params) p.dtype = DType::bf16;
+  const Layout l = Layout::build(m, Options());
+  BOOST_TEST(expert_name("bank", 2) == "bank[2]");
+  const LayoutEntry& first = l.entries[1];
+  for (int k = 0; k < 4; ++k) {
+    const LayoutEntry& e = l.entries[static_cast<size_t>(1 + k)];
+    BOOST_TEST((e.algorithm == Algorithm::normuon));
+    BOOST_TEST(e.offset == first.offset + k * align_up(15));
+    BOOST_TEST(e.stat_offset == first.stat_offset + k * align_up(e.stat_len));
+    BOOST_TEST(e.master_offset == first.master_offset + k * align_up(15));
+  }
+  Manifest bank;
+  bank.params = {param("bank", {4, 5, 3}, Role::experts)};
+  BOOST_TEST((route(bank.params[0]) == Algorithm::normuon));
+  try {
+    Layout::build(bank, Options());
+    BOOST_FAIL("a bank laid out whole");
+  } catch (const std::invalid_argument& e) {
+    const std::string what = e.what();
+    BOOST_TEST(what.find("'bank' is an expert bank") != std::string::npos, what);
+    BOOST_TEST(what.find("bank[0]") != std::string::npos, what);
+  }
+}
+
 BOOST_AUTO_TEST_CASE(fingerprint_is_stable_and_sensitive) {
   const Layout a = Layout::build(mixed_manifest(), Options());
   const Layout b = Layout::build(mixed_manifest(), Options());

@@ -104,21 +104,28 @@ BOOST_AUTO_TEST_CASE(shape_syntax) {
 
 BOOST_AUTO_TEST_CASE(enum_names) {
   for (DType d : {DType::f32, DType::bf16, DType::f16}) BOOST_TEST((parse_dtype(to_string(d)) == d));
-  for (Role r : {Role::matrix, Role::embedding, Role::head, Role::norm, Role::bias, Role::other, Role::router})
+  for (Role r : {Role::matrix, Role::embedding, Role::head, Role::norm, Role::bias, Role::other, Role::router,
+                 Role::experts})
     BOOST_TEST((parse_role(to_string(r)) == r));
   check_error([] { parse_dtype("f64"); }, {"\"f64\"", "f32", "bf16", "f16"});
-  check_error([] { parse_role("weight"); }, {"\"weight\"", "matrix", "embedding", "head", "norm", "bias", "other", "router"});
+  check_error([] { parse_role("weight"); }, {"\"weight\"", "matrix", "embedding", "head", "norm", "bias", "other", "router", "experts"});
 }
 
 // ---- routing and validation --------------------------------------------------------------------
 
 BOOST_AUTO_TEST_CASE(routing_by_role_and_rank) {
-  for (Role r : {Role::matrix, Role::norm, Role::bias, Role::other})
+  for (Role r : {Role::matrix, Role::norm, Role::other, Role::experts})
     BOOST_TEST((route(spec("w", {8, 4}, r)) == Algorithm::normuon), to_string(r));
-  for (Role r : {Role::embedding, Role::head, Role::router})
+  for (Role r : {Role::embedding, Role::head, Role::router, Role::bias})  // biases at any rank: [E, f] of experts
     BOOST_TEST((route(spec("w", {8, 4}, r)) == Algorithm::adamw), to_string(r));
   BOOST_TEST((route(spec("b", {768}, Role::matrix)) == Algorithm::adamw));
   BOOST_TEST((route(spec("conv", {2, 3, 4}, Role::matrix)) == Algorithm::adamw));
+  // An expert bank [E, m, n] is E matrices; one expert, as a layout holds it, is a matrix.
+  BOOST_TEST((route(spec("experts.w1", {2, 3, 4}, Role::experts)) == Algorithm::normuon));
+  BOOST_TEST((route(spec("experts.w1[0]", {3, 4}, Role::experts)) == Algorithm::normuon));
+  BOOST_TEST((route(spec("experts.b", {2, 3}, Role::experts)) == Algorithm::normuon));
+  BOOST_TEST((route(spec("experts.x", {2, 3, 4, 5}, Role::experts)) == Algorithm::adamw));
+  BOOST_TEST((route(spec("experts.x", {3}, Role::experts)) == Algorithm::adamw));
   BOOST_TEST((route(spec("scale", {}, Role::matrix)) == Algorithm::adamw));
   BOOST_TEST((route(spec("empty1d", {0}, Role::matrix)) == Algorithm::adamw));
   // The rule looks at the rank only: a 0-element matrix is still a matrix.

@@ -3,6 +3,7 @@ gradients, set once and reused by every step."""
 import csv
 import io
 import math
+import re
 import subprocess
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ class Spec:
     name: str
     shape: tuple
     dtype: str       # the manifest's model dtype: f32 | bf16 | f16
-    role: str        # matrix | embedding | head | norm | bias | other | router
+    role: str        # matrix | embedding | head | norm | bias | other | router | experts
     algorithm: str   # normuon | adamw, by the project's routing rule (spec section 2)
 
     @property
@@ -52,6 +53,35 @@ def load_manifest(cli, preset):
     if not specs:
         raise ManifestError(f"normuon manifest --preset {preset}: no parameters")
     return specs
+
+
+def bank_specs(specs):
+    """The preset with its experts ("...experts.K.NAME.weight", one 2-D matrix each) stacked into banks
+    "...experts.NAME" [E, m, n] (role experts), where the first expert stood, as transformers 5.x stores them."""
+    out, banks = [], {}
+    for s in specs:
+        m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(.+?)(?:\.weight)?", s.name)
+        if m is None:
+            out.append(s)
+            continue
+        name = f"{m[1]}.{m[3]}"
+        if name not in banks:
+            banks[name] = []
+            out.append(name)
+        bank = banks[name]
+        if int(m[2]) != len(bank) or (bank and s.shape != bank[0].shape):
+            raise ManifestError(f"{s.name}: the experts of bank {name} are not numbered 0, 1, ... with one shape")
+        bank.append(s)
+    if not banks:
+        raise ManifestError("--banks: the preset has no experts ('...experts.K.NAME.weight')")
+    stacked = []
+    for s in out:
+        if isinstance(s, str):
+            first = banks[s][0]
+            shape = (len(banks[s]), *first.shape)
+            s = Spec(s, shape, first.dtype, "experts", normuon.route(s, shape, "experts")[0])
+        stacked.append(s)
+    return stacked
 
 
 class Model:

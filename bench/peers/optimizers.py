@@ -183,6 +183,32 @@ def _prepare_normuon(backend, verdict="sync"):
     return prepare
 
 
+def _prepare_normuon_2d(ctx):
+    if not normuon.native_available():
+        raise Skip(f"normuon._C does not import ({normuon.native_error()}); build it and set PYTHONPATH")
+
+    def make(model):
+        """The banks' experts as 2-D parameters of their own: views of the banks (the same memory, the same
+        gradients), so only the layout differs from fused-py's."""
+        if not any(s.role == "experts" for s in model.specs):
+            raise Skip("the model has no expert banks (--banks)")
+        named, roles = [], {}
+        for s, p in zip(model.specs, model.params):
+            if s.role != "experts":
+                named.append((s.name, p))
+                roles[s.name] = s.role
+                continue
+            for k in range(p.shape[0]):
+                expert = torch.nn.Parameter(p.detach()[k])
+                expert.grad = p.grad[k]
+                named.append((f"{s.name}[{k}]", expert))
+                roles[f"{s.name}[{k}]"] = "matrix"
+        kwargs = dict(_normuon_kwargs(model, "fast", ctx.threads), roles=roles)
+        opt = normuon.NorMuonAdamW(named, **kwargs)
+        return opt.step, [f"backend {opt.backend}; {len(named)} parameters, the banks' experts as views"]
+    return make, []
+
+
 PEERS = [
     Peer("official", "the official per-parameter NorMuon: SingleDeviceNorMuonWithAuxAdam from zichongli5/NorMuon's "
          "normuon.py (--official-normuon)", _prepare_official, slow=True, mutates_grads=True,
@@ -199,6 +225,8 @@ PEERS = [
          "normuon.NorMuonAdamW(backend='reference')", _prepare_normuon("reference"), slow=True),
     Peer("fused-py", "this project's normuon.NorMuonAdamW(backend='fast'): the fused CPU or CUDA backend",
          _prepare_normuon("fast")),
+    Peer("fused-py-2d", "normuon.NorMuonAdamW(backend='fast') over the expert banks' experts as 2-D parameters "
+         "of their own (views of the banks; with --banks only)", _prepare_normuon_2d),
     Peer("fused-py-deferred", "the same with verdict='deferred': on CUDA, a step's NaN/Inf verdict read at the next "
          "step, so no host sync per step", _prepare_normuon("fast", "deferred")),
     Peer("fused-cpp", "the C++ fused step through the tool: `normuon bench-cuda` (CUDA) or `normuon bench` (CPU)",

@@ -69,6 +69,10 @@ Layout Layout::build(const Manifest& manifest, const Options& options) {
                                   " but its group '" + group_name + "' is a " + to_string(g->algorithm) + " group");
     e.group = static_cast<int>(g - options.groups.data());
     if (e.algorithm == Algorithm::normuon) {
+      if (p.shape.size() != 2)  // a bank: its caller lays out each expert (bindings, engine.py)
+        throw std::invalid_argument("parameter '" + p.name + "' is an expert bank of shape [" + shape_to_string(p.shape) +
+                                    "]: a layout takes its " + std::to_string(p.shape[0]) + " experts, one 2-D entry " +
+                                    "each (" + expert_name(p.name, 0) + ", ...), not the bank");
       e.rows = p.shape[0];
       e.cols = p.shape[1];
       e.stats_per_row = g->normuon.reduce_axis == ReduceAxis::rows || e.rows >= e.cols;

@@ -179,6 +179,7 @@ const char* to_string(Role r) {
     case Role::bias: return "bias";
     case Role::other: return "other";
     case Role::router: return "router";
+    case Role::experts: return "experts";
   }
   throw std::invalid_argument("invalid Role value");
 }
@@ -190,10 +191,11 @@ DType parse_dtype(const std::string& s) {
 }
 
 Role parse_role(const std::string& s) {
-  for (Role r : {Role::matrix, Role::embedding, Role::head, Role::norm, Role::bias, Role::other, Role::router})
+  for (Role r : {Role::matrix, Role::embedding, Role::head, Role::norm, Role::bias, Role::other, Role::router,
+                 Role::experts})
     if (s == to_string(r)) return r;
   throw std::invalid_argument("unknown role " + quoted(s) +
-                              " (expected matrix, embedding, head, norm, bias, other or router)");
+                              " (expected matrix, embedding, head, norm, bias, other, router or experts)");
 }
 
 std::string shape_to_string(const std::vector<int64_t>& shape) {
@@ -239,18 +241,25 @@ int64_t ParamSpec::numel() const {
 }
 
 Algorithm route(const ParamSpec& p) {
-  const bool matrix = p.shape.size() == 2;
+  // An expert bank [E, m, n] is E matrices (one expert, as a layout holds it, is a matrix itself).
+  const bool bank = p.role == Role::experts && p.shape.size() == 3;
+  const bool matrix = p.shape.size() == 2 || bank;
   if (p.algorithm) {
     if (*p.algorithm == Algorithm::normuon && !matrix)
       throw std::invalid_argument("parameter " + quoted(p.name) + " is routed to NorMuon but has shape " +
-                                  shape_for_humans(p.shape) + " (NorMuon needs a 2-D matrix)");
+                                  shape_for_humans(p.shape) + " (NorMuon needs a 2-D matrix, or an expert bank " +
+                                  "[E, m, n] with role experts)");
     return *p.algorithm;
   }
   // A MoE's router goes to AdamW: a few rows (one per expert) that decide where tokens go, as the official
-  // NorMuon leaves the embedding and the head to AdamW.
-  return matrix && p.role != Role::embedding && p.role != Role::head && p.role != Role::router ? Algorithm::normuon
-                                                                                              : Algorithm::adamw;
+  // NorMuon leaves the embedding and the head to AdamW. Biases are biases at any rank (a MoE's expert
+  // biases are [E, f]).
+  const bool not_a_matrix = p.role == Role::embedding || p.role == Role::head || p.role == Role::router ||
+                            p.role == Role::bias;
+  return matrix && !not_a_matrix ? Algorithm::normuon : Algorithm::adamw;
 }
+
+std::string expert_name(const std::string& bank, int64_t k) { return bank + "[" + std::to_string(k) + "]"; }
 
 std::string resolved_group(const ParamSpec& p) {
   if (!p.group.empty()) return p.group;

@@ -16,6 +16,7 @@ from . import reference
 from .native import _C, cuda_module, require
 from .plan import DTYPES
 from .routing import strip_wrappers
+from .row_blocks import experts
 
 FOUND_INF_REASON = _C.FOUND_INF_REASON if _C is not None else None  # the core's words
 
@@ -34,7 +35,8 @@ class Engine:
         # Its own copies of the planned entries: the views carved below are this engine's, and an engine
         # built later over the same parameters leaves them as they are (carry_from reads them).
         self.device = device
-        self.entries, self.frozen = [copy.copy(e) for e in entries], [copy.copy(e) for e in frozen]
+        self.entries = [x for e in entries for x in laid_out(e)]
+        self.frozen = [copy.copy(e) for e in frozen]
         self.group_names = [name for name, _, _ in groups]
         self.values = [dict(values) for _, _, values in groups]  # as the backend has them
         self._choice, self._threads, self._device_backend = choice, threads, device_backend
@@ -103,8 +105,9 @@ class Engine:
         self._native = native
         self.layout = native.layout
         blocks = [(0, 0, 0) if e.block is None else (e.block.offset, *e.block.runs) for e in self.entries]
+        inside = row_blocks or any(e.block is not None for e in self.entries)  # blocks of rows, experts of banks
         grad_of = [e.grad_of for e in self.entries] if any(e.grad_of is not None for e in self.entries) else []
-        native.bind([e.source for e in self.entries], blocks if row_blocks else [], [e.tensor for e in self.frozen],
+        native.bind([e.source for e in self.entries], blocks if inside else [], [e.tensor for e in self.frozen],
                     grad_of)
         return {k: torch.from_numpy(v) if not isinstance(v, tuple) else _device_view(native, *v, self.device)
                 for k, v in native.buffers().items()}
@@ -328,9 +331,18 @@ class Engine:
     def file_layout(self, header):
         """This layout, or, when a state file names the parameters with other wrapper prefixes (saved under
         DDP or torch.compile and loaded without, or back), the same layout under the file's names: the
-        values sit at the same places, so the scratch state loads and moves over unchanged."""
+        values sit at the same places, so the scratch state loads and moves over unchanged. ValueError for an
+        expert bank the file holds whole."""
         in_file = {t["name"] for t in header["tensors"]}
-        ours = [e.name for e in self.entries]
+        stripped = set(map(strip_wrappers, in_file))
+        whole = [e for e in self.entries if e.block is not None and e.block.suffix and strip_wrappers(e.name) in stripped]
+        if whole:  # a layout from before banks were NorMuon's: never read the bank's AdamW state as its experts'
+            e = whole[0]
+            raise ValueError(f"'{e.name}' is an expert bank {list(e.block.param_shape)} that NorMuon steps as its "
+                             f"{e.block.param_shape[0]} experts here, but the file has it saved whole (on AdamW, "
+                             "where earlier versions routed banks). Load it into an optimizer that routes the banks to "
+                             "AdamW as then (overrides={'*.experts.*': 'adamw'}), or start without the file")
+        ours = [label(e) for e in self.entries]
         if header["layout_fingerprint"] == self.layout.fingerprint or set(ours) <= in_file:
             return self.layout  # load_state says what is wrong, if anything
         by_stripped = {}
@@ -394,10 +406,61 @@ def resolve_modes(backend, nonfinite, verdict):
 def param_specs(entries, group_names, names=None):
     """The C++ manifest's rows (ParamSpec) of planned entries, under other parameter names if given."""
     default_group = {"normuon": "normuon", "adamw": "adamw"}
-    names = names or [e.name for e in entries]
+    names = names or [label(e) for e in entries]
     return [_C.ParamSpec(n, list(e.shape), DTYPES[e.dtype], e.role,
                          "" if group_names[e.group] == default_group[e.algorithm] else group_names[e.group], e.override)
             for n, e in zip(names, entries)]
+
+
+def laid_out(e):
+    """The engine's entries for one planned parameter: a copy of it, or, for an expert bank [E, m, n] stepped
+    by NorMuon, one per expert (its matrix where it lies in the bank, named "name[k]" in the layout)."""
+    if not is_bank(e):
+        return [copy.copy(e)]
+    out = []
+    for expert in experts(e.tensor):
+        x = copy.copy(e)
+        x.block, x.shape = expert, expert.shape
+        out.append(x)
+    return out
+
+
+def is_bank(e):
+    """A planned expert bank that NorMuon steps as its experts."""
+    return e.role == "experts" and e.algorithm == "normuon" and len(e.shape) == 3 and e.block is None
+
+
+def label(e):
+    """An engine entry's name in the layout: the parameter's, with its expert's index for a bank's."""
+    return e.name + (e.block.suffix if e.block is not None else "")
+
+
+def by_parameter(entries):
+    """{id(tensor): [entries]} of the engine's entries: one per parameter, or a bank's experts in order."""
+    out = {}
+    for e in entries:
+        out.setdefault(id(e.tensor), []).append(e)
+    return out
+
+
+def param_state(entries, master=True):
+    """named_state of one parameter from its engine entries: a bank's is bank-shaped ([E, m, n] momentum,
+    [E, len] second moment), strided views over its experts' state, which the layout puts a fixed stride
+    apart (consecutive entries of one shape)."""
+    if entries[0].block is None or not entries[0].block.suffix:  # a whole parameter, or the adapter's block
+        return named_state(entries[0], master)
+    parts = [named_state(e, master) for e in entries]
+    return {k: _stacked([p[k] for p in parts]) for k in parts[0]}
+
+
+def _stacked(views):
+    """Views of one storage, equal in shape and a fixed number of elements apart, as one view [len, *shape]."""
+    first = views[0]
+    step = views[1].storage_offset() - first.storage_offset() if len(views) > 1 else first.numel()
+    if any(v.storage_offset() != first.storage_offset() + k * step or v.stride() != first.stride()
+           for k, v in enumerate(views)):
+        raise RuntimeError("an expert bank's state is not a fixed stride apart in the layout")
+    return first.as_strided((len(views), *first.shape), (step, *first.stride()), first.storage_offset())
 
 
 def named_state(e, master=True):
@@ -422,8 +485,9 @@ def one_device(entries):
 
 
 def _key(e):
-    """What tells the same parameter in two layouts: its tensor, and which block of its rows."""
-    return id(e.source), None if e.block is None else (e.block.first, e.block.run, e.block.pitch)
+    """What tells the same parameter in two layouts: its tensor, and which matrix inside it (a block of rows,
+    an expert)."""
+    return id(e.source), None if e.block is None else e.block.geometry
 
 
 def _seen(e):

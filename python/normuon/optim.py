@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import torch
 
-from .engine import FOUND_INF_REASON, Engine, named_state, one_device, resolve_modes  # noqa: F401
+from .engine import FOUND_INF_REASON, Engine, by_parameter, named_state, one_device, param_state, resolve_modes  # noqa: F401
 from .sharded import Shards, is_sharded
 from .native import (_C, StateFileError, check_values, cuda_unavailable_reason, defaults, native_error,  # noqa: F401
                      require)
@@ -59,7 +59,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         ns_eps, denom_eps, renorm_eps).
     adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW defaults.
     overrides: {name: "normuon" | "adamw" | "auto"}, wins over the rule. roles: {name: role} (matrix, embedding,
-        head, norm, bias, other, router). Either takes glob patterns for names ("*.mlp.gate.weight"): an exact
+        head, norm, bias, other, router, experts: a MoE bank [E, m, n], E matrices stepped where they lie). Either takes glob patterns for names ("*.mlp.gate.weight"): an exact
         name wins, then the first pattern that matches; a pattern that matches nothing is an error.
     backend: "auto" | "fast" | "reference"; None reads NORMUON_BACKEND, then "auto" (= fast). No fallback.
     threads: the fast backend's threads; None (the default) follows torch.get_num_threads(), 0: one per
@@ -145,11 +145,11 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         high = high_rank_by_rule(entries)
         if high:
             names = ", ".join(repr(e.name) for e in high[:4]) + (f" and {len(high) - 4} more" if len(high) > 4 else "")
-            warnings.warn(f"NorMuonAdamW: {names} (3 or more dimensions) went to AdamW by the rule for such tensors, "
-                          "which cannot tell a mixture-of-experts bank [E, m, n] (E matrices, which NorMuon does "
-                          "not step yet where they lie) from a conv kernel or a per-head weight. Say what they are "
-                          "and the warning ends: overrides= (e.g. {'*.experts.*': 'adamw'}) or roles= (e.g. "
-                          "{'*.conv*.weight': 'other'}). The routing:\n" + self.routing_text(), stacklevel=2)
+            warnings.warn(f"NorMuonAdamW: {names} (3 or more dimensions) went to AdamW by the rule for such tensors: "
+                          "outside an 'experts' module, names cannot tell a mixture-of-experts bank [E, m, n] (E "
+                          "matrices, NorMuon's) from a conv kernel or a per-head weight. Say what they are and the "
+                          "warning ends: roles= (e.g. {'*.moe.w_in': 'experts'}, {'*.conv*.weight': 'other'}) or "
+                          "overrides=. The routing:\n" + self.routing_text(), stacklevel=2)
 
     # ------------------------------------------------------------------------------------------- building
 
@@ -177,8 +177,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             self._shards.refresh(self.engine)  # the owners' whole matrices and their masters from the model
             for e in laid:  # every parameter has an entry, so torch's DCP helpers see state on every rank
                 self.state[e.tensor] = {}
-        for e in self.engine.entries:  # live views, for inspection as with torch's optimizers
-            self.state[param_of[e.index]] = named_state(e, master=False)
+        for es in by_parameter(self.engine.entries).values():  # live views, for inspection as with torch's optimizers
+            self.state[param_of[es[0].index]] = param_state(es, master=False)
 
     def add_param_group(self, param_group):
         """torch's add_param_group (a layer unfrozen, a head added): a dict with "params" and, optionally,
@@ -398,8 +398,10 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         its owner (ownership_table)."""
         frozen = {id(e) for e in self.engine.frozen}
         entries = self._shards.planned if self._shards is not None else self.engine.entries + self.engine.frozen
+        entries = [es[0] for es in by_parameter(entries).values()]  # a bank's experts: one row
         owners = {r["index"]: r["owner"] for r in self.ownership_table() or ()}
-        return [dict(index=e.index, name=e.name, shape=tuple(e.shape), dtype=DTYPES[e.dtype], role=e.role,
+        return [dict(index=e.index, name=e.name, shape=tuple(e.shape if e.block is None else e.block.param_shape),
+                     dtype=DTYPES[e.dtype], role=e.role,
                      algorithm=e.algorithm, group=self.param_groups[e.group]["name"],
                      why=e.why + (" (frozen: no state until it has a gradient)" if id(e) in frozen else ""),
                      stats=("" if e.algorithm == "adamw" or id(e) in frozen else "rows" if e.stats_per_row else "cols"),
@@ -457,8 +459,10 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             by_tensor = {id(e.tensor): (sh.dtensors(i, pieces[i]), sh.entry_steps[i]) for i, e in enumerate(sh.planned)}
         else:
             by_tensor = {}
-            for e, own in zip(self.engine.entries, self.engine.entry_steps):
-                by_tensor[id(e.tensor)] = {k: v.clone() for k, v in named_state(e).items()}, own
+            own = dict(zip(map(id, self.engine.entries), self.engine.entry_steps))
+            for t, es in by_parameter(self.engine.entries).items():  # a bank's experts step together
+                by_tensor[t] = {k: v.clone(memory_format=torch.contiguous_format)
+                                for k, v in param_state(es).items()}, own[id(es[0])]
         groups, state, index = [], {}, 0
         for g in self.param_groups:
             packed = {k: (list(v) if isinstance(v, list) else v) for k, v in g.items() if k != "params"}
@@ -499,7 +503,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             raise ValueError(f"the state dict has {len(saved_groups)} param groups, this optimizer "
                              f"{len(self.param_groups)} ({', '.join(g['name'] for g in self.param_groups)})")
         sh = self._shards
-        by_tensor = {id(e.tensor): e for e in (sh.planned if sh is not None else self.engine.entries)}
+        by_tensor = by_parameter(sh.planned if sh is not None else self.engine.entries)
         writes, new_groups, steps, own_steps = [], [], [], {}
         position = {id(e.tensor): i for i, e in enumerate(sh.planned)} if sh is not None else {}
         pieces = [dict() for _ in position]  # sharded: this rank's piece of each parameter's state
@@ -533,10 +537,10 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                                          "which was frozen when this optimizer was built (requires_grad=False, no "
                                          "gradient: no state): make it trainable before building the optimizer")
                     continue
-                e = by_tensor[id(t)]
+                e = by_tensor[id(t)][0]
                 # What one process holds for it: {key: a tensor of that shape} (sharded: the whole shape).
                 held = ({k: torch.empty(shape, device="meta") for k, shape, _ in sh.state_layout(position[id(t)])}
-                        if sh is not None else named_state(e))
+                        if sh is not None else param_state(by_tensor[id(t)]))
                 s = saved_state.get(idx)
                 if s is None:
                     s = {k: torch.zeros(v.shape) for k, v in held.items() if k != "master_param"}  # never stepped
@@ -670,7 +674,10 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         """The file read into a scratch FlatState of `target`'s layout, every saved value checked as a step
         would check it: (the flat state, each group's values as they will be). Nothing changes here."""
         contents = _C.read_state_file(path)  # one read: the header looked at and the tensors are one version
-        flat = _C.FlatState(target.file_layout(contents.header))
+        try:
+            flat = _C.FlatState(target.file_layout(contents.header))
+        except ValueError as error:  # an expert bank saved whole
+            raise ValueError(f"{path}: {error}") from None
         saved = _C.load_state_file(contents, flat)  # all or nothing, into a scratch state
         # What the layout and the CUDA plan fixed, and each group's values as a step would check them (a file
         # with ns_steps=0 changed the state first).

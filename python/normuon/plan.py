@@ -24,7 +24,7 @@ def route(name, shape, role, override=None):
     if explicit:
         return algorithm, "override"
     if algorithm == "normuon":
-        return algorithm, "rule: 2-D matrix"
+        return algorithm, "rule: expert bank" if len(shape) == 3 else "rule: 2-D matrix"
     return algorithm, f"rule: {role}" if role in ("embedding", "head", "router") else f"rule: {len(shape)}-D"
 
 
@@ -161,7 +161,7 @@ def plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, row_
                                  f"NorMuon group may hold (it went to {e.algorithm}: {e.why})")
             if algorithm != "auto" and explicit not in ("normuon", "adamw"):
                 e.why = f"group '{base}'"
-            elif e.why.startswith("rule: ") and e.role in ("embedding", "head", "router"):
+            elif e.why.startswith("rule: ") and e.role in ("embedding", "head", "router", "experts"):
                 e.why += f" ({evidence})"  # what told the role: a module, the name, or roles=
             if not given and evidence == "name" and e.algorithm == "normuon" and override is None:
                 unnamed.append(name)
@@ -341,9 +341,11 @@ def _make_entry(index, name, tensor, role, block=None):
     e.index, e.name, e.tensor, e.block = index, name, tensor, block
     e.shape, e.dtype = tuple(tensor.shape) if block is None else block.shape, tensor.dtype
     e.role = role if role is not None else infer_role(name, e.shape)
-    if e.role not in ("matrix", "embedding", "head", "norm", "bias", "other", "router"):
+    if e.role not in ("matrix", "embedding", "head", "norm", "bias", "other", "router", "experts"):
         raise ValueError(f"parameter '{name}': unknown role {e.role!r} (matrix | embedding | head | norm | bias | other "
-                         "| router)")
+                         "| router | experts)")
+    if e.role == "experts" and len(e.shape) == 3 and e.shape[0] == 0:
+        raise ValueError(f"parameter '{name}' is an expert bank without experts (shape {list(e.shape)})")
     e.has_grad = False
     e.grad_of = None  # a sharded parameter's DTensor, whose .grad holds this entry's gradient (sharded.py)
     e.stats_per_row, e.stat_len = True, 0

@@ -13,6 +13,9 @@ torch.compile's _orig_mod., model., FSDP's and checkpointing's wrappers).
 A mixture-of-experts router, by name: a module named gate or router (or ..._gate: Qwen2-MoE's
 shared_expert_gate) with an `experts` module beside it (Mixtral's mlp.gate, DeepSeek-V3's MoEGate, torchtitan's
 moe.router.gate): its weight scores the experts, so it is a router, not a hidden matrix.
+An expert bank, by name: a 3-D tensor [E, m, n] of an `experts` module (transformers 5.x MoE models'
+experts.gate_up_proj and experts.down_proj, torchtitan's GroupedExperts' w1, w2, w3) holds E matrices, each
+stepped by NorMuon as a matrix of its own; a 2-D tensor there named as a bias ([E, f]: gpt-oss) is biases.
 """
 import fnmatch
 import math
@@ -62,8 +65,9 @@ def router_roles(names):
 def expand_patterns(table, names, what):
     """{name: value} from a table of parameter names and glob patterns (fnmatch's *, ? and [...], matched
     against whole names): an exact name wins, then the first pattern in the table's order. A pattern that
-    matches no name is a ValueError; exact names are left for the caller to check."""
-    patterns = {k: v for k, v in table.items() if any(c in k for c in "*?[")}
+    matches no name is a ValueError; exact names (a bank's experts' "x[0]" too) are left for the caller to check."""
+    known = set(names)
+    patterns = {k: v for k, v in table.items() if k not in known and any(c in k for c in "*?[")}
     out = {}
     for key, value in patterns.items():
         hits = [n for n in names if fnmatch.fnmatchcase(n, key)]
@@ -117,6 +121,11 @@ def _looks_like_head(parts):
 def infer_role(name, shape):
     """The manifest role of a parameter from its name and shape alone."""
     parts = strip_wrappers(name.lower()).split(".")
+    if "experts" in parts[:-1]:  # inside a MoE's experts module: a bank [E, m, n], or its biases [E, f]
+        if len(shape) == 3:
+            return "experts"
+        if len(shape) == 2 and "bias" in parts[-1]:
+            return "bias"
     if len(shape) == 2 and _looks_like_head(parts):  # first: GPT-NeoX's embed_out, DETR's class_embed are heads
         return "head"
     if _looks_like_embedding(parts):
@@ -290,8 +299,8 @@ def vocabulary_lookalikes(entries):
 def high_rank_by_rule(entries):
     """Entries of 3 or more dimensions (two of them above 1: not a vector kept as [1, 1, d]) that went to AdamW
     by the rule for their rank on their names alone (no torch.nn layer, no roles=, no override told what they
-    are): a MoE's expert bank [E, m, n] is E matrices, a conv kernel or a per-head weight is not, and names
-    cannot tell."""
+    are): a MoE's expert bank [E, m, n] outside an `experts` module is E matrices, a conv kernel or a per-head
+    weight is not, and names cannot tell."""
     return [e for e in entries if len(e.shape) >= 3 and sum(d > 1 for d in e.shape) >= 2 and e.override is None
             and e.evidence == "name" and e.algorithm == "adamw" and e.why == f"rule: {len(e.shape)}-D"]
 
@@ -306,12 +315,20 @@ def output_layer_doubts(entries):
 ROUTING_COLUMNS = ("name", "shape", "dtype", "role", "algorithm", "group", "stats", "why")
 
 
+def _shape_text(row):
+    """"768x3072"; an expert bank as its experts, "8 × 64x32"."""
+    shape = row["shape"]
+    if row["role"] == "experts" and len(shape) == 3:
+        return f"{shape[0]} × {shape[1]}x{shape[2]}"
+    return "x".join(map(str, shape)) or "scalar"
+
+
 def routing_text(label, rows, tail, columns=ROUTING_COLUMNS):
     """A routing table (routing_table()'s rows) as text under a summary line."""
     n_nm = sum(math.prod(r["shape"]) for r in rows if r["algorithm"] == "normuon")
     n_aw = sum(math.prod(r["shape"]) for r in rows if r["algorithm"] == "adamw")
     head = f"{label}: {len(rows)} parameters, {n_nm} values on NorMuon, {n_aw} on AdamW; {tail}"
-    cells = [[r[c] if c != "shape" else "x".join(map(str, r["shape"])) or "scalar" for c in columns] for r in rows]
+    cells = [[r[c] if c != "shape" else _shape_text(r) for c in columns] for r in rows]
     widths = [max(len(str(x)) for x in [c] + [row[j] for row in cells]) for j, c in enumerate(columns)]
     lines = [head, "  " + "  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
     lines += ["  " + "  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in cells]

@@ -1,4 +1,5 @@
-"""A block of rows of a 2-D parameter, stepped where it lies as a matrix of its own.
+"""Matrices that lie inside a larger tensor, stepped where they lie as matrices of their own: a block of rows
+of a 2-D parameter (RowBlock), or one expert of a mixture-of-experts bank (Expert).
 
 Megatron's fused QKV weight holds, per query group, the group's query rows, then its key rows, then its value
 rows (a gate block too with attention_output_gate). With split_qkv each block (its rows of every query group)
@@ -57,6 +58,60 @@ class RowBlock:
     def runs(self):
         """(run, pitch) in elements: row_runs.h's RowRuns."""
         return self.run * self.cols, self.pitch * self.cols
+
+    @property
+    def geometry(self):
+        """Which matrix of its tensor this is (two layouts over the same tensor compare it)."""
+        return self.first, self.run, self.pitch
+
+    suffix = ""  # the Megatron adapter names its blocks itself
+
+
+class Expert:
+    """Expert k of a bank [E, m, n] (transformers 5.x MoE experts, torchtitan's GroupedExperts): the dense
+    matrix bank[k], k * m * n elements into the bank. The layout holds it as "name[k]" (expert_name in
+    core/include/normuon/manifest.h)."""
+
+    __slots__ = ("param", "k", "shape", "key")
+
+    def __init__(self, param, k):
+        self.param, self.k, self.shape = param, k, tuple(param.shape[1:])
+        self.key = param.detach()[k]
+
+    def view(self, t):
+        return t[self.k]
+
+    def values(self, t):
+        return t[self.k].clone()
+
+    def read_into(self, t, out):
+        out.copy_(t[self.k])
+
+    def write(self, t, values):
+        t[self.k].copy_(values)
+
+    @property
+    def param_shape(self):
+        return tuple(self.param.shape)
+
+    @property
+    def offset(self):
+        return self.k * self.shape[0] * self.shape[1]
+
+    runs = (0, 0)  # dense
+
+    @property
+    def geometry(self):
+        return ("expert", self.k)
+
+    @property
+    def suffix(self):
+        return f"[{self.k}]"
+
+
+def experts(param):
+    """The Experts of a bank [E, m, n], in order."""
+    return [Expert(param, k) for k in range(param.shape[0])]
 
 
 def split_rows(param, sizes):

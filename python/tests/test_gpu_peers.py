@@ -163,3 +163,29 @@ def test_a_run_cut_short_keeps_the_peers_it_measured(tmp_path, monkeypatch, benc
     assert "Incomplete run" in text and "reference-py" in text, text
     with open(table, newline="") as f:
         assert [r["peer"] for r in csv.DictReader(f)] == ["reference-py"]
+
+
+def test_banks_stack_the_experts_and_both_layouts_run(bench_modules):
+    """--banks: a preset's experts stacked into [E, m, n] banks where the first expert stood; fused-py steps the
+    banks, fused-py-2d their experts as 2-D parameters; experts not numbered 0, 1, ... are refused."""
+    require_native()
+    model, optimizers, run_mod = (bench_modules(n) for n in ("peers.model", "peers.optimizers", "peers.run"))
+    Spec = model.Spec
+    specs = ([Spec("l.attn.weight", (8, 8), "f32", "matrix", "normuon")]
+             + [Spec(f"l.mlp.experts.{k}.{p}.weight", (6, 8) if p == "up" else (8, 6), "f32", "matrix", "normuon")
+                for k in range(3) for p in ("up", "down")]
+             + [Spec("l.norm.weight", (8,), "f32", "norm", "adamw")])
+    banks = model.bank_specs(specs)
+    assert [(s.name, s.shape, s.role, s.algorithm) for s in banks] == [
+        ("l.attn.weight", (8, 8), "matrix", "normuon"), ("l.mlp.experts.up", (3, 6, 8), "experts", "normuon"),
+        ("l.mlp.experts.down", (3, 8, 6), "experts", "normuon"), ("l.norm.weight", (8,), "norm", "adamw")]
+    with pytest.raises(model.ManifestError, match="not numbered 0, 1"):
+        model.bank_specs([s for s in specs if ".experts.1." not in s.name])
+    ctx = optimizers.Context(device=torch.device("cpu"), official_path="", dion_src="", threads=1)
+    by = {p.name: p for p in optimizers.PEERS}
+    plan = run_mod.Plan(warmup=1, steps=1, profile_steps=0)
+    for name in ("fused-py", "fused-py-2d"):
+        row = run_mod.run_python_peer(by[name], "t", banks, ctx, lambda s: torch.float32, plan, 1, lambda m: None)
+        assert row.status == "ok", row.reason
+    row = run_mod.run_python_peer(by["fused-py-2d"], "t", specs, ctx, lambda s: torch.float32, plan, 1, lambda m: None)
+    assert row.status != "ok" and "no expert banks" in row.reason, row

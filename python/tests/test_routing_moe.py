@@ -1,6 +1,7 @@
 """Mixture-of-experts models as transformers 5.x builds them (tiny, from their configs, random weights; nothing is
-downloaded): their routers take the router role and go to AdamW, by their modules or by their names alone, and
-overrides= / roles= take glob patterns to move them (or anything else) by the layer."""
+downloaded): their routers take the router role and go to AdamW, by their modules or by their names alone; their
+expert banks go to NorMuon, each expert stepped as a matrix of its own; overrides= / roles= take glob patterns to
+move them (or anything else) by the layer."""
 import io
 import warnings
 
@@ -107,6 +108,8 @@ def test_expand_patterns_order():
     names = ["x.a", "x.b", "y.a"]
     got = expand_patterns({"*.a": 1, "x.*": 2, "x.b": 3, "missing": 4}, names, "overrides")
     assert got == {"x.a": 1, "y.a": 1, "x.b": 3, "missing": 4}  # first pattern, then exact names (checked later)
+    # A name that holds a pattern's characters (an expert's "w[0]") is itself, not a pattern.
+    assert expand_patterns({"w[0]": 5, "w[01]": 6}, ["w[0]", "w0", "w1"], "roles") == {"w[0]": 5, "w0": 6, "w1": 6}
 
 
 def test_a_router_added_later_is_still_a_router(native):
@@ -121,13 +124,57 @@ def test_a_router_added_later_is_still_a_router(native):
 
 
 def test_tensors_of_three_dimensions_routed_by_the_rule_are_named(native):
-    """transformers 5.x keeps each layer's experts as [E, m, n] banks: the rule sends them to AdamW, which a
-    warning names (NorMuon on banks is not served yet); saying what they are ends it."""
-    model = mixtral()
-    with pytest.warns(UserWarning, match=r"'model\.layers\.0\.mlp\.experts\.gate_up_proj', .* \(3 or more "
-                                         r"dimensions\) went to AdamW by the rule"):
-        normuon.NorMuonAdamW(model, threads=1)
+    """Outside an experts module a 3-D tensor's name cannot tell a bank from a conv kernel: the rule sends it to
+    AdamW, which a warning names; saying what it is ends it."""
+    w = torch.nn.Parameter(torch.randn(4, 8, 8))
+    with pytest.warns(UserWarning, match=r"'moe\.w_in' \(3 or more dimensions\) went to AdamW by the rule"):
+        normuon.NorMuonAdamW([("moe.w_in", w), ("moe.proj.weight", torch.nn.Parameter(torch.randn(8, 8)))])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        opt = normuon.NorMuonAdamW(model, threads=1, overrides={"*.experts.*": "adamw"})
-    assert rows_of(opt)["model.layers.1.mlp.experts.down_proj"]["why"] == "override"
+        opt = normuon.NorMuonAdamW([("moe.w_in", w)], threads=1, roles={"*.w_in": "experts"})
+    assert rows_of(opt)["moe.w_in"]["why"] == "rule: expert bank (roles=)"
+
+
+@pytest.mark.parametrize("make", list(ROUTERS), ids=lambda m: m.__name__)
+def test_moe_models_step_their_banks_as_separate_matrices_would_be(make, native):
+    """Each model's expert banks go to NorMuon, and every expert is stepped bit for bit as the same matrix is
+    as a 2-D parameter of its own (the same gradients, from the model's loss)."""
+    torch.manual_seed(0)
+    model = make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing left unexplained: banks, routers, embeddings, head
+        opt = normuon.NorMuonAdamW(model, threads=2)
+    rows = rows_of(opt)
+    banks = [n for n, r in rows.items() if r["role"] == "experts"]
+    assert banks and all(rows[n]["algorithm"] == "normuon" and len(rows[n]["shape"]) == 3 for n in banks)
+    assert all(r["algorithm"] == "normuon" for n, r in rows.items() if ".experts." in n)
+    # The same values, every bank as its experts (2-D parameters, matrices), the other roles as the model said.
+    named = dict(model.named_parameters())
+    split, roles = [], {}
+    for n, p in named.items():
+        if n in banks:
+            split += [(f"{n}[{k}]", torch.nn.Parameter(p.detach()[k].clone())) for k in range(p.shape[0])]
+        else:
+            split.append((n, torch.nn.Parameter(p.detach().clone())))
+            roles[n] = rows[n]["role"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (its experts' names alone look like a vocabulary; not what is tested)
+        other = normuon.NorMuonAdamW(split, roles=roles, threads=2)
+    tensors = dict(split)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model(ids, labels=ids).loss.backward()
+        for n, p in named.items():
+            if n in banks:
+                for k in range(p.shape[0]):
+                    tensors[f"{n}[{k}]"].grad = p.grad[k].clone()
+            else:
+                tensors[n].grad = None if p.grad is None else p.grad.clone()
+        opt.step()
+        other.step()
+        opt.zero_grad()
+        for n, p in named.items():
+            if n in banks:
+                assert all(torch.equal(p.detach()[k], tensors[f"{n}[{k}]"].detach()) for k in range(p.shape[0])), n
+            else:
+                assert torch.equal(p.detach(), tensors[n].detach()), n

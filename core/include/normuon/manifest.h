@@ -21,7 +21,9 @@ constexpr int64_t kMaxParamElements = int64_t{1} << 40;
 enum class DType { f32, bf16, f16 };
 
 // What a parameter is in the model; routing reads it.
-enum class Role { matrix, embedding, head, norm, bias, other, router };  // router: a MoE's gate
+// router: a MoE's gate. experts: a MoE's bank of expert matrices [E, m, n] (transformers 5.x, torchtitan), E
+// NorMuon matrices of their own; a layout takes its experts as E entries of [m, n] (expert_name), role experts.
+enum class Role { matrix, embedding, head, norm, bias, other, router, experts };
 
 struct ParamSpec {
   std::string name;
@@ -43,7 +45,7 @@ struct Manifest {
 
   // CSV with header: name,shape,dtype,role,group,algorithm
   //   shape: extents joined by 'x' ("768x3072"), "" for a scalar; dtype: f32|bf16|f16;
-  //   role: matrix|embedding|head|norm|bias|other|router; group: free text or empty; algorithm: auto|normuon|adamw.
+  //   role: matrix|embedding|head|norm|bias|other|router|experts; group: free text or empty; algorithm: auto|normuon|adamw.
   // Errors name the line and the column.
   static Manifest read_csv(std::istream& in, const std::string& source_name = "<csv>");
   static Manifest read_csv_file(const std::string& path);
@@ -51,9 +53,12 @@ struct Manifest {
   int64_t numel() const;
 };
 
-// The spec's routing rule: NorMuon for 2-D parameters that are neither embeddings nor the output head,
-// AdamW for everything else; an explicit override wins, but NorMuon on a non-2-D parameter is an error.
+// The spec's routing rule: NorMuon for 2-D parameters that are neither embeddings, the output head, a router
+// nor biases, and for expert banks (role experts, 3-D: E matrices); AdamW for everything else. An explicit
+// override wins, but NorMuon on anything but a matrix or a bank is an error.
 Algorithm route(const ParamSpec& p);
+// Expert k of bank `name`, as a layout names the matrix it lays out for it: "name[k]".
+std::string expert_name(const std::string& bank, int64_t k);
 // Group of a parameter: its own, or "normuon"/"adamw" by algorithm.
 std::string resolved_group(const ParamSpec& p);
 

@@ -1,0 +1,164 @@
+"""Mixture-of-experts banks [E, m, n] (transformers 5.x, torchtitan) stepped by NorMuon where they lie: each expert
+is a matrix of its own, bit for bit what the same matrix gets as a 2-D parameter; state dicts hold the bank's shape;
+state files name the experts and refuse a file that held the bank whole (AdamW)."""
+import io
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Python tests need it")
+
+import normuon  # noqa: E402
+from conftest import emulated_cuda_backend, require_native  # noqa: E402
+
+SHAPES = {  # a layer of a MoE model as transformers 5.x names it, banks of 4 experts
+    "model.layers.0.self_attn.q_proj.weight": (8, 8),
+    "model.layers.0.mlp.experts.gate_up_proj": (4, 12, 8),
+    "model.layers.0.mlp.experts.down_proj": (4, 8, 6),
+    "model.layers.0.mlp.experts.gate_up_proj_bias": (4, 12),
+    "model.layers.1.mlp.experts.gate_up_proj": (3, 12, 8),  # same expert shape, another bank: one bucket
+    "model.layers.0.input_layernorm.weight": (8,),
+}
+BANKS = [n for n, s in SHAPES.items() if len(s) == 3]
+
+
+def banked(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).to(dtype)) for n, s in SHAPES.items()}
+
+
+def split(params):
+    """The same values with every bank as separate 2-D parameters, named as the layout names its experts."""
+    out = {}
+    for n, p in params.items():
+        if n in BANKS:
+            out.update({f"{n}[{k}]": torch.nn.Parameter(p.detach()[k].clone()) for k in range(p.shape[0])})
+        else:
+            out[n] = torch.nn.Parameter(p.detach().clone())
+    return out
+
+
+def give_grads(banks, experts, step, skip=()):
+    g = torch.Generator().manual_seed(100 + step)
+    for n, p in banks.items():
+        grad = None if n in skip else torch.randn(p.shape, generator=g).to(p.dtype)
+        p.grad = grad
+        if n in BANKS:
+            for k in range(p.shape[0]):
+                experts[f"{n}[{k}]"].grad = None if grad is None else grad[k].clone()
+        else:
+            experts[n].grad = None if grad is None else grad.clone()
+
+
+def assert_same(banks, experts, opt_b, opt_e):
+    for n, p in banks.items():
+        if n in BANKS:
+            for k in range(p.shape[0]):
+                mine, theirs = p.detach()[k], experts[f"{n}[{k}]"].detach()
+                assert torch.equal(mine, theirs), f"{n}[{k}]"
+                for key, v in opt_b.state[p].items():
+                    assert torch.equal(v[k], opt_e.state[experts[f"{n}[{k}]"]][key]), f"{n}[{k}] {key}"
+        else:
+            assert torch.equal(p.detach(), experts[n].detach()), n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("path", ["fast", "reference", "cuda-emulated"])
+def test_a_bank_steps_as_its_experts_bit_for_bit(path, dtype):
+    require_native()
+    kw = dict(backend="reference") if path == "reference" else dict(threads=2)
+    if path == "cuda-emulated":
+        kw = dict(_device_backend=emulated_cuda_backend())
+    banks, = [banked(dtype)]
+    experts = split(banks)
+    opt_b = normuon.NorMuonAdamW(list(banks.items()), **kw)
+    opt_e = normuon.NorMuonAdamW(list(experts.items()), **kw)
+    rows = {r["name"]: r for r in opt_b.routing_table()}
+    assert all(rows[n]["role"] == "experts" and rows[n]["algorithm"] == "normuon" for n in BANKS)
+    assert rows["model.layers.0.mlp.experts.gate_up_proj_bias"]["role"] == "bias"  # biases [E, f]: AdamW
+    assert rows["model.layers.0.mlp.experts.gate_up_proj_bias"]["algorithm"] == "adamw"
+    for step in range(4):
+        give_grads(banks, experts, step, skip=BANKS[2:] if step == 1 else ())  # a bank without a gradient
+        opt_b.step()
+        opt_e.step()
+        assert_same(banks, experts, opt_b, opt_e)
+    state = opt_b.state[banks[BANKS[0]]]
+    assert tuple(state["momentum_buffer"].shape) == (4, 12, 8)
+    assert tuple(state["moment2_buffer"].shape) == (4, 12)
+    assert opt_b.engine.layout.entries[1].name == f"{BANKS[0]}[0]"  # the layout holds the experts
+
+
+def test_state_dict_holds_banks_and_resumes_bit_for_bit(native):
+    banks = banked(torch.bfloat16)
+    opt = normuon.NorMuonAdamW(list(banks.items()), threads=2)
+    for step in range(2):
+        give_grads(banks, split(banks), step)
+        opt.step()
+    saved = opt.state_dict()
+    bank = saved["state"][1]
+    assert {k: tuple(v.shape) for k, v in bank.items()} == {
+        "momentum_buffer": (4, 12, 8), "moment2_buffer": (4, 12), "master_param": (4, 12, 8), "step": ()}
+    assert int(bank["step"]) == 2
+    again = {n: torch.nn.Parameter(p.detach().clone()) for n, p in banks.items()}
+    resumed = normuon.NorMuonAdamW(list(again.items()), threads=2)
+    resumed.load_state_dict(saved)
+    for step in range(2, 4):
+        give_grads(banks, split(banks), step)
+        give_grads(again, split(again), step)
+        opt.step()
+        resumed.step()
+    for n in SHAPES:
+        assert torch.equal(banks[n].detach(), again[n].detach()), n
+    wrong = dict(saved, state=dict(saved["state"]))
+    wrong["state"][1] = dict(bank, moment2_buffer=torch.zeros(4 * 12))
+    with pytest.raises(ValueError, match=r"moment2_buffer' of parameter 'model\.layers\.0\.mlp\.experts\.gate_up_proj' "
+                                         r"has shape \(48,\), expected \(4, 12\)"):
+        resumed.load_state_dict(wrong)
+
+
+def test_state_files_name_the_experts_and_refuse_a_bank_saved_whole(native, tmp_path):
+    banks = banked(torch.float32)
+    opt = normuon.NorMuonAdamW(list(banks.items()), threads=2)
+    give_grads(banks, split(banks), 0)
+    opt.step()
+    opt.export_state(tmp_path / "banks.nmst")
+    again = {n: torch.nn.Parameter(torch.zeros_like(p)) for n, p in banks.items()}
+    resumed = normuon.NorMuonAdamW(list(again.items()), threads=2)
+    resumed.import_state(tmp_path / "banks.nmst")
+    for n in SHAPES:
+        assert torch.equal(banks[n].detach(), again[n].detach()), n
+    give_grads(banks, split(banks), 1)
+    give_grads(again, split(again), 1)
+    opt.step()
+    resumed.step()
+    assert all(torch.equal(banks[n].detach(), again[n].detach()) for n in SHAPES)
+    # A file from before banks were NorMuon's: the bank held whole, on AdamW.
+    old = normuon.NorMuonAdamW(list(banked(torch.float32).items()), threads=2,
+                               overrides={"*.experts.*_proj": "adamw"})
+    old.export_state(tmp_path / "old.nmst")
+    before = {n: p.detach().clone() for n, p in again.items()}
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts\.gate_up_proj' is an expert bank .* "
+                                         r"saved whole"):
+        resumed.import_state(tmp_path / "old.nmst")
+    assert all(torch.equal(before[n], again[n].detach()) for n in SHAPES)  # nothing changed
+
+
+def test_routing_shows_banks_as_their_experts(native):
+    opt = normuon.NorMuonAdamW(list(banked(torch.float32).items()), threads=1)
+    text = io.StringIO()
+    opt.print_routing(file=text)
+    line = next(x for x in text.getvalue().splitlines() if "experts.down_proj" in x)
+    assert "4 × 8x6" in line and "rule: expert bank (name)" in line, line
+    assert opt.manifest_csv().count("model.layers.0.mlp.experts.down_proj[") == 4
+
+
+def test_a_bank_by_role_and_banks_refused_elsewhere(native):
+    g = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(2, 4, 4, generator=g))
+    opt = normuon.NorMuonAdamW([("moe.w_in", w)], roles={"moe.*": "experts"}, threads=1)
+    assert opt.routing_table()[0]["algorithm"] == "normuon"
+    with pytest.raises(ValueError, match=r"'moe\.w_in' is an expert bank without experts"):
+        normuon.NorMuonAdamW([("moe.w_in", torch.zeros(0, 4, 4))], roles={"moe.w_in": "experts"})
+    four = torch.nn.Parameter(torch.randn(2, 2, 4, 4, generator=g))
+    with pytest.warns(UserWarning, match=r"'moe\.experts\.w' \(3 or more dimensions\) went to AdamW"):
+        opt = normuon.NorMuonAdamW([("moe.experts.w", four)], threads=1)  # only [E, m, n] is a bank
+    assert opt.routing_table()[0]["algorithm"] == "adamw"
