@@ -4,15 +4,12 @@
     normuon.megatron.register()          # once, before get_megatron_optimizer() / pretrain()
     config = OptimizerConfig(optimizer="normuon", muon_coefficient_type="simple", ...)
 
-`MegatronNorMuon` is a torch optimizer whose constructor takes the keyword names of Megatron's own
-`TensorParallelAdaptiveMuon`, so Megatron's existing `muon_*` / `adaptive_muon_*` config fields reach it
-without new flags. It runs this project's NorMuon (docs/spec.md section 3) on the fast backend.
-`MegatronAdamW` takes the keywords of TE's FusedAdam / torch.optim.AdamW and runs this project's AdamW
-(spec section 4) with FusedAdam's step rule; `register(replace_adam=True)` makes Megatron build it for its
-Adam groups. Both build their flat layout lazily and rebuild it whenever Megatron's wrappers change
-`param_groups` (fp32 copies swapped in, 1-D shards, groups narrowed or emptied), and both emit
-parameter-shaped checkpoint state, as Megatron's distributed checkpointing requires. Megatron is imported
-only inside `register()`.
+MegatronNorMuon (this project's NorMuon, docs/spec.md section 3) takes the keywords of Megatron's
+TensorParallelAdaptiveMuon, and MegatronAdamW (its AdamW, section 4, with TE FusedAdam's step rule) those of
+TE's FusedAdam / torch.optim.AdamW, so Megatron's config fields reach them without new flags. Both lay out
+their state lazily, and again whenever Megatron's wrappers change param_groups (fp32 copies swapped in, 1-D
+shards, groups narrowed or emptied), and emit parameter-shaped checkpoint state, as Megatron's distributed
+checkpointing requires. Megatron is imported only inside register() and replace_adam().
 """
 import copy
 import functools
@@ -27,7 +24,7 @@ import torch
 from . import native as _native
 from .engine import Engine, resolve_modes
 from .optim import NotCopyable
-from .plan import plan_groups
+from .plan import DTYPES, plan_groups
 from .row_blocks import split_rows
 
 # megatron-core releases whose emerging-optimizer registry this adapter was written against (major, minor),
@@ -69,7 +66,8 @@ CONFIG_FIELDS = {
     "eps": ("adaptive_muon_eps",),
 }
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Each algorithm's two state tensors, as Emerging-Optimizers and torch's AdamW name them.
+_STATE_KEYS = {"normuon": ("momentum_buffer", "moment2_buffer"), "adamw": ("exp_avg", "exp_avg_sq")}
 
 
 def _group_size(group):
@@ -118,6 +116,19 @@ def _checked(label, where, algorithm, values, given, notes=None):
         raise ValueError(f"{label}: {error}") from None
 
 
+def _step_value(label, step, where):
+    """A step counter (an int, or a one-element tensor as torch keeps per-parameter steps) as an int >= 0."""
+    value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+    try:
+        number = int(value)
+        ok = not isinstance(value, bool) and number == value and number >= 0
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{label}: {where}: step={step!r} is not a non-negative integer")
+    return number
+
+
 def ns_precision_for(fp32_matmul_prec):
     """The spec's ns_precision for Megatron's fp32_matmul_prec. "low" does what it does in Megatron with
     Emerging-Optimizers: torch ignores it, so the process's float32 matmul precision (read now) decides."""
@@ -137,14 +148,20 @@ def _tp_sharded(p):
     return bool(getattr(p, "tensor_model_parallel", False)) and getattr(p, "partition_dim", -1) not in (-1, None)
 
 
+def _is_qkv(p):
+    """Megatron tags its fused QKV weights with is_qkv."""
+    return bool(getattr(p, "is_qkv", False))
+
+
 class _Slot:
     """One parameter of param_groups and its engine entries: the parameter itself (blocks is None), or its
     blocks of rows (a split QKV weight: RowBlocks, stepped in place)."""
 
     __slots__ = ("param", "entries", "blocks", "views", "lazy")
 
-    def __init__(self, param, entries, blocks, views):
-        self.param, self.entries, self.blocks, self.views = param, entries, blocks, views
+    def __init__(self, param, entries, blocks):
+        self.param, self.entries, self.blocks = param, entries, blocks
+        self.views = _in_memory(entries[0]) if blocks is None else None  # self.state[param], live
         self.lazy = None  # the _SplitState installed in self.state for a split parameter
 
 
@@ -157,35 +174,22 @@ class _Tracked(dict):
         super().__init__(*args)
         self.changed = changed  # [bool], shared by the mapping and its per-parameter dicts
 
-    def _change(self):
-        self.changed[0] = True
-
     def __missing__(self, key):  # defaultdict(dict), as torch's optimizers have it
-        self._change()
-        value = _Tracked(self.changed)
-        dict.__setitem__(self, key, value)
-        return value
-
-    def __setitem__(self, key, value):
-        self._change()
-        super().__setitem__(key, value)
-
-    def __delitem__(self, key):
-        self._change()
-        super().__delitem__(key)
+        self.changed[0] = True
+        return dict.setdefault(self, key, _Tracked(self.changed))
 
     def __reduce__(self):  # copies and pickles as the plain dict it stands for
         return dict, (dict(self),)
 
     def _changes(name):
         def method(self, *args, **kwargs):
-            self._change()
+            self.changed[0] = True
             return getattr(dict, name)(self, *args, **kwargs)
         method.__name__ = name
         return method
 
-    pop, popitem, clear, update, setdefault, __ior__ = map(_changes, ("pop", "popitem", "clear", "update",
-                                                                        "setdefault", "__ior__"))
+    __setitem__, __delitem__, pop, popitem, clear, update, setdefault, __ior__ = map(
+        _changes, ("__setitem__", "__delitem__", "pop", "popitem", "clear", "update", "setdefault", "__ior__"))
     del _changes
 
 
@@ -209,20 +213,15 @@ class _SplitState(MutableMapping):
             self._data = self._assemble()
         return self._data
 
-    def __getitem__(self, key):
-        return self._values()[key]
+    def _on_values(name):
+        def method(self, *args):
+            return getattr(self._values(), name)(*args)
+        method.__name__ = name
+        return method
 
-    def __setitem__(self, key, value):
-        self._values()[key] = value
-
-    def __delitem__(self, key):
-        del self._values()[key]
-
-    def __iter__(self):
-        return iter(self._values())
-
-    def __len__(self):
-        return len(self._values())
+    __getitem__, __setitem__, __delitem__, __iter__, __len__ = map(
+        _on_values, ("__getitem__", "__setitem__", "__delitem__", "__iter__", "__len__"))
+    del _on_values
 
     def __repr__(self):
         return f"_SplitState({self._values()!r})"
@@ -230,8 +229,7 @@ class _SplitState(MutableMapping):
     def copy(self):
         return dict(self._values())
 
-    def __copy__(self):
-        return self.copy()
+    __copy__ = copy
 
     def __deepcopy__(self, memo):
         return copy.deepcopy(self._values(), memo)
@@ -240,11 +238,29 @@ class _SplitState(MutableMapping):
         return dict, (self.copy(),)
 
 
-def _assemble(entries, blocks, export, master):
-    """A parameter's state, parameter-shaped fresh fp32 copies (and master_param, for a bf16/f16
-    parameter, with master): from its one entry, or put together from its blocks' (in the parameter's
-    shape when the blocks were made)."""
-    parts = [export(e, master) for e in entries]
+def _in_memory(e):
+    """An engine entry's state as live views in the in-memory forms (Emerging-Optimizers', torch's): all
+    shaped like the entry but NorMuon's moment2_buffer, which is [m, 1] or [1, n] (its statistics axis)."""
+    views = dict(zip(_STATE_KEYS[e.algorithm], e.state))
+    if e.algorithm == "normuon":
+        m, n = e.shape
+        views["moment2_buffer"] = e.state[1].view((m, 1) if e.stats_per_row else (1, n))
+    return views
+
+
+def _export(e, master):
+    """An entry's state as fresh fp32 copies in its shape (moment2_buffer expanded along the statistics
+    axis), with master: master_param too for a bf16/f16 parameter."""
+    out = {k: v.expand(e.shape).clone(memory_format=torch.contiguous_format) for k, v in _in_memory(e).items()}
+    if master and e.low_precision:
+        out["master_param"] = e.param.clone()
+    return out
+
+
+def _assemble(entries, blocks, master):
+    """A parameter's state, parameter-shaped fresh fp32 copies (_export): from its one entry, or put together
+    from its blocks' (in the parameter's shape when the blocks were made)."""
+    parts = [_export(e, master) for e in entries]
     if blocks is None:
         return parts[0]
     out = {}
@@ -256,22 +272,42 @@ def _assemble(entries, blocks, export, master):
     return out
 
 
+def _reduce_moment2(src, shape, per_row, where):
+    """NorMuon's second moment as a 1-D tensor from any of its three forms."""
+    m, n = shape
+    length, keep = (m, (m, 1)) if per_row else (n, (1, n))
+    got = tuple(src.shape)
+    if got == (length,):
+        return src
+    if got == keep:
+        return src.reshape(length)
+    if got == (m, n):
+        if src.numel() == 0:
+            return src.new_zeros(length)
+        reduced = src[:, 0] if per_row else src[0, :]
+        full = reduced.unsqueeze(1) if per_row else reduced.unsqueeze(0)
+        if not torch.equal(src, full.expand(m, n)):
+            axis = "row" if per_row else "column"
+            raise ValueError(f"MegatronNorMuon: {where}: the parameter-shaped moment2_buffer is not constant "
+                             f"along each {axis} (statistics are per {axis} for a {m}x{n} matrix)")
+        return reduced
+    raise ValueError(f"MegatronNorMuon: {where}: moment2_buffer has shape {got}; expected {(length,)}, {keep} "
+                     f"or the parameter's {(m, n)}")
+
+
 class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
     """What MegatronNorMuon and MegatronAdamW share: the engine (engine.py, as NorMuonAdamW's; one
     algorithm) over the parameters param_groups holds now, built lazily and again when they change; the
     Megatron-facing state (self.state, state dicts) translated to and from its buffers; TE FusedAdam's step
-    rule.
-
-    Subclasses set _label, _algorithm, _state_keys and implement _check_param, _spec_defaults, _hypers,
-    _memory_views, _entry_writes and _entry_export (and _blocks for parameters split into row blocks)."""
+    rule. Subclasses set _label and _algorithm and implement _hypers (and _check_param, _spec_defaults,
+    _blocks where they differ)."""
 
     _label = None
     _algorithm = None
-    _state_keys = ()
 
-    def _setup(self, backend, threads, nonfinite, verdict, device_backend=None):
-        """Before torch's __init__ (which calls add_param_group). device_backend: NorMuonAdamW's
-        _device_backend (the tests' emulated CUDA engine)."""
+    def _setup(self, params, defaults, backend, threads, nonfinite, verdict, device_backend):
+        """The common part of the constructors, last. device_backend: NorMuonAdamW's _device_backend (the
+        tests' emulated CUDA engine)."""
         _native.require(self._label)
         try:
             self._choice = resolve_modes(backend, nonfinite, verdict)
@@ -285,23 +321,31 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         self._signature = None  # what it was built for
         self._slots = {}        # id(param) -> _Slot
         self._split_slots = []  # the slots of parameters split into row blocks
-        self._group_map = []    # (index in param_groups, index of the engine's group)
+        self._stepped = []      # the param_groups with parameters (the engine's groups, in its order)
         self._advanced = []     # groups whose step the last step() advanced (taken back if it was skipped)
         self._settled_reason = None  # why the previous step was skipped, learnt when it was settled
         self.last_skip_reason = None
+        super().__init__(params, defaults)
+        self._check_all()
 
     def _fail(self, message):
         raise ValueError(f"{self._label}: {message}")
 
-    def _check_all(self):
+    def _params(self):
+        """(parameter, where it sits in param_groups) for every parameter, in order."""
         for i, g in enumerate(self.param_groups):
             for k, p in enumerate(g["params"]):
-                self._check_param(p, f"param_groups[{i}]['params'][{k}]")
+                yield p, f"param_groups[{i}]['params'][{k}]"
 
-    def _check_common(self, p, where):
+    def _check_all(self):
+        for p, where in self._params():
+            self._check_param(p, where)
+
+    def _check_param(self, p, where):
+        """What any parameter must be (MegatronAdamW takes any shape: DistOpt hands over 1-D shards, some empty)."""
         if p.device.type not in ("cpu", "cuda"):
             self._fail(f"{where} is on {p.device}: normuon runs on CPU or CUDA tensors")
-        if p.dtype not in _DTYPES:
+        if p.dtype not in DTYPES:
             self._fail(f"{where} is {p.dtype}; float32, bfloat16 or float16 expected")
         if p.is_sparse:
             self._fail(f"{where} is sparse")
@@ -309,6 +353,14 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
     def _blocks(self, p, where):
         """None, or the RowBlocks that the engine steps as matrices of their own."""
         return None
+
+    def _spec_defaults(self):
+        """The spec's values the layout is built with (step() hands over the groups' own)."""
+        return _native.defaults(self._algorithm)
+
+    def _group_step(self, i):
+        """param_groups[i]['step'] (0 when absent), checked."""
+        return _step_value(self._label, self.param_groups[i].get("step", 0), f"param_groups[{i}]")
 
     # --------------------------------------------------------------------------- the flat layout
 
@@ -333,80 +385,82 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         add_param_group takes too: Engine.carry_from). State comes from self.state (moved there by
         Megatron's wrappers, or our views of the previous layout), fp32 masters from the previous layout;
         parameters that left the groups lose theirs."""
-        present = []
-        for i, g in enumerate(self.param_groups):
-            params = list(g["params"])
-            for k, p in enumerate(params):
-                self._check_param(p, f"param_groups[{i}]['params'][{k}]")
-            if params:
-                present.append((i, params))
-        engine, slots, group_map = None, {}, []
-        if present:
-            groups, plan, all_blocks = [], [], {}
-            for i, params in present:
-                tensors, names = [], []
-                for k, p in enumerate(params):
-                    blocks = self._blocks(p, f"param_groups[{i}]['params'][{k}]")
-                    if blocks is None:
-                        keys, labels = [p], [f"g{i}.p{k}"]
-                    else:  # each block stepped where it lies in the parameter, as a matrix of its own
-                        keys = [b.key for b in blocks]
-                        labels = [f"g{i}.p{k}.b{j}" for j in range(len(blocks))]
-                        all_blocks.update((id(b.key), b) for b in blocks)
-                    plan.append((p, keys, blocks))
-                    tensors += keys
-                    names += labels
-                groups.append(dict(params=tensors, names=names, name=f"g{i}", algorithm=self._algorithm))
+        self._check_all()
+        stepped = [i for i, g in enumerate(self.param_groups) if len(g["params"])]
+        groups, plan, all_blocks = [], [], {}
+        for i in stepped:
+            tensors, names = [], []
+            for k, p in enumerate(self.param_groups[i]["params"]):
+                blocks = self._blocks(p, f"param_groups[{i}]['params'][{k}]")
+                # Each block is stepped where it lies in the parameter, as a matrix of its own.
+                keys = [p] if blocks is None else [b.key for b in blocks]
+                all_blocks.update((id(b.key), b) for b in blocks or ())
+                plan.append((p, keys, blocks))
+                tensors += keys
+                names += [f"g{i}.p{k}"] if blocks is None else [f"g{i}.p{k}.b{j}" for j in range(len(blocks))]
+            groups.append(dict(params=tensors, names=names, name=f"g{i}", algorithm=self._algorithm))
+        engine, slots = None, {}
+        if groups:
             # The spec's values stand in until step() hands over the groups' own (Megatron builds with
             # lr=None and lets its scheduler set it); the fixed ones (layout, plan) are final.
             values = _native.check_values("defaults", self._algorithm, self._spec_defaults())
             aw = _native.defaults("adamw")
-            adamw = dict(lr=aw["lr"], betas=(aw["beta1"], aw["beta2"]), eps=aw["eps"], weight_decay=aw["weight_decay"])
             try:  # the planned groups' values are not used: values are
-                planned, entries = plan_groups(groups, _native.defaults("normuon"), adamw, {}, {}, all_blocks)
+                planned, entries = plan_groups(groups, _native.defaults("normuon"),
+                                               dict(aw, betas=(aw["beta1"], aw["beta2"])), {}, {}, all_blocks)
                 engine = Engine(entries, [(g["name"], self._algorithm, values) for g in planned], self._choice,
                                 threads=self._threads, nonfinite=self.nonfinite, verdict=self.verdict,
                                 row_blocks=bool(all_blocks), device_backend=self._device_backend)
             except ValueError as error:
                 raise ValueError(f"{self._label}: {error} (gI.pK is param_groups[I]['params'][K])") from None
             by_key = {id(e.tensor): e for e in engine.entries}
-            group_map = [(i, j) for j, (i, _) in enumerate(present)]
             for p, keys, blocks in plan:
-                found = [by_key[id(t)] for t in keys]
-                slots[id(p)] = _Slot(p, found, blocks, self._memory_views(found[0]) if blocks is None else None)
+                slots[id(p)] = _Slot(p, [by_key[id(t)] for t in keys], blocks)
         # The values: check everything first, then write (the previous views stay valid until then).
-        writes, where = [], self._positions()
-        for slot in slots.values():
-            writes += self._slot_writes(slot, self.state.get(slot.param) or {}, f"state of {where[id(slot.param)]}")
+        writes = self._state_writes(slots.values())
         if engine is not None and self.engine is not None:
-            steps = [_step_value(self._label, self.param_groups[i].get("step", 0), f"param_groups[{i}]")
-                     for i, _ in group_map]
-            engine.carry_from(self.engine, steps)  # the masters' low bits (the state: below)
+            # The fp32 masters with their low bits, and the counters (the state is written below).
+            engine.carry_from(self.engine, [self._group_step(i) for i in stepped])
         for dst, src in writes:
             dst.copy_(src)
-        self.engine, self._slots, self._group_map, self._signature = engine, slots, group_map, signature
+        self.engine, self._slots, self._stepped, self._signature = engine, slots, stepped, signature
         self._install_state()
 
-    def _install_state(self):
+    def _install_state(self, kept=None):
         """self.state from the engine's buffers: live views for parameters it steps whole, parameter-shaped
-        copies for split ones, assembled when first looked at (_SplitState)."""
+        copies for split ones, assembled when first looked at (_SplitState). kept: the state whose split
+        parameters' mappings stay where they are, ours or someone's (a handle someone holds keeps counting
+        until the next step refreshes them)."""
         changed = [False]
-        self.state = _Tracked(changed, ((slot.param, _Tracked(changed, slot.views) if slot.blocks is None
-                                         else self._split_state(slot)) for slot in self._slots.values()))
+        self.state = _Tracked(changed)
+        for slot in self._slots.values():
+            if slot.blocks is None:
+                value = _Tracked(changed, slot.views)
+            else:
+                value = None if kept is None else kept.get(slot.param)
+                if value is None or (value is not slot.lazy and not len(value)):  # (len() would assemble ours)
+                    value = self._split_state(slot)
+            dict.__setitem__(self.state, slot.param, value)
         self._split_slots = [slot for slot in self._slots.values() if slot.blocks is not None]
 
     def _split_state(self, slot):
-        # _entry_export is a static method: the partial holds no reference to this optimizer.
-        slot.lazy = _SplitState(functools.partial(_assemble, slot.entries, slot.blocks, self._entry_export, False))
+        # _assemble and _export are functions: the partial holds no reference to this optimizer.
+        slot.lazy = _SplitState(functools.partial(_assemble, slot.entries, slot.blocks, False))
         return slot.lazy
 
     def _refresh_split_state(self):
         """After a step: a split parameter's copies, if anyone looked at them or put others in their place,
         are stale now; a fresh, not yet assembled mapping takes their place."""
         for slot in self._split_slots:
-            current = self.state.get(slot.param)
-            if current is not slot.lazy or slot.lazy.touched:
+            if not self._holds_ours(slot):
                 dict.__setitem__(self.state, slot.param, self._split_state(slot))  # ours: not a change to adopt
+
+    def _holds_ours(self, slot):
+        """Whether self.state[slot.param] is still what this optimizer installed, as it installed it."""
+        current = self.state.get(slot.param)
+        if slot.blocks is not None:  # its copies, once assembled, may have been edited: read them back
+            return current is slot.lazy and not slot.lazy.touched
+        return bool(current) and all(current.get(k) is v for k, v in slot.views.items())
 
     def _adopt_state(self):
         """Someone replaced, removed, added or (for split parameters) looked at entries of self.state (a load
@@ -415,42 +469,23 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         if isinstance(self.state, _Tracked) and not self.state.changed[0] and \
                 not any(slot.lazy.touched for slot in self._split_slots):
             return  # nothing changed: no parameter walked
-        stale = []
-        for slot in self._slots.values():
-            current = self.state.get(slot.param)
-            if slot.blocks is not None:  # its copies, once assembled, may have been edited: read them back
-                if current is not slot.lazy or slot.lazy.touched:
-                    stale.append(slot)
-            elif not current or any(current.get(k) is not v for k, v in slot.views.items()):
-                stale.append(slot)
+        stale = [slot for slot in self._slots.values() if not self._holds_ours(slot)]
         if not stale and len(self.state) == len(self._slots):
             if isinstance(self.state, _Tracked):
                 self.state.changed[0] = False
             return
-        writes, where = [], self._positions()
-        for slot in stale:
-            writes += self._slot_writes(slot, self.state.get(slot.param) or {},
-                                        f"state of {where.get(id(slot.param), 'a parameter')}")
-        for dst, src in writes:
+        for dst, src in self._state_writes(stale):
             dst.copy_(src)
-        # Views again where they were replaced; a split parameter's copies stay where they are (a handle
-        # someone holds keeps counting until the next step refreshes them).
-        changed = [False]
-        state = _Tracked(changed)
-        for slot in self._slots.values():
-            kept = self.state.get(slot.param)
-            if slot.blocks is None:
-                dict.__setitem__(state, slot.param, _Tracked(changed, slot.views))
-            else:
-                ours = kept is slot.lazy  # (len() would assemble it)
-                dict.__setitem__(state, slot.param, kept if ours or (kept is not None and len(kept))
-                                 else self._split_state(slot))
-        self.state = state
+        self._install_state(kept=self.state)  # views again where they were replaced
 
-    def _positions(self):
-        """id(param) -> where it sits in param_groups, for messages."""
-        return {id(p): f"param_groups[{i}]['params'][{k}]"
-                for i, g in enumerate(self.param_groups) for k, p in enumerate(g["params"])}
+    def _state_writes(self, slots):
+        """The writes that put self.state's entries of these slots into the flat state (_slot_writes)."""
+        where = {id(p): w for p, w in self._params()}
+        writes = []
+        for slot in slots:
+            saved = self.state.get(slot.param) or {}
+            writes += self._slot_writes(slot, saved, f"state of {where.get(id(slot.param), 'a parameter')}")
+        return writes
 
     def _slot_writes(self, slot, saved, where):
         """(destination, source) pairs that put `saved` (one parameter's state dict, parameter-shaped or in
@@ -458,32 +493,44 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         is written, if it does not fit."""
         if not saved:
             return [(t, torch.zeros(())) for e in slot.entries for t in e.state]
-        loadable = set(self._state_keys) | {"master_param", "step"}
-        unknown = sorted(set(saved) - loadable)
-        missing = [k for k in self._state_keys if k not in saved]
-        if unknown or missing:
-            self._fail(f"{where} has keys {sorted(saved)}; expected {' and '.join(self._state_keys)} "
+        keys = _STATE_KEYS[self._algorithm]
+        if set(saved) - set(keys) - {"master_param", "step"} or any(k not in saved for k in keys):
+            self._fail(f"{where} has keys {sorted(saved)}; expected {' and '.join(keys)} "
                        "(optionally master_param, step)")
+        saved = {k: v for k, v in saved.items() if k != "step"}  # (its value is load_state_dict's)
         for key, src in saved.items():
-            if key != "step" and (not isinstance(src, torch.Tensor) or not src.is_floating_point()):
+            if not isinstance(src, torch.Tensor) or not src.is_floating_point():
                 got = src.dtype if isinstance(src, torch.Tensor) else type(src).__name__
                 self._fail(f"{where}: {key} is {got}, not a floating-point tensor")
         if slot.blocks is None:
             return self._entry_writes(slot.entries[0], saved, where)
         shape = tuple(slot.param.shape)
         for key, src in saved.items():
-            if key != "step" and tuple(src.shape) != shape:
+            if tuple(src.shape) != shape:
                 self._fail(f"{where}: {key} has shape {tuple(src.shape)}, expected {shape} (the state of a "
                            "parameter split into QKV blocks is parameter-shaped)")
         writes = []
         for j, (e, block) in enumerate(zip(slot.entries, slot.blocks)):
-            part = {k: block.values(v) for k, v in saved.items() if k != "step"}
-            writes += self._entry_writes(e, part, f"{where} (block {j})")
+            writes += self._entry_writes(e, {k: block.values(v) for k, v in saved.items()}, f"{where} (block {j})")
         return writes
 
-    def _assemble(self, slot, master):
-        """_assemble for one slot (no reference to this optimizer: see _SplitState)."""
-        return _assemble(slot.entries, slot.blocks, self._entry_export, master)
+    def _entry_writes(self, e, saved, where):
+        """The pairs for one engine entry. Every tensor is shaped like it but NorMuon's moment2_buffer, which
+        may also be parameter-shaped (constant along the statistics axis), reduced, or [m, 1] / [1, n]; a
+        master_param is taken for a bf16/f16 parameter only (an fp32 one is its own master)."""
+        shape, writes = tuple(e.shape), []
+        targets = dict(zip(_STATE_KEYS[e.algorithm], e.state), master_param=e.param if e.low_precision else None)
+        for key, dst in targets.items():
+            src = saved.get(key)
+            if src is None:
+                continue
+            if key == "moment2_buffer":
+                src = _reduce_moment2(src, shape, e.stats_per_row, where)
+            elif tuple(src.shape) != shape:
+                self._fail(f"{where}: {key} has shape {tuple(src.shape)}, expected {shape}")
+            if dst is not None:
+                writes.append((dst, src))
+        return writes
 
     # ------------------------------------------------------------------------------- Megatron hooks
 
@@ -505,9 +552,8 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
                 loss = closure()
         self._settled_reason = None
         self._ensure_built()  # settles the previous step first (verdict='deferred')
-        values = [self._hypers(i, self.param_groups[i]) for i, _ in self._group_map]  # checked, in engine order
-        steps = [_step_value(self._label, self.param_groups[i].get("step", 0), f"param_groups[{i}]")
-                 for i, _ in self._group_map]
+        values = [self._hypers(i, self.param_groups[i]) for i in self._stepped]  # checked, in engine order
+        steps = [self._group_step(i) for i in self._stepped]
         skipped = None
         if self.engine is not None:
             self.engine.set_nonfinite(self.nonfinite)
@@ -521,10 +567,9 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         # step's, as NorMuonAdamW reports it.
         self.last_skip_reason = skipped if skipped is not None else self._settled_reason
         if skipped is None:
-            self._advanced = [i for i, g in enumerate(self.param_groups) if len(g["params"]) > 0]
-            for i in self._advanced:
-                g = self.param_groups[i]
-                g["step"] = _step_value(self._label, g.get("step", 0), "a param group") + 1
+            self._advanced = list(self._stepped)
+            for i, t in zip(self._advanced, steps):
+                self.param_groups[i]["step"] = t + 1
         return loss
 
     def _settle(self):
@@ -544,19 +589,19 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
     def _take_back(self):
         for i in self._advanced:
             if i < len(self.param_groups):
-                g = self.param_groups[i]
-                g["step"] = max(0, _step_value(self._label, g.get("step", 0), "a param group") - 1)
+                self.param_groups[i]["step"] = max(0, self._group_step(i) - 1)
         self._advanced = []
 
     @property
     def backend(self):
-        """'fast-cpu', 'fast-cuda' or 'reference-python' once built; before that the choice ('auto' | 'fast' | 'reference')."""
+        """'fast-cpu', 'fast-cuda' or 'reference-python' once built; before that the choice ('auto' | 'fast' |
+        'reference')."""
         return self.engine.backend if self.engine is not None else self._choice
 
     # ------------------------------------------------------------------------------- state dicts
 
-    def _extra_export(self, group):
-        """Per-parameter entries besides the state tensors (MegatronAdamW: a per-parameter step)."""
+    def _extra_export(self, i):
+        """Per-parameter entries of param_groups[i] besides the state tensors (MegatronAdamW: a step)."""
         return {}
 
     def state_dict(self):
@@ -566,13 +611,13 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         if self.engine is not None or any(self.state.values()):
             self._ensure_built()
         groups, state, index = [], {}, 0
-        for g in self.param_groups:
+        for i, g in enumerate(self.param_groups):
             packed = {k: v for k, v in g.items() if k != "params"}
             packed["params"] = list(range(index, index + len(g["params"])))
             for p in g["params"]:
                 slot = self._slots.get(id(p))
                 if slot is not None:
-                    state[index] = dict(self._assemble(slot, master=True), **self._extra_export(g))
+                    state[index] = dict(_assemble(slot.entries, slot.blocks, True), **self._extra_export(i))
                 index += 1
             groups.append(packed)
         return {"state": state, "param_groups": groups}
@@ -621,31 +666,25 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
 
 
 class MegatronNorMuon(_MegatronFlat):
-    """NorMuon (docs/spec.md section 3) with the constructor of Megatron's TensorParallelAdaptiveMuon.
+    """NorMuon (docs/spec.md section 3) with the constructor of Megatron's TensorParallelAdaptiveMuon: its
+    keyword arguments (CONFIG_FIELDS names the config fields they come from) map onto the spec as
+    docs/megatron.md tabulates, and what the adapter cannot run is refused here, with the reason. With
+    split_qkv, a QKV weight (is_qkv_fn(p)) is run as its Q, K and V row blocks (p.qkv_split_shapes, else
+    qkv_split_shapes, per query group, as Megatron does), each a matrix of its own; under tp_mode
+    'blockwise' so is each rank's shard. use_syrk (a CUDA kernel choice) has no effect.
 
-    The keyword arguments are Megatron's (see CONFIG_FIELDS for the config fields they come from); each
-    maps onto the spec as docs/megatron.md tabulates. Values the adapter cannot run are rejected here, with
-    the reason: moment2_method other than 'normuon', L2 weight decay, coefficient types other than 'simple',
-    and a tensor-parallel shard (TP > 1) under tp_mode 'duplicated' or 'distributed'. With split_qkv, a QKV
-    weight (is_qkv_fn(p)) is cut into its Q, K and V row blocks (p.qkv_split_shapes, else qkv_split_shapes,
-    per query group, as Megatron does) and each block is run as a matrix of its own. Under tp_mode
-    'blockwise' each rank's shard is run as a matrix of its own. Accepted without effect: use_syrk (a CUDA
-    kernel choice).
-
-    Per group, every step reads lr (a float or a one-element tensor), weight_decay, momentum, beta2 and
-    eps, so Megatron's scheduler works. group['step'] is a Python int incremented once per step() in every
-    group that has parameters, whether or not they have gradients (TE FusedAdam's rule, which Megatron's
-    step synchronisation across optimizers relies on).
+    Every step reads lr (a float or a one-element tensor), weight_decay, momentum, beta2 and eps from the
+    groups. group['step'] follows TE FusedAdam's rule (MegatronAdamW), which Megatron's step
+    synchronisation across optimizers relies on.
 
     Keyword-only extras: backend ('auto' | 'fast' | 'reference'; None reads NORMUON_BACKEND, then 'auto',
-    which is the fast backend), threads (fast backend; 0 = one per processor this process may use, within its CPU quota), nonfinite ('error' |
-    'skip_step'), verdict ('deferred', the default: on CUDA a step's NaN/Inf verdict is read at the next
-    step, so no host sync; 'sync': in the same step).
+    which is the fast backend), threads (fast backend; 0 = one per processor this process may use, within
+    its CPU quota), nonfinite ('error' | 'skip_step'), verdict ('deferred', the default: on CUDA a step's
+    NaN/Inf verdict is read at the next step, so no host sync; 'sync': in the same step).
     """
 
     _label = "MegatronNorMuon"
     _algorithm = "normuon"
-    _state_keys = ("momentum_buffer", "moment2_buffer")
 
     def __init__(self, params, lr=3e-4, momentum=0.95, nesterov=True, weight_decay=0.01,
                  use_decoupled_weight_decay=True, split_qkv=False, is_qkv_fn=None, qkv_split_shapes=None,
@@ -690,9 +729,8 @@ class MegatronNorMuon(_MegatronFlat):
                                     reduce_axis="longer_dim", lr_scale=lr_scale, weight_decay_mode="decoupled",
                                     eps_placement="clamp"),
                                {"ns_steps": ("num_ns_steps", num_ns_steps), "nesterov": ("nesterov", nesterov)})
-        self._setup(backend, threads, nonfinite, verdict, _device_backend)
         self.split_qkv = bool(split_qkv)
-        self.is_qkv_fn = is_qkv_fn if is_qkv_fn is not None else (lambda p: bool(getattr(p, "is_qkv", False)))
+        self.is_qkv_fn = is_qkv_fn if is_qkv_fn is not None else _is_qkv
         self.qkv_split_shapes = qkv_split_shapes
         self.pg_collection = pg_collection
         self.tp_mode = tp_mode
@@ -708,8 +746,7 @@ class MegatronNorMuon(_MegatronFlat):
         # the weight decay: p(1 - lr*wd) - lr*k*U  ==  p(1 - (k*lr)(wd/k)) - (k*lr)*U  (exact up to rounding).
         self._fold = c * extra
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, beta2=beta2, eps=eps)
-        super().__init__(params, defaults)
-        self._check_all()
+        self._setup(params, defaults, backend, threads, nonfinite, verdict, _device_backend)
 
     # ------------------------------------------------------------------------------------- checks
 
@@ -725,7 +762,7 @@ class MegatronNorMuon(_MegatronFlat):
             self._fail(f"{where} has shape {list(p.shape)}: NorMuon needs whole 2-D matrices. Megatron routes "
                        "non-matrix parameters to Adam; under --use-distributed-optimizer the emerging-optimizer "
                        "path shards whole matrices per rank (LayerWise), never 1-D fragments")
-        self._check_common(p, where)
+        super()._check_param(p, where)
         size = self._tp_size(p) if _tp_sharded(p) else 1
         if size > 1 and self.tp_mode != "blockwise":
             self._fail(f"{where} (local shape {list(p.shape)}) is a tensor-parallel shard along dim "
@@ -779,53 +816,15 @@ class MegatronNorMuon(_MegatronFlat):
         folded = f" (as {values['lr']!r}, times the folded scale {self._fold:g})" if self._fold != 1 else ""
         return _checked(label, where, "normuon", values, given, {"lr": folded})
 
-    # ------------------------------------------------------------------------------- state forms
-
-    @staticmethod
-    def _memory_views(e):
-        """Emerging-Optimizers' in-memory forms: momentum m x n, moment2 [m, 1] or [1, n] (live views)."""
-        m, n = e.shape
-        return {"momentum_buffer": e.state[0], "moment2_buffer": e.state[1].view((m, 1) if e.stats_per_row else (1, n))}
-
-    def _entry_writes(self, e, saved, where):
-        """moment2_buffer may be parameter-shaped (constant along the statistics axis), reduced, or [m, 1] /
-        [1, n]; momentum_buffer and master_param are parameter-shaped."""
-        shape = tuple(e.shape)
-        writes = []
-        for key in ("momentum_buffer", "moment2_buffer", "master_param"):
-            src = saved.get(key)
-            if src is None:
-                continue
-            if key == "moment2_buffer":
-                writes.append((e.state[1], _reduce_moment2(src, shape, e.stats_per_row, where)))
-            elif tuple(src.shape) != shape:
-                self._fail(f"{where}: {key} has shape {tuple(src.shape)}, expected {shape}")
-            elif key == "momentum_buffer":
-                writes.append((e.state[0], src))
-            elif e.low_precision:  # master_param: the fp32 master of a bf16/f16 parameter
-                writes.append((e.param, src))
-        return writes
-
-    @staticmethod
-    def _entry_export(e, master):
-        s = {"momentum_buffer": e.state[0].clone(),
-             "moment2_buffer": (e.state[1].view(-1, 1) if e.stats_per_row else e.state[1].view(1, -1))
-             .expand(e.shape).clone(memory_format=torch.contiguous_format)}
-        if master and e.low_precision:
-            s["master_param"] = e.param.clone()
-        return s
-
 
 class MegatronAdamW(_MegatronFlat):
     """This project's AdamW (docs/spec.md section 4, the code path of NorMuonAdamW's AdamW groups) with the
     constructor of TE's FusedAdam / torch.optim.AdamW, for Megatron's Adam groups (register(replace_adam=True)).
 
     lr, betas, eps, weight_decay and bias_correction are group values, read at every step (lr may be a
-    one-element tensor; MuP's per-group eps works). Refused, with the reason: amsgrad, adam_w_mode=False (L2
-    Adam), bias_correction=False, capturable, maximize, differentiable, and TE's precision-aware options
-    (master_weights, non-fp32 state dtypes, use_decoupled_grad, store_param_remainders): Megatron keeps the
-    fp32 master weights itself. Accepted without effect: foreach, fused, set_grad_none (only zero_grad's
-    default).
+    one-element tensor; MuP's per-group eps works). What it does not implement is refused, with the reason;
+    TE's precision-aware options among them, as Megatron keeps the fp32 master weights itself. foreach and
+    fused have no effect; set_grad_none only sets zero_grad's default.
 
     Step rule (TE FusedAdam): group['step'] is a Python int incremented once per step() in every group that
     has parameters, with or without gradients, and the bias correction of step t uses it; there is no
@@ -839,7 +838,6 @@ class MegatronAdamW(_MegatronFlat):
 
     _label = "MegatronAdamW"
     _algorithm = "adamw"
-    _state_keys = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  bias_correction=True, adam_w_mode=True, capturable=False, master_weights=False,
@@ -850,12 +848,11 @@ class MegatronAdamW(_MegatronFlat):
         precision = ("master_weights, exp_avg_dtype, exp_avg_sq_dtype, use_decoupled_grad and "
                      "store_param_remainders are TE's precision-aware options (--use-precision-aware-optimizer), "
                      "which this optimizer does not implement: Megatron keeps fp32 master weights and state")
-        for name, value, default in (("amsgrad", amsgrad, False), ("capturable", capturable, False),
-                                     ("maximize", maximize, False), ("differentiable", differentiable, False),
-                                     ("master_weights", master_weights, False),
-                                     ("use_decoupled_grad", use_decoupled_grad, False),
-                                     ("store_param_remainders", store_param_remainders, False)):
-            if bool(value) != default:
+        for name, value in (("amsgrad", amsgrad), ("capturable", capturable), ("maximize", maximize),
+                            ("differentiable", differentiable), ("master_weights", master_weights),
+                            ("use_decoupled_grad", use_decoupled_grad),
+                            ("store_param_remainders", store_param_remainders)):
+            if value:
                 why = {"amsgrad": "AMSGrad is not implemented",
                        "capturable": "CUDA graph capture (--optimizer-cuda-graph) needs the CUDA backend",
                        "maximize": "only minimisation is implemented",
@@ -871,17 +868,9 @@ class MegatronAdamW(_MegatronFlat):
                        "adam_w_mode=config.decoupled_weight_decay: keep it True)")
         if bias_correction not in (True, 1):
             self._fail(f"bias_correction={bias_correction!r}: only bias-corrected AdamW is implemented")
-        self._setup(backend, threads, nonfinite, verdict, _device_backend)
         self.set_grad_none = set_grad_none
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
-        super().__init__(params, defaults)
-        self._check_all()
-
-    def _check_param(self, p, where):
-        self._check_common(p, where)  # any shape: DistOpt hands over 1-D shards, some empty
-
-    def _spec_defaults(self):
-        return _native.defaults("adamw")
+        self._setup(params, defaults, backend, threads, nonfinite, verdict, _device_backend)
 
     def _hypers(self, i, group):
         where, label = f"param_groups[{i}]", self._label
@@ -896,75 +885,15 @@ class MegatronAdamW(_MegatronFlat):
         given.update({k: (k, _number(label, where, group, k)) for k in ("lr", "eps", "weight_decay")})
         return _checked(label, where, "adamw", {field: value for field, (_, value) in given.items()}, given)
 
-    @staticmethod
-    def _memory_views(e):
-        return {"exp_avg": e.state[0], "exp_avg_sq": e.state[1]}
-
-    def _entry_writes(self, e, saved, where):
-        shape = tuple(e.shape)
-        writes = []
-        for key, dst in (("exp_avg", e.state[0]), ("exp_avg_sq", e.state[1]), ("master_param", e.param)):
-            src = saved.get(key)
-            if src is None:
-                continue
-            if tuple(src.shape) != shape:
-                self._fail(f"{where}: {key} has shape {tuple(src.shape)}, expected {shape}")
-            if key != "master_param" or e.low_precision:
-                writes.append((dst, src))
-        return writes
-
-    @staticmethod
-    def _entry_export(e, master):
-        s = {"exp_avg": e.state[0].clone(), "exp_avg_sq": e.state[1].clone()}
-        if master and e.low_precision:
-            s["master_param"] = e.param.clone()
-        return s
-
-    def _extra_export(self, group):
+    def _extra_export(self, i):
         # A fresh tensor per parameter: whoever loads it may share or increment it, never ours.
-        return {"step": torch.tensor(float(_step_value(self._label, group.get("step", 0), "a param group")))}
+        return {"step": torch.tensor(float(self._group_step(i)))}
 
     def zero_grad(self, set_to_none=None):
         """TE FusedAdam's default: gradients set to None (or set_grad_none's value when given)."""
         if set_to_none is None:
             set_to_none = True if self.set_grad_none is None else bool(self.set_grad_none)
         super().zero_grad(set_to_none=set_to_none)
-
-
-def _step_value(label, step, where):
-    """A step counter (an int, or a one-element tensor as torch keeps per-parameter steps) as an int >= 0."""
-    value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
-    try:
-        number = int(value)
-        ok = not isinstance(value, bool) and number == value and number >= 0
-    except (TypeError, ValueError, OverflowError):
-        ok = False
-    if not ok:
-        raise ValueError(f"{label}: {where}: step={step!r} is not a non-negative integer")
-    return number
-
-
-def _reduce_moment2(src, shape, per_row, where):
-    """NorMuon's second moment as a 1-D tensor from any of its three forms."""
-    m, n = shape
-    length, keep = (m, (m, 1)) if per_row else (n, (1, n))
-    got = tuple(src.shape)
-    if got == (length,):
-        return src
-    if got == keep:
-        return src.reshape(length)
-    if got == (m, n):
-        if src.numel() == 0:
-            return src.new_zeros(length)
-        reduced = src[:, 0] if per_row else src[0, :]
-        full = reduced.unsqueeze(1) if per_row else reduced.unsqueeze(0)
-        if not torch.equal(src, full.expand(m, n)):
-            axis = "row" if per_row else "column"
-            raise ValueError(f"MegatronNorMuon: {where}: the parameter-shaped moment2_buffer is not constant "
-                             f"along each {axis} (statistics are per {axis} for a {m}x{n} matrix)")
-        return reduced
-    raise ValueError(f"MegatronNorMuon: {where}: moment2_buffer has shape {got}; expected {(length,)}, {keep} "
-                     f"or the parameter's {(m, n)}")
 
 
 # ------------------------------------------------------------------------------------- registration
@@ -975,6 +904,12 @@ def init_state_fn(opt, config=None):
         opt._init_group(group, skip_non_grad_params=False)
 
 
+def adamw_init_state_fn(opt, config=None):
+    """Megatron's Adam init_state_fn contract for MegatronAdamW: state for every parameter. (Megatron's own
+    init_state_fn, which puts zero tensors into opt.state, works too: they are adopted at the next step.)"""
+    init_state_fn(opt, config)
+
+
 def config_to_kwargs(config, model_chunks=None, pg_collection=None, *, backend=None, threads=0):
     """MegatronNorMuon's keyword arguments from a Megatron OptimizerConfig (CONFIG_FIELDS)."""
     kwargs = {}
@@ -983,10 +918,7 @@ def config_to_kwargs(config, model_chunks=None, pg_collection=None, *, backend=N
             if hasattr(config, field):
                 kwargs[name] = getattr(config, field)
                 break
-    kwargs["is_qkv_fn"] = lambda p: bool(getattr(p, "is_qkv", False))
-    kwargs["pg_collection"] = pg_collection
-    kwargs["backend"] = backend
-    kwargs["threads"] = threads
+    kwargs.update(is_qkv_fn=_is_qkv, pg_collection=pg_collection, backend=backend, threads=threads)
     return kwargs
 
 
@@ -1010,10 +942,9 @@ def megatron_core_version():
     """The installed megatron-core version string, or None when it cannot be told."""
     for module_name in ("megatron.core.package_info", "megatron.core"):
         try:
-            module = importlib.import_module(module_name)
+            version = getattr(importlib.import_module(module_name), "__version__", None)
         except ImportError:
             continue
-        version = getattr(module, "__version__", None)
         if isinstance(version, str) and version:
             return version
     try:
@@ -1024,51 +955,37 @@ def megatron_core_version():
         return None
 
 
-def _known_range():
-    (a, b), (c, d) = KNOWN_GOOD_VERSIONS
-    return f"{a}.{b} to {c}.{d}"
-
-
 def check_version(version, allow_untested_version=False):
     """Fails closed (RuntimeError naming the version) outside KNOWN_GOOD_VERSIONS, or when the version
     cannot be told, unless allow_untested_version."""
+    if allow_untested_version:
+        return
+    low, high = KNOWN_GOOD_VERSIONS
+    known = f"{low[0]}.{low[1]} to {high[0]}.{high[1]}"
     match = re.match(r"\s*(\d+)\.(\d+)", version or "")
     if match is None:
-        if allow_untested_version:
-            return
         raise RuntimeError(f"normuon.megatron.register: cannot tell the megatron-core version (found {version!r}); "
-                           f"the adapter knows megatron-core {_known_range()}. Pass allow_untested_version=True "
-                           "to register anyway")
+                           f"the adapter knows megatron-core {known}. Pass allow_untested_version=True to register "
+                           "anyway")
     found = (int(match.group(1)), int(match.group(2)))
-    low, high = KNOWN_GOOD_VERSIONS
-    if not low <= found <= high and not allow_untested_version:
-        why = (" (before 0.18 Megatron has no emerging-optimizer registry)" if found < low else
-               " (newer than any release it was checked against)")
+    if not low <= found <= high:
+        why = ("before 0.18 Megatron has no emerging-optimizer registry" if found < low else
+               "newer than any release it was checked against")
         raise RuntimeError(f"normuon.megatron.register: megatron-core {version} is outside the known-good range "
-                           f"{_known_range()}{why}. Pass allow_untested_version=True to register anyway")
+                           f"{known} ({why}). Pass allow_untested_version=True to register anyway")
 
 
-def _import_megatron(caller):
+def _megatron(caller, allow_untested_version):
+    """megatron.core.optimizer, its emerging_optimizers module and the version, once the version gate has
+    passed (RuntimeError when megatron-core is not importable)."""
     try:
-        return (importlib.import_module("megatron.core.optimizer"),
-                importlib.import_module("megatron.core.optimizer.emerging_optimizers"))
+        modules = (importlib.import_module("megatron.core.optimizer"),
+                   importlib.import_module("megatron.core.optimizer.emerging_optimizers"))
     except ImportError as error:
         raise RuntimeError(f"normuon.megatron.{caller}: megatron-core is not importable ({error})") from None
-
-
-def _with_defaults(cls, backend, threads):
-    """cls, or a subclass whose backend/threads default to the given ones (Megatron passes neither)."""
-    if backend is None and not threads:
-        return cls
-
-    class Bound(cls):
-        def __init__(self, *args, **kwargs):
-            kwargs.setdefault("backend", backend)
-            kwargs.setdefault("threads", threads)
-            super().__init__(*args, **kwargs)
-
-    Bound.__name__ = Bound.__qualname__ = cls.__name__
-    return Bound
+    version = megatron_core_version()
+    check_version(version, allow_untested_version)
+    return (*modules, version)
 
 
 def _check_adam_hooks(mopt, version):
@@ -1078,47 +995,53 @@ def _check_adam_hooks(mopt, version):
                            f"{', '.join(missing)} (the module globals replace_adam sets)")
 
 
-def replace_adam(*, allow_untested_version=False, backend=None, threads=0):
-    """Makes Megatron build MegatronAdamW wherever it builds its Adam (the Adam groups next to Muon, and
-    --optimizer adam): sets megatron.core.optimizer.Adam and USING_PYTORCH_OPTIMIZER = False (without
-    TE/Apex Megatron would otherwise call torch.optim.AdamW directly). Megatron has no Adam registry, so this
-    patches module globals; the version gate and fail-closed checks are register()'s. Returns the class."""
-    mopt, _ = _import_megatron("replace_adam")
-    version = megatron_core_version()
-    check_version(version, allow_untested_version)
-    _check_adam_hooks(mopt, version)
-    cls = _with_defaults(MegatronAdamW, backend, threads)
+def _set_adam(mopt, backend, threads):
+    """MegatronAdamW (backend/threads its defaults: Megatron passes neither) as Megatron's Adam, and
+    USING_PYTORCH_OPTIMIZER off (without TE/Apex Megatron would otherwise call torch.optim.AdamW directly)."""
+    cls = MegatronAdamW
+    if backend is not None or threads:
+        class Bound(MegatronAdamW):
+            def __init__(self, *args, **kwargs):
+                kwargs.setdefault("backend", backend)
+                kwargs.setdefault("threads", threads)
+                super().__init__(*args, **kwargs)
+
+        Bound.__name__ = Bound.__qualname__ = "MegatronAdamW"
+        cls = Bound
     mopt.Adam = cls
     mopt.USING_PYTORCH_OPTIMIZER = False
     return cls
 
 
+def replace_adam(*, allow_untested_version=False, backend=None, threads=0):
+    """Makes Megatron build MegatronAdamW wherever it builds its Adam (the Adam groups next to Muon, and
+    --optimizer adam): sets megatron.core.optimizer.Adam and USING_PYTORCH_OPTIMIZER = False. Megatron has
+    no Adam registry, so this patches module globals, with register()'s version gate and fail-closed
+    checks. Returns the class."""
+    mopt, _, version = _megatron("replace_adam", allow_untested_version)
+    _check_adam_hooks(mopt, version)
+    return _set_adam(mopt, backend, threads)
+
+
 def register(name="normuon", *, replace_existing=False, replace_adam=False, allow_untested_version=False,
              backend=None, threads=0):
-    """Adds MegatronNorMuon to Megatron's emerging-optimizer registry under `name`, so that
-    OptimizerConfig(optimizer=name) (or --optimizer name, for a name argparse accepts) builds it.
+    """Adds MegatronNorMuon to Megatron's emerging-optimizer registry under `name` (OptimizerConfig(optimizer=
+    name) builds it); with replace_adam=True, Megatron's Adam groups get MegatronAdamW too. Returns the entry.
 
-    Touches only megatron.core.optimizer.emerging_optimizers._EMERGING_OPTIMIZERS[name] (a new
-    EmergingOptimizerEntry) and, where it exists, megatron.core.optimizer.HAVE_EMERGING_OPTIMIZERS (set True,
-    because the emerging path refuses to run without Emerging-Optimizers, which this optimizer does not
-    need). Parameter routing (which parameters go to Adam) is copied from Megatron's own muon entry. With
-    replace_adam=True, Megatron's Adam groups get MegatronAdamW too (see replace_adam()).
-
-    Fails closed with RuntimeError when megatron-core is missing, of a version outside KNOWN_GOOD_VERSIONS
-    (unless allow_untested_version) or without the registry (or, with replace_adam, without the Adam
-    globals); nothing is touched then. Replacing an entry Megatron already has (e.g. name='adaptive_muon',
-    to keep the stock --optimizer choice) needs replace_existing=True. backend/threads are handed to every
-    optimizer it builds. Returns the entry."""
+    Touches only the registry entry (its parameter routing copied from Megatron's own muon entry) and, where
+    it exists, megatron.core.optimizer.HAVE_EMERGING_OPTIMIZERS (set True: the emerging path refuses to run
+    without Emerging-Optimizers, which this optimizer does not need). Fails closed (RuntimeError, nothing
+    touched) when megatron-core is missing, outside KNOWN_GOOD_VERSIONS (unless allow_untested_version) or
+    lacks what it sets. Taking over an entry Megatron has (name='adaptive_muon' keeps the stock --optimizer
+    choice) needs replace_existing=True. backend/threads are handed to every optimizer it builds."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"normuon.megatron.register: name={name!r} must be a non-empty string")
-    mopt, eo = _import_megatron("register")
-    version = megatron_core_version()
-    check_version(version, allow_untested_version)
+    mopt, eo, version = _megatron("register", allow_untested_version)
     missing = [a for a in ("_EMERGING_OPTIMIZERS", "EmergingOptimizerEntry") if not hasattr(eo, a)]
     if missing or not isinstance(getattr(eo, "_EMERGING_OPTIMIZERS", None), dict):
-        raise RuntimeError(f"normuon.megatron.register: megatron-core {version}: "
-                           f"megatron.core.optimizer.emerging_optimizers lacks {', '.join(missing) or 'a dict registry'} "
-                           "(the emerging-optimizer registry this adapter plugs into)")
+        raise RuntimeError(f"normuon.megatron.register: megatron-core {version}: megatron.core.optimizer."
+                           f"emerging_optimizers lacks {', '.join(missing) or 'a dict registry'} (the "
+                           "emerging-optimizer registry this adapter plugs into)")
     if replace_adam:
         _check_adam_hooks(mopt, version)
     registry = eo._EMERGING_OPTIMIZERS
@@ -1147,15 +1070,8 @@ def register(name="normuon", *, replace_existing=False, replace_adam=False, allo
     if hasattr(mopt, "HAVE_EMERGING_OPTIMIZERS"):
         mopt.HAVE_EMERGING_OPTIMIZERS = True
     if replace_adam:
-        mopt.Adam = _with_defaults(MegatronAdamW, backend, threads)
-        mopt.USING_PYTORCH_OPTIMIZER = False
+        _set_adam(mopt, backend, threads)
     return entry
-
-
-def adamw_init_state_fn(opt, config=None):
-    """Megatron's Adam init_state_fn contract for MegatronAdamW: state for every parameter. (Megatron's own
-    init_state_fn, which puts zero tensors into opt.state, works too: they are adopted at the next step.)"""
-    init_state_fn(opt, config)
 
 
 __all__ = ["MegatronNorMuon", "MegatronAdamW", "register", "replace_adam", "init_state_fn", "adamw_init_state_fn",
