@@ -26,6 +26,8 @@ The second call (--call second), if the first left device time: the machine is s
 build folder is there (else add build):
   diag       ctest -V on the CUDA suites that failed in the first call's report, compute-sanitizer on them
   fsdp2      bench/fsdp2_bench.py --device cuda --world-sizes 1 (issue 27's benchmark on a GPU, NCCL)
+  banks      bench/gpu_peers.py --preset moe-8x64 --banks: the experts as 3-D banks (fused-py), as 2-D
+             parameters (fused-py-2d) and the official NorMuon on the banks
   ncu        ncu over one bench-cuda step: the update kernel and one Newton-Schulz elementwise kernel
   pretrain   Megatron-LM's own pretrain_gpt.py --use-distributed-optimizer --mock-data
              (bench/megatron_pretrain_gpt.py; needs .megatron-lm/ of the carried wheel's release)
@@ -73,11 +75,11 @@ while (($#)); do
 done
 case "$call" in
   first) : "${phases:=build,tests,peers,peers13b,ns,megatron}" ;;
-  second) : "${phases:=diag,fsdp2,ncu,pretrain}" ;;
+  second) : "${phases:=diag,banks,fsdp2,ncu,pretrain}" ;;
   *) echo "gpu-session: --call takes first or second, not '$call'" >&2; exit 2 ;;
 esac
 [[ "$budget" =~ ^[0-9]+$ ]] || { echo "gpu-session: --budget takes seconds, not '$budget'" >&2; exit 2; }
-known=",build,tests,peers,peers13b,ns,megatron,diag,fsdp2,ncu,pretrain,"
+known=",build,tests,peers,peers13b,ns,megatron,diag,banks,fsdp2,ncu,pretrain,"
 for p in ${phases//,/ }; do
   [[ "$known" == *",$p,"* ]] || { echo "gpu-session: unknown phase '$p' (${known:1:-1})" >&2; exit 2; }
 done
@@ -94,7 +96,9 @@ left() { echo $((budget - SECONDS - dry_spent)); }
 
 # What comes back: the whole work folder as one archive, and the summaries a reader looks at first. Written
 # after every phase (a temporary name, then renamed), so a cut call returns what was done.
-SUMMARIES=(summary.md gpu-tests.md peers.md peers13b.md ns.md megatron.md fsdp2.md)  # + session.tar.gz: 8 at most
+# The summaries of each call's phases (+ session.tar.gz: 8 files at most).
+if [ "$call" = first ]; then SUMMARIES=(summary.md gpu-tests.md peers.md peers13b.md ns.md megatron.md)
+else SUMMARIES=(summary.md gpu-tests.md banks.md fsdp2.md); fi
 pack() {
   printf '# GPU session (%s call), %s\n\n%s\n' "$call" "$(date -u +%FT%TZ)" "$(printf -- '- %s\n' "${summary[@]}")" \
     >"$work/summary.md"
@@ -173,6 +177,8 @@ if wants diag; then  # the CUDA suites that failed, again, verbose, then each un
         [ -x "$build/tests/$t" ] && { compute-sanitizer --error-exitcode 9 "$build/tests/$t" || rc=$?; }; done
       exit $rc' diag "$build_dir"
 fi
+wants banks && phase banks 90 "${py[@]}" bench/gpu_peers.py --cli "$tool" --preset moe-8x64 --banks \
+  --peers fused-py,fused-py-2d,official --profile-steps 1 --markdown "$work/banks.md" --csv "$work/banks.csv"
 wants fsdp2 && phase fsdp2 90 "${py[@]}" bench/fsdp2_bench.py --device cuda --world-sizes 1 --model gpt \
   --out "$work/fsdp2.md"
 wants ncu && phase ncu 90 ncu --clock-control none --launch-skip 200 --launch-count 40 --csv --log-file "$work/ncu.csv" \

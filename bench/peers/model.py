@@ -60,7 +60,7 @@ def bank_specs(specs):
     "...experts.NAME" [E, m, n] (role experts), where the first expert stood, as transformers 5.x stores them."""
     out, banks = [], {}
     for s in specs:
-        m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(.+?)(?:\.weight)?", s.name)
+        m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(.+)\.weight", s.name)
         if m is None:
             out.append(s)
             continue

@@ -340,8 +340,10 @@ class Engine:
             e = whole[0]
             raise ValueError(f"'{e.name}' is an expert bank {list(e.block.param_shape)} that NorMuon steps as its "
                              f"{e.block.param_shape[0]} experts here, but the file has it saved whole (on AdamW, "
-                             "where earlier versions routed banks). Load it into an optimizer that routes the banks to "
-                             "AdamW as then (overrides={'*.experts.*': 'adamw'}), or start without the file")
+                             "where earlier versions routed banks). Load it into an optimizer that routes as they did: "
+                             "overrides={'*experts.*': 'adamw'}, or, when the experts have biases of 2 dimensions "
+                             "(earlier versions gave those to NorMuon), {'*experts.*bias*': 'normuon', '*experts.*': "
+                             "'adamw'}. Or start without the file")
         ours = [label(e) for e in self.entries]
         if header["layout_fingerprint"] == self.layout.fingerprint or set(ours) <= in_file:
             return self.layout  # load_state says what is wrong, if anything

@@ -14,7 +14,11 @@ from .optim import NorMuonAdamW
 def trainer_optimizer(args, **knobs):
     """(factory, kwargs) for Trainer(optimizer_cls_and_kwargs=...). args: the TrainingArguments (their
     weight_decay, and learning_rate as AdamW's lr unless adamw_lr= is given); knobs: NorMuonAdamW's keywords
-    (lr= is NorMuon's)."""
+    (lr= is NorMuon's). Needs transformers 5.x, whose Trainer builds optimizer factories."""
+    given = sorted({"weight_decay", "adamw_weight_decay"} & set(knobs))
+    if given:
+        raise TypeError(f"trainer_optimizer takes no {' or '.join(given)}=: the Trainer's args.weight_decay decays "
+                        "both algorithms' parameters that its rule decays, and nothing else")
     kwargs = dict(knobs, weight_decay=args.weight_decay)
     kwargs.setdefault("adamw_lr", args.learning_rate)
     return _TrainerFactory, kwargs

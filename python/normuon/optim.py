@@ -400,7 +400,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         entries = self._shards.planned if self._shards is not None else self.engine.entries + self.engine.frozen
         entries = [es[0] for es in by_parameter(entries).values()]  # a bank's experts: one row
         owners = {r["index"]: r["owner"] for r in self.ownership_table() or ()}
-        return [dict(index=e.index, name=e.name, shape=tuple(e.shape if e.block is None else e.block.param_shape),
+        return [dict(index=e.index, name=e.name, shape=tuple(e.block.param_shape if e.block is not None and e.block.suffix
+                                                               else e.shape),
                      dtype=DTYPES[e.dtype], role=e.role,
                      algorithm=e.algorithm, group=self.param_groups[e.group]["name"],
                      why=e.why + (" (frozen: no state until it has a gradient)" if id(e) in frozen else ""),

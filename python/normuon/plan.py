@@ -25,7 +25,9 @@ def route(name, shape, role, override=None):
         return algorithm, "override"
     if algorithm == "normuon":
         return algorithm, "rule: expert bank" if len(shape) == 3 else "rule: 2-D matrix"
-    return algorithm, f"rule: {role}" if role in ("embedding", "head", "router") else f"rule: {len(shape)}-D"
+    if role in ("embedding", "head", "router") or role == "bias" and len(shape) >= 2:  # (biases: at any rank)
+        return algorithm, f"rule: {role}"
+    return algorithm, f"rule: {len(shape)}-D"
 
 
 class _Entry:
@@ -156,6 +158,8 @@ def plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, row_
                 override = algorithm
             e.override = override if override in ("normuon", "adamw") else None
             e.algorithm, e.why = route(name, e.shape, e.role, override)
+            if e.role == "experts" and e.algorithm == "normuon" and len(e.shape) == 3 and e.shape[0] == 0:
+                raise ValueError(f"parameter '{name}' is an expert bank without experts (shape {list(e.shape)})")
             if e.block is not None and e.algorithm != "normuon":
                 raise ValueError(f"parameter '{name}' is a block of rows of a larger tensor, which only a "
                                  f"NorMuon group may hold (it went to {e.algorithm}: {e.why})")
@@ -344,8 +348,6 @@ def _make_entry(index, name, tensor, role, block=None):
     if e.role not in ("matrix", "embedding", "head", "norm", "bias", "other", "router", "experts"):
         raise ValueError(f"parameter '{name}': unknown role {e.role!r} (matrix | embedding | head | norm | bias | other "
                          "| router | experts)")
-    if e.role == "experts" and len(e.shape) == 3 and e.shape[0] == 0:
-        raise ValueError(f"parameter '{name}' is an expert bank without experts (shape {list(e.shape)})")
     e.has_grad = False
     e.grad_of = None  # a sharded parameter's DTensor, whose .grad holds this entry's gradient (sharded.py)
     e.stats_per_row, e.stat_len = True, 0

@@ -121,11 +121,11 @@ def _looks_like_head(parts):
 def infer_role(name, shape):
     """The manifest role of a parameter from its name and shape alone."""
     parts = strip_wrappers(name.lower()).split(".")
-    if "experts" in parts[:-1]:  # inside a MoE's experts module: a bank [E, m, n], or its biases [E, f]
+    if "experts" in parts[:-1]:  # inside a MoE's experts module: its biases ([E, f]: gpt-oss), or a bank [E, m, n]
+        if "bias" in parts[-1]:
+            return "bias"
         if len(shape) == 3:
             return "experts"
-        if len(shape) == 2 and "bias" in parts[-1]:
-            return "bias"
     if len(shape) == 2 and _looks_like_head(parts):  # first: GPT-NeoX's embed_out, DETR's class_embed are heads
         return "head"
     if _looks_like_embedding(parts):
@@ -318,7 +318,7 @@ ROUTING_COLUMNS = ("name", "shape", "dtype", "role", "algorithm", "group", "stat
 def _shape_text(row):
     """"768x3072"; an expert bank as its experts, "8 × 64x32"."""
     shape = row["shape"]
-    if row["role"] == "experts" and len(shape) == 3:
+    if row["role"] == "experts" and len(shape) == 3 and row["algorithm"] == "normuon":
         return f"{shape[0]} × {shape[1]}x{shape[2]}"
     return "x".join(map(str, shape)) or "scalar"
 

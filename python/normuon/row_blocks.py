@@ -72,11 +72,11 @@ class Expert:
     matrix bank[k], k * m * n elements into the bank. The layout holds it as "name[k]" (expert_name in
     core/include/normuon/manifest.h)."""
 
-    __slots__ = ("param", "k", "shape", "key")
+    __slots__ = ("param", "k", "shape", "param_shape")
 
     def __init__(self, param, k):
         self.param, self.k, self.shape = param, k, tuple(param.shape[1:])
-        self.key = param.detach()[k]
+        self.param_shape = tuple(param.shape)  # the bank's shape when the expert was made (its geometry)
 
     def view(self, t):
         return t[self.k]
@@ -89,10 +89,6 @@ class Expert:
 
     def write(self, t, values):
         t[self.k].copy_(values)
-
-    @property
-    def param_shape(self):
-        return tuple(self.param.shape)
 
     @property
     def offset(self):

@@ -131,15 +131,36 @@ def test_state_files_name_the_experts_and_refuse_a_bank_saved_whole(native, tmp_
     opt.step()
     resumed.step()
     assert all(torch.equal(banks[n].detach(), again[n].detach()) for n in SHAPES)
-    # A file from before banks were NorMuon's: the bank held whole, on AdamW.
-    old = normuon.NorMuonAdamW(list(banked(torch.float32).items()), threads=2,
-                               overrides={"*.experts.*_proj": "adamw"})
+    # A file from before banks were NorMuon's: each bank held whole, on AdamW, and the [E, f] expert biases, 2-D,
+    # on NorMuon (as earlier versions routed them).
+    then = {"*experts.*bias*": "normuon", "*experts.*": "adamw"}
+    old = normuon.NorMuonAdamW(list(banked(torch.float32).items()), threads=2, overrides=then)
     old.export_state(tmp_path / "old.nmst")
     before = {n: p.detach().clone() for n, p in again.items()}
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts\.gate_up_proj' is an expert bank .* "
-                                         r"saved whole"):
+                                         r"saved whole.*'\*experts\.\*bias\*': 'normuon', '\*experts\.\*': 'adamw'"):
         resumed.import_state(tmp_path / "old.nmst")
     assert all(torch.equal(before[n], again[n].detach()) for n in SHAPES)  # nothing changed
+    # What the message says to do loads it.
+    as_then = normuon.NorMuonAdamW(list(again.items()), threads=2, overrides=then)
+    as_then.import_state(tmp_path / "old.nmst")
+    saved = dict(old_named(old))
+    assert all(torch.equal(again[n].detach(), saved[n]) for n in SHAPES)
+
+
+def old_named(opt):
+    return [(n, p.detach()) for g in opt.param_groups for n, p in zip(g["names"], g["params"])]
+
+
+def test_a_bank_reshaped_afterwards_is_refused(backend):
+    """A bank whose tensor changed shape after the optimizer was built is refused by name on both backends (the
+    reference compared the new shape with itself)."""
+    w = torch.nn.Parameter(torch.randn(2, 6, 4))
+    opt = normuon.NorMuonAdamW([("moe.experts.w", w)], backend=backend, threads=1)
+    w.data = torch.randn(3, 6, 4)
+    w.grad = torch.randn(3, 6, 4)
+    with pytest.raises(RuntimeError, match=r"moe\.experts\.w.*3, 6, 4"):
+        opt.step()
 
 
 def test_routing_shows_banks_as_their_experts(native):
@@ -158,6 +179,15 @@ def test_a_bank_by_role_and_banks_refused_elsewhere(native):
     assert opt.routing_table()[0]["algorithm"] == "normuon"
     with pytest.raises(ValueError, match=r"'moe\.w_in' is an expert bank without experts"):
         normuon.NorMuonAdamW([("moe.w_in", torch.zeros(0, 4, 4))], roles={"moe.w_in": "experts"})
+    bias3 = torch.nn.Parameter(torch.randn(2, 1, 4, generator=g))  # a bias of any rank is a bias
+    opt = normuon.NorMuonAdamW([("moe.experts.w_bias", bias3), ("moe.experts.w", w)], threads=1)
+    assert [(r["role"], r["algorithm"], r["why"]) for r in opt.routing_table()] == [
+        ("bias", "adamw", "rule: bias"), ("experts", "normuon", "rule: expert bank (name)")]
+    with pytest.raises(ValueError, match=r"'moe\.w_in' is an expert bank without experts"):
+        normuon.NorMuonAdamW([("moe.w_in", torch.zeros(0, 4, 4))], roles={"moe.w_in": "experts"})
+    empty = normuon.NorMuonAdamW([("moe.w_in", torch.zeros(0, 4, 4))], roles={"moe.w_in": "experts"},
+                                 overrides={"moe.w_in": "adamw"})  # whole, on AdamW: nothing to refuse
+    assert empty.routing_table()[0]["algorithm"] == "adamw"
     four = torch.nn.Parameter(torch.randn(2, 2, 4, 4, generator=g))
     with pytest.warns(UserWarning, match=r"'moe\.experts\.w' \(3 or more dimensions\) went to AdamW"):
         opt = normuon.NorMuonAdamW([("moe.experts.w", four)], threads=1)  # only [E, m, n] is a bank

@@ -69,6 +69,12 @@ def test_trainer_optimizer_routes_by_the_model_and_keeps_weight_decay(tmp_path, 
     assert any(not torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
 
 
+def test_weight_decay_comes_from_the_trainer_alone(tmp_path):
+    args = training_args(tmp_path)
+    with pytest.raises(TypeError, match="takes no weight_decay=: the Trainer's args.weight_decay"):
+        normuon.hf.trainer_optimizer(args, weight_decay=0.5)
+
+
 def test_an_optimizer_handed_over_works_too(tmp_path, native):
     model = tiny_mixtral()
     opt = normuon.NorMuonAdamW(model, threads=1, adamw_weight_decay=0.1)
