@@ -16,7 +16,7 @@ from . import reference
 from .native import _C, cuda_module, require
 from .plan import DTYPES
 from .routing import strip_wrappers
-from .row_blocks import experts
+from .row_blocks import pieces
 
 FOUND_INF_REASON = _C.FOUND_INF_REASON if _C is not None else None  # the core's words
 
@@ -60,6 +60,9 @@ class Engine:
         for e, le in zip(self.entries, self.layout.entries):  # the second-moment axis, as the layout has it
             e.stats_per_row, e.stat_len = le.stats_per_row, le.stat_len
         self._carve(buffers)
+        for es in by_parameter(self.entries).values():  # a split matrix's state must read back whole: else refused
+            if es[0].block is not None and es[0].block.suffix and es[0].block.parts > 1:
+                param_state(es)
         for e in self.entries:  # the fp32 masters of bf16/fp16 parameters: the only copy made of the model
             if e.master is not None:
                 e.read_into(e.master)
@@ -335,9 +338,13 @@ class Engine:
         expert bank the file holds whole."""
         in_file = {t["name"] for t in header["tensors"]}
         stripped = set(map(strip_wrappers, in_file))
-        whole = [e for e in self.entries if e.block is not None and e.block.suffix and strip_wrappers(e.name) in stripped]
-        if whole:  # a layout from before banks were NorMuon's: never read the bank's AdamW state as its experts'
+        whole = [e for e in self.entries
+                 if e.block is not None and e.block.suffix and strip_wrappers(e.name) in stripped]
+        if whole:  # never read a whole tensor's state as its pieces'
             e = whole[0]
+            if e.block.k is None:  # a matrix split here, whole in the file
+                raise ValueError(f"'{e.name}' is stepped as {e.block.parts} blocks of rows here (split_rows=), but the "
+                                 "file has it whole: leave it whole to load the file")
             raise ValueError(f"'{e.name}' is an expert bank {list(e.block.param_shape)} that NorMuon steps as its "
                              f"{e.block.param_shape[0]} experts here, but the file has it saved whole (on AdamW, "
                              "where earlier versions routed banks). Load it into an optimizer that routes as they did: "
@@ -415,14 +422,15 @@ def param_specs(entries, group_names, names=None):
 
 
 def laid_out(e):
-    """The engine's entries for one planned parameter: a copy of it, or, for an expert bank [E, m, n] stepped
-    by NorMuon, one per expert (its matrix where it lies in the bank, named "name[k]" in the layout)."""
-    if not is_bank(e):
+    """The engine's entries for one planned parameter: a copy of it, or, for an expert bank [E, m, n] stepped by
+    NorMuon or a matrix split into blocks of rows (split_rows=), one per piece, where it lies ("name[k]",
+    "name.partJ" in the layout)."""
+    if not in_pieces(e):
         return [copy.copy(e)]
     out = []
-    for expert in experts(e.tensor):
+    for piece in pieces(e.tensor, e.parts):
         x = copy.copy(e)
-        x.block, x.shape = expert, expert.shape
+        x.block, x.shape = piece, piece.shape
         out.append(x)
     return out
 
@@ -430,6 +438,11 @@ def laid_out(e):
 def is_bank(e):
     """A planned expert bank that NorMuon steps as its experts."""
     return e.role == "experts" and e.algorithm == "normuon" and len(e.shape) == 3 and e.block is None
+
+
+def in_pieces(e):
+    """A planned parameter the engine lays out as several matrices: a bank, or a matrix split into blocks."""
+    return e.block is None and (is_bank(e) or e.parts > 1)
 
 
 def label(e):
@@ -446,13 +459,33 @@ def by_parameter(entries):
 
 
 def param_state(entries, master=True):
-    """named_state of one parameter from its engine entries: a bank's is bank-shaped ([E, m, n] momentum,
-    [E, len] second moment), strided views over its experts' state, which the layout puts a fixed stride
-    apart (consecutive entries of one shape)."""
-    if entries[0].block is None or not entries[0].block.suffix:  # a whole parameter, or the adapter's block
+    """named_state of one parameter from its engine entries: a bank's and a split matrix's are views over its
+    pieces' state, which the layout puts a fixed stride apart (consecutive entries of one shape): parameter-
+    shaped momentum (and masters), the second moment [E, len] for a bank, and, split into P blocks, [E, P * rows]
+    along rows or [E, P, cols] along columns (E left out for a 2-D parameter). ValueError when the blocks'
+    state is not back to back (the layout pads each to 16 floats)."""
+    first = entries[0].block
+    if first is None or not first.suffix:  # a whole parameter, or the adapter's block
         return named_state(entries[0], master)
-    parts = [named_state(e, master) for e in entries]
-    return {k: _stacked([p[k] for p in parts]) for k in parts[0]}
+    states = [named_state(e, master) for e in entries]
+    out = {k: _stacked([s[k] for s in states]) for k in states[0]}
+    if first.parts > 1:
+        lead = tuple(first.param_shape[:-2])  # (E,) for a bank
+        rows = first.param_shape[-2]
+        try:
+            for k, v in out.items():
+                if v.dim() == 3:
+                    out[k] = v.view(first.param_shape)
+                elif entries[0].stats_per_row:
+                    out[k] = v.view(*lead, rows)
+                else:
+                    out[k] = v.view(*lead, first.parts, v.shape[-1])
+        except RuntimeError:
+            raise ValueError(f"parameter '{entries[0].name}' {list(first.param_shape)} cannot be split into "
+                             f"{first.parts} blocks of rows: the layout pads each block's state to a multiple of 16 "
+                             f"floats, so its blocks of {first.shape[0]}x{first.shape[1]} (and their second moments) "
+                             "must hold such a multiple") from None
+    return out
 
 
 def _stacked(views):

@@ -14,7 +14,8 @@ from collections import defaultdict
 
 import torch
 
-from .engine import FOUND_INF_REASON, Engine, by_parameter, named_state, one_device, param_state, resolve_modes  # noqa: F401
+from .engine import (FOUND_INF_REASON, Engine, by_parameter, named_state, one_device, param_state,  # noqa: F401
+                     resolve_modes)
 from .sharded import Shards, is_sharded
 from .native import (_C, StateFileError, check_values, cuda_unavailable_reason, defaults, native_error,  # noqa: F401
                      require)
@@ -58,9 +59,12 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         (knobs: ns_coefficients, ns_precision, reduce_axis, lr_scale, weight_decay_mode, eps_placement,
         ns_eps, denom_eps, renorm_eps).
     adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW defaults.
+    split_rows: {name: parts}: a matrix, or each expert of a bank, stepped as `parts` blocks of consecutive rows,
+        each a matrix of its own (a fused gate_up projection's halves: {"*.gate_up_proj": 2}). None: whole.
     overrides: {name: "normuon" | "adamw" | "auto"}, wins over the rule. roles: {name: role} (matrix, embedding,
-        head, norm, bias, other, router, experts: a MoE bank [E, m, n], E matrices stepped where they lie). Either takes glob patterns for names ("*.mlp.gate.weight"): an exact
-        name wins, then the first pattern that matches; a pattern that matches nothing is an error.
+        head, norm, bias, other, router, experts: a MoE bank [E, m, n], E matrices stepped where they lie).
+        Either takes glob patterns for names ("*.mlp.gate.weight"), as split_rows does: an exact name wins, then
+        the first pattern that matches; a pattern that matches nothing is an error.
     backend: "auto" | "fast" | "reference"; None reads NORMUON_BACKEND, then "auto" (= fast). No fallback.
     threads: the fast backend's threads; None (the default) follows torch.get_num_threads(), 0: one per
         processor the process may use, within its CPU quota.
@@ -84,7 +88,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     def __init__(self, params=None, lr=None, beta1=None, beta2=None, weight_decay=None, nesterov=None, ns_steps=None,
                  *, momentum=None, adamw_lr=None, adamw_betas=None, adamw_eps=None, adamw_weight_decay=None,
                  normuon_params=None, adamw_params=None, model=None, overrides=None, roles=None, backend=None,
-                 threads=None, nonfinite="error", verdict="sync", process_group=None, _row_blocks=(),
+                 threads=None, nonfinite="error", verdict="sync", process_group=None, split_rows=None, _row_blocks=(),
                  _state_for_frozen=False, _device_backend=None, **knobs):
         require("NorMuonAdamW")
         knobs = _torch_keywords(knobs)
@@ -117,13 +121,15 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self._row_blocks = {id(b.key): b for b in _row_blocks}
         params, roles = resolve_inputs(params, normuon_params, adamw_params, model, roles)
         overrides = expand_patterns(dict(overrides or {}), param_names(params), "overrides")
+        self._split_rows = dict(split_rows or {})
         # What add_param_group needs later: the constructor's values for a new group, and the model to name
         # and route its tensors (a weak reference: the optimizer must not keep a model alive).
         self._defaults_by_algorithm = (normuon_defaults, adamw_defaults)
         self._model = weakref.ref(model if model is not None else params) \
             if isinstance(model if model is not None else params, torch.nn.Module) else None
         self._threads = threads
-        groups, entries = plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, self._row_blocks)
+        groups, entries = plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, self._row_blocks,
+                                      expand_patterns(self._split_rows, param_names(params), "split_rows"))
         # torch's schedulers read the keys of `defaults`: "betas" makes OneCycleLR and CyclicLR cycle betas[0]
         # (beta1) in every group; NorMuon groups carry their (beta1, beta2) as betas too.
         super().__init__(groups, dict(lr=normuon_defaults["lr"], betas=(normuon_defaults["beta1"], normuon_defaults["beta2"]),
@@ -212,7 +218,9 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         # A router added now has its experts among the parameters already here.
         roles.update(router_roles([e.name for e in old.values()] + param_names(added)))
         roles.update({e.name: (e.role, e.evidence) for e in old.values()})
-        groups, entries = plan_groups(kept + added, *self._defaults_by_algorithm, {}, roles, self._row_blocks)
+        names = [e.name for e in old.values()] + param_names(added)
+        split = {n: p for n, p in expand_patterns(self._split_rows, names, "split_rows").items() if n in names}
+        groups, entries = plan_groups(kept + added, *self._defaults_by_algorithm, {}, roles, self._row_blocks, split)
         one_device(entries)
         for i, g in enumerate(groups):  # every value checked before anything is swapped
             self._validated(i, dict(g))
@@ -400,8 +408,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         entries = self._shards.planned if self._shards is not None else self.engine.entries + self.engine.frozen
         entries = [es[0] for es in by_parameter(entries).values()]  # a bank's experts: one row
         owners = {r["index"]: r["owner"] for r in self.ownership_table() or ()}
-        return [dict(index=e.index, name=e.name, shape=tuple(e.block.param_shape if e.block is not None and e.block.suffix
-                                                               else e.shape),
+        pieces = {id(e) for e in entries if e.block is not None and e.block.suffix}  # a bank's, a split matrix's
+        return [dict(index=e.index, name=e.name, shape=tuple(e.block.param_shape if id(e) in pieces else e.shape),
                      dtype=DTYPES[e.dtype], role=e.role,
                      algorithm=e.algorithm, group=self.param_groups[e.group]["name"],
                      why=e.why + (" (frozen: no state until it has a gradient)" if id(e) in frozen else ""),

@@ -34,8 +34,9 @@ class _Entry:
     """One parameter: the user's tensor, its state (views of the optimizer's buffers) and, when it is
     bf16/fp16, its fp32 master."""
 
-    __slots__ = ("index", "name", "tensor", "shape", "dtype", "role", "evidence", "algorithm", "why", "group", "override",
-                 "master", "version", "grad", "state", "stats_per_row", "stat_len", "has_grad", "block", "grad_of")
+    __slots__ = ("index", "name", "tensor", "shape", "dtype", "role", "evidence", "algorithm", "why", "group",
+                 "override", "master", "version", "grad", "state", "stats_per_row", "stat_len", "has_grad", "block",
+                 "grad_of", "parts")
 
     @property
     def low_precision(self):
@@ -78,11 +79,13 @@ class _Entry:
             self.block.write(self.block.param.detach(), values)
 
 
-def plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, row_blocks=None):
+def plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, row_blocks=None, split_rows=None):
     """User input -> (param groups of one algorithm each, entries in manifest order): every input form,
     roles and routing, and nothing else (no state, no native buffers). roles: {name: role or (role,
     evidence)} (resolve_inputs); a parameter without one is judged by its name (routing.py). row_blocks:
-    {id(key tensor): RowBlock} of the Megatron adapter's split matrices. Consumes overrides and roles."""
+    {id(key tensor): RowBlock} of the Megatron adapter's split matrices. split_rows: {name: parts}, matrices (or
+    each expert of a bank) stepped as `parts` blocks of consecutive rows. Consumes overrides, roles, split_rows."""
+    split_rows = {} if split_rows is None else split_rows
     params = list(params)
     if not params:
         raise ValueError("NorMuonAdamW got an empty parameter list")
@@ -167,6 +170,8 @@ def plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, row_
                 e.why = f"group '{base}'"
             elif e.why.startswith("rule: ") and e.role in ("embedding", "head", "router", "experts"):
                 e.why += f" ({evidence})"  # what told the role: a module, the name, or roles=
+            if name in split_rows:
+                _split(e, split_rows.pop(name))
             if not given and evidence == "name" and e.algorithm == "normuon" and override is None:
                 unnamed.append(name)
             sub[e.algorithm]["params"].append(tensor)
@@ -185,6 +190,8 @@ def plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, row_
         raise ValueError(f"overrides name unknown parameter(s): {', '.join(sorted(overrides))}")
     if roles:
         raise ValueError(f"roles name unknown parameter(s): {', '.join(sorted(roles))}")
+    if split_rows:
+        raise ValueError(f"split_rows names unknown parameter(s): {', '.join(sorted(split_rows))}")
     group_names = [g["name"] for g in groups]
     for n in group_names:
         if not isinstance(n, str) or not n or "." in n or "=" in n or group_names.count(n) > 1:
@@ -196,6 +203,20 @@ def plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, row_
             by_tensor[id(t)].group = gi
     return groups, entries
 
+
+
+def _split(e, parts):
+    """e stepped as `parts` blocks of consecutive rows (each expert of a bank): a fused projection's halves."""
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"split_rows: parameter '{e.name}': {parts!r} is not a number of blocks (an int >= 1)")
+    if e.algorithm != "normuon" or e.block is not None or len(e.shape) != (3 if e.role == "experts" else 2):
+        raise ValueError(f"split_rows: parameter '{e.name}' {list(e.shape)} is not a matrix or an expert bank NorMuon "
+                         f"steps ({e.algorithm}: {e.why})")
+    if e.shape[-2] % parts:
+        raise ValueError(f"split_rows: parameter '{e.name}' has {e.shape[-2]} rows, not a multiple of {parts}")
+    e.parts = parts
+    if parts > 1:
+        e.why += f" (split into {parts} blocks of rows)"
 
 
 def _normuon_betas(group, seen):
@@ -350,5 +371,6 @@ def _make_entry(index, name, tensor, role, block=None):
                          "| router | experts)")
     e.has_grad = False
     e.grad_of = None  # a sharded parameter's DTensor, whose .grad holds this entry's gradient (sharded.py)
+    e.parts = 1  # blocks of rows the matrix (each expert of a bank) is stepped as (split_rows=)
     e.stats_per_row, e.stat_len = True, 0
     return e

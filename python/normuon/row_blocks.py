@@ -1,5 +1,5 @@
 """Matrices that lie inside a larger tensor, stepped where they lie as matrices of their own: a block of rows
-of a 2-D parameter (RowBlock), or one expert of a mixture-of-experts bank (Expert).
+of a 2-D parameter (RowBlock), or one expert of a mixture-of-experts bank, whole or a block of its rows (Piece).
 
 Megatron's fused QKV weight holds, per query group, the group's query rows, then its key rows, then its value
 rows (a gate block too with attention_output_gate). With split_qkv each block (its rows of every query group)
@@ -67,47 +67,53 @@ class RowBlock:
     suffix = ""  # the Megatron adapter names its blocks itself
 
 
-class Expert:
-    """Expert k of a bank [E, m, n] (transformers 5.x MoE experts, torchtitan's GroupedExperts): the dense
-    matrix bank[k], k * m * n elements into the bank. The layout holds it as "name[k]" (expert_name in
-    core/include/normuon/manifest.h)."""
+class Piece:
+    """A dense matrix inside a parameter: expert k of a bank [E, m, n] (transformers 5.x MoE experts, torchtitan's
+    GroupedExperts), or, with parts > 1, block `part` of `parts` blocks of consecutive rows of that expert (k
+    None: of a 2-D parameter), a fused projection's half (gate_up_proj: the gate's rows, then the up's). The
+    layout names it "name[k]" (expert_name in core/include/normuon/manifest.h), with ".partJ" for a block."""
 
-    __slots__ = ("param", "k", "shape", "param_shape")
+    __slots__ = ("param", "k", "part", "parts", "shape", "param_shape")
 
-    def __init__(self, param, k):
-        self.param, self.k, self.shape = param, k, tuple(param.shape[1:])
-        self.param_shape = tuple(param.shape)  # the bank's shape when the expert was made (its geometry)
+    def __init__(self, param, k=None, part=0, parts=1):
+        m, n = param.shape[-2:]
+        self.param, self.k, self.part, self.parts = param, k, part, parts
+        self.shape = (m // parts, n)
+        self.param_shape = tuple(param.shape)  # the parameter's shape when the piece was made (its geometry)
 
     def view(self, t):
-        return t[self.k]
+        rows = self.shape[0]
+        return (t if self.k is None else t[self.k])[self.part * rows:(self.part + 1) * rows]
 
     def values(self, t):
-        return t[self.k].clone()
+        return self.view(t).clone()
 
     def read_into(self, t, out):
-        out.copy_(t[self.k])
+        out.copy_(self.view(t))
 
     def write(self, t, values):
-        t[self.k].copy_(values)
+        self.view(t).copy_(values)
 
     @property
     def offset(self):
-        return self.k * self.shape[0] * self.shape[1]
+        rows, n = self.shape
+        return ((self.k or 0) * self.param_shape[-2] + self.part * rows) * n
 
     runs = (0, 0)  # dense
 
     @property
     def geometry(self):
-        return ("expert", self.k)
+        return ("piece", self.k, self.part, self.parts)
 
     @property
     def suffix(self):
-        return f"[{self.k}]"
+        return ("" if self.k is None else f"[{self.k}]") + (f".part{self.part}" if self.parts > 1 else "")
 
 
-def experts(param):
-    """The Experts of a bank [E, m, n], in order."""
-    return [Expert(param, k) for k in range(param.shape[0])]
+def pieces(param, parts=1):
+    """The Pieces of a bank [E, m, n] (expert by expert) or of a 2-D parameter, each cut into `parts` blocks."""
+    ks = [None] if param.dim() == 2 else range(param.shape[0])
+    return [Piece(param, k, j, parts) for k in ks for j in range(parts)]
 
 
 def split_rows(param, sizes):

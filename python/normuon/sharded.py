@@ -19,7 +19,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .engine import is_bank, named_state, param_specs
+from .engine import in_pieces, named_state, param_specs
 from .native import _C, require
 
 _DTENSOR = []  # torch.distributed.tensor.DTensor, or None where this torch has none: looked up once
@@ -141,10 +141,10 @@ class Shards:
         meshes = []
         for e in planned:
             where = f"parameter '{e.name}'"
-            if is_bank(e):
-                raise ValueError(f"{where} is an expert bank {list(e.shape)}, which sharded training does not step "
-                                 "yet: route it to AdamW (overrides={'" + e.name + "': 'adamw'}), or step it in "
-                                 "one process")
+            if in_pieces(e):
+                raise ValueError(f"{where} is an expert bank {list(e.shape)} or split into blocks (split_rows=), "
+                                 "which sharded training does not step yet: route it to AdamW (overrides={'"
+                                 + e.name + "': 'adamw'}) or leave it whole, or step it in one process")
             if process_group is not None:
                 if kind is not None and isinstance(e.tensor, kind):
                     raise ValueError(f"{where} is a DTensor: process_group= is for plain tensors every rank holds "

@@ -192,3 +192,93 @@ def test_a_bank_by_role_and_banks_refused_elsewhere(native):
     with pytest.warns(UserWarning, match=r"'moe\.experts\.w' \(3 or more dimensions\) went to AdamW"):
         opt = normuon.NorMuonAdamW([("moe.experts.w", four)], threads=1)  # only [E, m, n] is a bank
     assert opt.routing_table()[0]["algorithm"] == "adamw"
+
+
+SPLIT = {  # fused projections: the gate's rows, then the up's
+    "moe.experts.gate_up_proj": (3, 32, 16),  # blocks 16x16: statistics per row
+    "moe.experts.wide_gate_up": (2, 32, 64),  # blocks 16x64: statistics per column (longer_dim)
+    "mlp.gate_up.weight": (32, 16),           # a 2-D fused weight
+}
+
+
+def halves(params):
+    """Each split tensor's blocks of rows as 2-D parameters of their own."""
+    out = {}
+    for n, p in params.items():
+        blocks = [p.detach()] if p.dim() == 2 else list(p.detach())
+        for k, b in enumerate(blocks):
+            for j, half in enumerate(b.chunk(2)):
+                out[f"{n}[{k}].part{j}"] = torch.nn.Parameter(half.clone())
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("path", ["fast", "reference", "cuda-emulated"])
+def test_split_rows_steps_each_block_as_a_matrix_of_its_own(path, dtype):
+    require_native()
+    kw = dict(backend="reference") if path == "reference" else dict(threads=2)
+    if path == "cuda-emulated":
+        kw = dict(_device_backend=emulated_cuda_backend())
+    g = torch.Generator().manual_seed(3)
+    fused = {n: torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for n, s in SPLIT.items()}
+    split = halves(fused)
+    roles = {n: "matrix" for n in split}
+    kw["reduce_axis"] = "longer_dim"  # statistics along each block's longer side: rows, or columns
+    opt = normuon.NorMuonAdamW(list(fused.items()), split_rows={"*gate_up*": 2}, **kw)
+    ref = normuon.NorMuonAdamW(list(split.items()), roles=roles, **kw)
+    rows = {r["name"]: r for r in opt.routing_table()}
+    assert rows["mlp.gate_up.weight"]["why"] == "rule: 2-D matrix (split into 2 blocks of rows)"
+    assert opt.engine.layout.entries[1].name == "moe.experts.gate_up_proj[0].part1"
+    for step in range(3):
+        for n, p in fused.items():
+            p.grad = torch.randn(p.shape, generator=g).to(dtype)
+            for k, b in enumerate([p.grad] if p.dim() == 2 else list(p.grad)):
+                for j, half in enumerate(b.chunk(2)):
+                    split[f"{n}[{k}].part{j}"].grad = half.clone()
+        opt.step()
+        ref.step()
+        assert halves(fused).keys() == split.keys()
+        for name, t in halves(fused).items():
+            assert torch.equal(t.detach(), split[name].detach()), name
+    state = {n: opt.state[p] for n, p in fused.items()}
+    assert tuple(state["moe.experts.gate_up_proj"]["momentum_buffer"].shape) == (3, 32, 16)
+    assert tuple(state["moe.experts.gate_up_proj"]["moment2_buffer"].shape) == (3, 32)     # per row: the blocks' rows
+    assert tuple(state["moe.experts.wide_gate_up"]["moment2_buffer"].shape) == (2, 2, 64)  # per column: per block
+    assert tuple(state["mlp.gate_up.weight"]["moment2_buffer"].shape) == (32,)
+    upper = split["moe.experts.wide_gate_up[1].part1"]
+    assert torch.equal(state["moe.experts.wide_gate_up"]["moment2_buffer"][1, 1], ref.state[upper]["moment2_buffer"])
+
+
+def test_split_rows_refusals(native):
+    w = torch.nn.Parameter(torch.randn(6, 8))
+    with pytest.raises(ValueError, match=r"split_rows: parameter 'w' has 6 rows, not a multiple of 4"):
+        normuon.NorMuonAdamW([("w", w)], split_rows={"w": 4})
+    with pytest.raises(ValueError, match=r"cannot be split into 2 blocks of rows: the layout pads"):
+        normuon.NorMuonAdamW([("w", w)], split_rows={"w": 2})  # blocks of 3x8: not whole lines of 16 floats
+    with pytest.raises(ValueError, match=r"split_rows: parameter 'norm\.weight' \[8\] is not a matrix"):
+        normuon.NorMuonAdamW([("w", w), ("norm.weight", torch.nn.Parameter(torch.ones(8)))],
+                             split_rows={"norm.weight": 2})
+    with pytest.raises(ValueError, match=r"split_rows pattern '\*up\*' matches no parameter"):
+        normuon.NorMuonAdamW([("w", w)], split_rows={"*up*": 2})
+    with pytest.raises(ValueError, match=r"split_rows names unknown parameter\(s\): v"):
+        normuon.NorMuonAdamW([("w", w)], split_rows={"v": 2})
+    with pytest.raises(ValueError, match=r"is not a number of blocks"):
+        normuon.NorMuonAdamW([("w", w)], split_rows={"w": 1.5})
+
+
+def test_split_rows_in_state_files_and_added_groups(native, tmp_path):
+    g = torch.Generator().manual_seed(5)
+    w = torch.nn.Parameter(torch.randn(32, 16, generator=g))
+    whole = normuon.NorMuonAdamW([("a.gate_up.weight", w)], threads=1)
+    whole.export_state(tmp_path / "whole.nmst")
+    split = normuon.NorMuonAdamW([("a.gate_up.weight", w)], threads=1, split_rows={"*gate_up*": 2})
+    with pytest.raises(ValueError, match=r"'a\.gate_up\.weight' is stepped as 2 blocks of rows here \(split_rows=\), "
+                                         r"but the file has it whole"):
+        split.import_state(tmp_path / "whole.nmst")
+    split.export_state(tmp_path / "split.nmst")
+    split.import_state(tmp_path / "split.nmst")
+    # A group added later follows the constructor's split_rows patterns.
+    b = torch.nn.Parameter(torch.randn(64, 16, generator=g))
+    split.add_param_group({"params": [("b.gate_up.weight", b)]})
+    assert [e.name for e in split.engine.layout.entries] == [
+        "a.gate_up.weight.part0", "a.gate_up.weight.part1", "b.gate_up.weight.part0", "b.gate_up.weight.part1"]
