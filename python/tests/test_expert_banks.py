@@ -61,14 +61,20 @@ def assert_same(banks, experts, opt_b, opt_e):
             assert torch.equal(p.detach(), experts[n].detach()), n
 
 
+def path_kwargs(path):
+    """The optimizer's keywords for one of the three paths: the fast CPU backend, the Python reference, the CUDA
+    engine on the emulator."""
+    require_native()
+    if path == "cuda-emulated":
+        return dict(_device_backend=emulated_cuda_backend())
+    return dict(backend="reference") if path == "reference" else dict(threads=2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("path", ["fast", "reference", "cuda-emulated"])
 def test_a_bank_steps_as_its_experts_bit_for_bit(path, dtype):
-    require_native()
-    kw = dict(backend="reference") if path == "reference" else dict(threads=2)
-    if path == "cuda-emulated":
-        kw = dict(_device_backend=emulated_cuda_backend())
-    banks, = [banked(dtype)]
+    kw = path_kwargs(path)
+    banks = banked(dtype)
     experts = split(banks)
     opt_b = normuon.NorMuonAdamW(list(banks.items()), **kw)
     opt_e = normuon.NorMuonAdamW(list(experts.items()), **kw)
@@ -215,10 +221,7 @@ def halves(params):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("path", ["fast", "reference", "cuda-emulated"])
 def test_split_rows_steps_each_block_as_a_matrix_of_its_own(path, dtype):
-    require_native()
-    kw = dict(backend="reference") if path == "reference" else dict(threads=2)
-    if path == "cuda-emulated":
-        kw = dict(_device_backend=emulated_cuda_backend())
+    kw = path_kwargs(path)
     g = torch.Generator().manual_seed(3)
     fused = {n: torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for n, s in SPLIT.items()}
     split = halves(fused)
