@@ -14,7 +14,7 @@ import torch
 
 from . import reference
 from .native import _C, cuda_module, require
-from .plan import DTYPES
+from .plan import DTYPES, is_bank
 from .routing import strip_wrappers
 from .row_blocks import pieces
 
@@ -30,7 +30,7 @@ class Engine:
     engine). ValueError when the backend cannot serve the request (no fallback)."""
 
     def __init__(self, entries, groups, choice, *, threads=None, nonfinite="error", verdict="sync", frozen=(),
-                 row_blocks=False, device_backend=None):
+                 device_backend=None):
         device = one_device(list(entries) + list(frozen))
         # Its own copies of the planned entries: the views carved below are this engine's, and an engine
         # built later over the same parameters leaves them as they are (carry_from reads them).
@@ -54,14 +54,14 @@ class Engine:
             buffers = {k: torch.zeros(n, device=device) for k, n in self._buffer_sizes().items()}
             self._reference = reference.ReferenceBackend()
         else:
-            buffers = self._allocate_native(verdict, row_blocks)
+            buffers = self._allocate_native(verdict)
         self.fixed_keys = tuple(self._native.fixed_fields if self._native is not None else _C.layout_fields())
         self.fixed = [{k: v[k] for k in self.fixed_keys if k in v} for v in self.values]
         for e, le in zip(self.entries, self.layout.entries):  # the second-moment axis, as the layout has it
             e.stats_per_row, e.stat_len = le.stats_per_row, le.stat_len
         self._carve(buffers)
         for es in by_parameter(self.entries).values():  # a split matrix's state must read back whole: else refused
-            if es[0].block is not None and es[0].block.suffix and es[0].block.parts > 1:
+            if is_piece(es[0]) and es[0].block.parts > 1:
                 param_state(es)
         for e in self.entries:  # the fp32 masters of bf16/fp16 parameters: the only copy made of the model
             if e.master is not None:
@@ -79,7 +79,7 @@ class Engine:
         return dict(masters=l.master_floats, momentum=l.normuon_floats, row_var=l.stat_floats,
                     exp_avg=l.adam_floats, exp_avg_sq=l.adam_floats)
 
-    def _allocate_native(self, verdict, row_blocks):
+    def _allocate_native(self, verdict):
         """The native engine over the model's own tensors (table mode): the fast CPU backend, or the fast
         CUDA one on the parameters' device, its buffers in device memory viewed zero-copy."""
         where = f"backend '{self._choice}' on {self.device}"
@@ -108,7 +108,7 @@ class Engine:
         self._native = native
         self.layout = native.layout
         blocks = [(0, 0, 0) if e.block is None else (e.block.offset, *e.block.runs) for e in self.entries]
-        inside = row_blocks or any(e.block is not None for e in self.entries)  # blocks of rows, experts of banks
+        inside = any(e.block is not None for e in self.entries)  # blocks of rows, a bank's experts: (offset, runs)
         grad_of = [e.grad_of for e in self.entries] if any(e.grad_of is not None for e in self.entries) else []
         native.bind([e.source for e in self.entries], blocks if inside else [], [e.tensor for e in self.frozen],
                     grad_of)
@@ -338,8 +338,7 @@ class Engine:
         expert bank the file holds whole."""
         in_file = {t["name"] for t in header["tensors"]}
         stripped = set(map(strip_wrappers, in_file))
-        whole = [e for e in self.entries
-                 if e.block is not None and e.block.suffix and strip_wrappers(e.name) in stripped]
+        whole = [e for e in self.entries if is_piece(e) and strip_wrappers(e.name) in stripped]
         if whole:  # never read a whole tensor's state as its pieces'
             e = whole[0]
             if e.block.k is None:  # a matrix split here, whole in the file
@@ -435,14 +434,15 @@ def laid_out(e):
     return out
 
 
-def is_bank(e):
-    """A planned expert bank that NorMuon steps as its experts."""
-    return e.role == "experts" and e.algorithm == "normuon" and len(e.shape) == 3 and e.block is None
-
-
 def in_pieces(e):
     """A planned parameter the engine lays out as several matrices: a bank, or a matrix split into blocks."""
     return e.block is None and (is_bank(e) or e.parts > 1)
+
+
+def is_piece(e):
+    """An engine entry that is one of its parameter's pieces (laid_out): a bank's expert, a block of a split
+    matrix. (The Megatron adapter's blocks of rows are parameters of their own to it: no suffix.)"""
+    return e.block is not None and bool(e.block.suffix)
 
 
 def label(e):
@@ -464,9 +464,9 @@ def param_state(entries, master=True):
     shaped momentum (and masters), the second moment [E, len] for a bank, and, split into P blocks, [E, P * rows]
     along rows or [E, P, cols] along columns (E left out for a 2-D parameter). ValueError when the blocks'
     state is not back to back (the layout pads each to 16 floats)."""
-    first = entries[0].block
-    if first is None or not first.suffix:  # a whole parameter, or the adapter's block
+    if not is_piece(entries[0]):  # a whole parameter, or the adapter's block
         return named_state(entries[0], master)
+    first = entries[0].block
     states = [named_state(e, master) for e in entries]
     out = {k: _stacked([s[k] for s in states]) for k in states[0]}
     if first.parts > 1:
@@ -494,7 +494,7 @@ def _stacked(views):
     step = views[1].storage_offset() - first.storage_offset() if len(views) > 1 else first.numel()
     if any(v.storage_offset() != first.storage_offset() + k * step or v.stride() != first.stride()
            for k, v in enumerate(views)):
-        raise RuntimeError("an expert bank's state is not a fixed stride apart in the layout")
+        raise RuntimeError("a parameter's pieces' state is not a fixed stride apart in the layout")
     return first.as_strided((len(views), *first.shape), (step, *first.stride()), first.storage_offset())
 
 

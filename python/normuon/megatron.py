@@ -410,7 +410,7 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
                                                dict(aw, betas=(aw["beta1"], aw["beta2"])), {}, {}, all_blocks)
                 engine = Engine(entries, [(g["name"], self._algorithm, values) for g in planned], self._choice,
                                 threads=self._threads, nonfinite=self.nonfinite, verdict=self.verdict,
-                                row_blocks=bool(all_blocks), device_backend=self._device_backend)
+                                device_backend=self._device_backend)
             except ValueError as error:
                 raise ValueError(f"{self._label}: {error} (gI.pK is param_groups[I]['params'][K])") from None
             by_key = {id(e.tensor): e for e in engine.entries}

@@ -14,8 +14,8 @@ from collections import defaultdict
 
 import torch
 
-from .engine import (FOUND_INF_REASON, Engine, by_parameter, named_state, one_device, param_state,  # noqa: F401
-                     resolve_modes)
+from .engine import (FOUND_INF_REASON, Engine, by_parameter, is_piece, named_state, one_device,  # noqa: F401
+                     param_state, resolve_modes)
 from .sharded import Shards, is_sharded
 from .native import (_C, StateFileError, check_values, cuda_unavailable_reason, defaults, native_error,  # noqa: F401
                      require)
@@ -176,7 +176,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self._shards = Shards(laid, groups, self._process_group) if sharded else None
         self.engine = Engine(self._shards.entries if self._shards else laid, groups, self._choice,
                              threads=self._threads, nonfinite=self.nonfinite, verdict=self.verdict, frozen=frozen,
-                             row_blocks=bool(self._row_blocks), device_backend=self._device_backend)
+                             device_backend=self._device_backend)
         param_of = {e.index: e.tensor for e in entries}
         self.state = defaultdict(dict)
         if self._shards is not None:
@@ -408,8 +408,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         entries = self._shards.planned if self._shards is not None else self.engine.entries + self.engine.frozen
         entries = [es[0] for es in by_parameter(entries).values()]  # a bank's experts: one row
         owners = {r["index"]: r["owner"] for r in self.ownership_table() or ()}
-        pieces = {id(e) for e in entries if e.block is not None and e.block.suffix}  # a bank's, a split matrix's
-        return [dict(index=e.index, name=e.name, shape=tuple(e.block.param_shape if id(e) in pieces else e.shape),
+        return [dict(index=e.index, name=e.name, shape=tuple(e.block.param_shape if is_piece(e) else e.shape),
                      dtype=DTYPES[e.dtype], role=e.role,
                      algorithm=e.algorithm, group=self.param_groups[e.group]["name"],
                      why=e.why + (" (frozen: no state until it has a gradient)" if id(e) in frozen else ""),

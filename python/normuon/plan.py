@@ -161,7 +161,7 @@ def plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, row_
                 override = algorithm
             e.override = override if override in ("normuon", "adamw") else None
             e.algorithm, e.why = route(name, e.shape, e.role, override)
-            if e.role == "experts" and e.algorithm == "normuon" and len(e.shape) == 3 and e.shape[0] == 0:
+            if is_bank(e) and e.shape[0] == 0:
                 raise ValueError(f"parameter '{name}' is an expert bank without experts (shape {list(e.shape)})")
             if e.block is not None and e.algorithm != "normuon":
                 raise ValueError(f"parameter '{name}' is a block of rows of a larger tensor, which only a "
@@ -203,6 +203,11 @@ def plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, row_
             by_tensor[id(t)].group = gi
     return groups, entries
 
+
+
+def is_bank(e):
+    """A planned expert bank that NorMuon steps as its experts."""
+    return e.role == "experts" and e.algorithm == "normuon" and len(e.shape) == 3 and e.block is None
 
 
 def _split(e, parts):
@@ -367,8 +372,8 @@ def _make_entry(index, name, tensor, role, block=None):
     e.shape, e.dtype = tuple(tensor.shape) if block is None else block.shape, tensor.dtype
     e.role = role if role is not None else infer_role(name, e.shape)
     if e.role not in ("matrix", "embedding", "head", "norm", "bias", "other", "router", "experts"):
-        raise ValueError(f"parameter '{name}': unknown role {e.role!r} (matrix | embedding | head | norm | bias | other "
-                         "| router | experts)")
+        raise ValueError(f"parameter '{name}': unknown role {e.role!r} (matrix | embedding | head | norm | bias | "
+                         "other | router | experts)")
     e.has_grad = False
     e.grad_of = None  # a sharded parameter's DTensor, whose .grad holds this entry's gradient (sharded.py)
     e.parts = 1  # blocks of rows the matrix (each expert of a bank) is stepped as (split_rows=)

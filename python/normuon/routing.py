@@ -15,7 +15,7 @@ shared_expert_gate) with an `experts` module beside it (Mixtral's mlp.gate, Deep
 moe.router.gate): its weight scores the experts, so it is a router, not a hidden matrix.
 An expert bank, by name: a 3-D tensor [E, m, n] of an `experts` module (transformers 5.x MoE models'
 experts.gate_up_proj and experts.down_proj, torchtitan's GroupedExperts' w1, w2, w3) holds E matrices, each
-stepped by NorMuon as a matrix of its own; a 2-D tensor there named as a bias ([E, f]: gpt-oss) is biases.
+stepped by NorMuon as a matrix of its own; a tensor there named as a bias ([E, f]: gpt-oss) is biases.
 """
 import fnmatch
 import math
