@@ -285,7 +285,9 @@ int manifest_command(const Argv& argv) {
     std::puts(R"(usage: normuon manifest [--preset NAME] [--out FILE]
 
 Writes a preset's parameter manifest (name,shape,dtype,role,group,algorithm) as CSV to FILE or
-standard output: a starting point for describing your own model (then use --manifest FILE).)");
+standard output: a starting point for describing your own model (then use --manifest FILE). A column
+transposed (yes|no) may follow: yes marks a matrix stored [in, out] (GPT-2's Conv1D), whose statistics
+and shape factor follow its module's [out, in].)");
     return 0;
   }
   const Manifest m = preset_manifest(a.get("preset", "tiny"));

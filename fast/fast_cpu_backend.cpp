@@ -215,7 +215,7 @@ StepResult FastCpuBackend::run(const Options& options) {
     s.eps_add = h.eps_placement == EpsPlacement::add;
     s.denom_eps = static_cast<float>(h.denom_eps);
     s.renorm_eps = static_cast<float>(h.renorm_eps);
-    s.kappa = static_cast<float>(lr_scale_factor(h.lr_scale, e.rows, e.cols));
+    s.kappa = static_cast<float>(entry_kappa(e, h.lr_scale));
     s.wd_mode = h.weight_decay_mode == WeightDecayMode::decoupled ? 0 : h.weight_decay_mode == WeightDecayMode::cautious ? 1 : 2;
     s.decay = h.weight_decay != 0 && s.wd_mode != 2;
     s.decay_factor = static_cast<float>(1 - h.lr * h.weight_decay);

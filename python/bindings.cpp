@@ -181,7 +181,7 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<ParamSpec>(m, "ParamSpec", "One manifest row: what the optimizer knows of a parameter")
       .def(py::init([](std::string name, std::vector<int64_t> shape, const std::string& dtype, const std::string& role,
-                       std::string group, const std::optional<std::string>& algorithm) {
+                       std::string group, const std::optional<std::string>& algorithm, bool transposed) {
              ParamSpec p;
              p.name = std::move(name);
              p.shape = std::move(shape);
@@ -189,10 +189,11 @@ PYBIND11_MODULE(_C, m) {
              p.role = parse_role(role);
              p.group = std::move(group);
              p.algorithm = parse_override(algorithm);
+             p.transposed = transposed;
              return p;
            }),
            py::arg("name"), py::arg("shape"), py::arg("dtype") = "f32", py::arg("role") = "other",
-           py::arg("group") = "", py::arg("algorithm") = py::none())
+           py::arg("group") = "", py::arg("algorithm") = py::none(), py::arg("transposed") = false)
       .def_readonly("name", &ParamSpec::name)
       .def_readonly("shape", &ParamSpec::shape)
       .def_property_readonly("dtype", [](const ParamSpec& p) { return std::string(to_string(p.dtype)); })
@@ -200,6 +201,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("group", &ParamSpec::group)
       .def_property_readonly("algorithm",
                              [](const ParamSpec& p) { return std::string(p.algorithm ? to_string(*p.algorithm) : "auto"); })
+      .def_readonly("transposed", &ParamSpec::transposed)
       .def("__repr__", [](const ParamSpec& p) {
         return "ParamSpec(" + p.name + ", [" + shape_to_string(p.shape) + "], " + to_string(p.dtype) + ", " +
                to_string(p.role) + ")";
@@ -271,6 +273,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("cols", &LayoutEntry::cols)
       .def_readonly("bucket", &LayoutEntry::bucket)
       .def_readonly("stats_per_row", &LayoutEntry::stats_per_row)
+      .def_readonly("transposed", &LayoutEntry::transposed)
       .def_readonly("stat_offset", &LayoutEntry::stat_offset)
       .def_readonly("stat_len", &LayoutEntry::stat_len)
       .def_readonly("adam_offset", &LayoutEntry::adam_offset)

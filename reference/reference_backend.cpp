@@ -89,7 +89,7 @@ void check_matrix(const at::Tensor& t, const char* what) {
 }
 
 void normuon_on(ReferencePrimitives& primitives, at::Tensor& p, const at::Tensor& g, at::Tensor& M, at::Tensor& v,
-                const NorMuonHyper& h, bool stats_per_row, PhaseTimes* times) {
+                const NorMuonHyper& h, bool stats_per_row, bool transposed, PhaseTimes* times) {
   check_matrix(p, "p");
   const int64_t rows = p.size(0), cols = p.size(1);
   for (const at::Tensor* x : std::initializer_list<const at::Tensor*>{&g, &M})
@@ -102,7 +102,7 @@ void normuon_on(ReferencePrimitives& primitives, at::Tensor& p, const at::Tensor
     float* U = ops.scratch(6, rows * cols);
     float* O = ops.scratch(7, rows * cols);
     spec::normuon_update(ops, floats(p, "p"), floats(g, "g"), floats(M, "M"), floats(v, "v"), rows, cols, h,
-                         stats_per_row, U, O, clock);
+                         stats_per_row, transposed, U, O, clock);
   });
 }
 
@@ -130,8 +130,8 @@ at::Tensor newton_schulz(const at::Tensor& update, const NorMuonHyper& h) {
 }
 
 void normuon_update(at::Tensor p, const at::Tensor& g, at::Tensor M, at::Tensor v, const NorMuonHyper& h,
-                    bool stats_per_row, PhaseTimes* times) {
-  normuon_on(shared_primitives(), p, g, M, v, h, stats_per_row, times);
+                    bool stats_per_row, bool transposed, PhaseTimes* times) {
+  normuon_on(shared_primitives(), p, g, M, v, h, stats_per_row, transposed, times);
 }
 
 void adamw_update(at::Tensor p, const at::Tensor& g, at::Tensor m, at::Tensor v, const AdamWHyper& h, int64_t t,
@@ -166,7 +166,7 @@ void run_parameters(ReferencePrimitives& primitives, const Layout& layout, const
     if (e.algorithm == Algorithm::normuon) {
       at::Tensor M = slot(t.momentum, e.offset, e.shape, e.numel);
       at::Tensor v = slot(t.row_var, e.stat_offset, {e.stat_len}, e.stat_len);
-      normuon_on(primitives, p, g, M, v, group.normuon, e.stats_per_row, times);
+      normuon_on(primitives, p, g, M, v, group.normuon, e.stats_per_row, e.transposed, times);
     } else {
       at::Tensor m = slot(t.exp_avg, e.adam_offset, e.shape, e.numel);
       at::Tensor v = slot(t.exp_avg_sq, e.adam_offset, e.shape, e.numel);

@@ -139,10 +139,11 @@ void newton_schulz(Ops& ops, const float* U, float* O, int64_t rows, int64_t col
 }
 
 // One NorMuon step of one matrix (section 3.1), in place on p, M and v (length rows or cols); U and O are
-// rows x cols buffers of the caller's. clock.lap(&PhaseTimes::phase) closes each phase.
+// rows x cols buffers of the caller's (the stored shape; transposed: the module's is cols x rows).
+// clock.lap(&PhaseTimes::phase) closes each phase.
 template <class Ops, class Clock>
 void normuon_update(Ops& ops, float* p, const float* g, float* M, float* v, int64_t rows, int64_t cols,
-                    const NorMuonHyper& h, bool per_row, float* U, float* O, Clock& clock) {
+                    const NorMuonHyper& h, bool per_row, bool transposed, float* U, float* O, Clock& clock) {
   const int64_t size = rows * cols;
   ops.momentum(M, g, U, size, static_cast<float>(1 - h.beta1), static_cast<float>(h.beta1), h.nesterov);
   clock.lap(&PhaseTimes::momentum);
@@ -155,7 +156,9 @@ void normuon_update(Ops& ops, float* p, const float* g, float* M, float* v, int6
                      h.eps_placement == EpsPlacement::add);
   const float nu_normalised = fp32_norm(ops.normalised_sum_squares(O, s, rows, cols, per_row));
   const float rho = nu / (nu_normalised + static_cast<float>(h.renorm_eps));
-  const float kappa = static_cast<float>(lr_scale_factor(h.lr_scale, rows, cols));
+  // kappa on the module's [out, in]: a transposed matrix's is its stored shape swapped.
+  const float kappa = static_cast<float>(transposed ? lr_scale_factor(h.lr_scale, cols, rows)
+                                                    : lr_scale_factor(h.lr_scale, rows, cols));
   clock.lap(&PhaseTimes::normalisation);
   int wd_mode = 0;
   if (h.weight_decay != 0 && h.weight_decay_mode == WeightDecayMode::decoupled) wd_mode = 1;

@@ -198,7 +198,7 @@ void EmulatedCudaBackend::set_scalars(const Options& options, const std::vector<
   for (size_t g = 0; g < options.groups.size(); ++g) im.groups.push_back(cuda::group_scalars(options.groups[g]));
   // As FastCudaBackend::set_options: host-exact per entry with the counts, else derived on the device.
   cuda::fill_entry_scalars(im.layout, options, nullptr, entry_steps, im.entry_scalars);
-  cuda::fill_matrix_scalars(im.plan.matrices, options, im.matrix_scalars);
+  cuda::fill_matrix_scalars(im.layout, im.plan.matrices, options, im.matrix_scalars);
 }
 
 void EmulatedCudaBackend::run(float* momentum, float* row_var, float* exp_avg, float* exp_avg_sq,

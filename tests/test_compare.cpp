@@ -241,6 +241,27 @@ BOOST_AUTO_TEST_CASE(fast_matches_reference_on_tiny_for_every_knob) {
   }
 }
 
+// Matrices stored [in, out] (GPT-2's Conv1D): the statistics along the stored columns and kappa from the
+// module's shape, on both sides, under both statistics rules.
+BOOST_AUTO_TEST_CASE(fast_matches_reference_with_transposed_matrices) {
+  Manifest m = preset_manifest("tiny");
+  int transposed = 0;
+  for (ParamSpec& p : m.params)
+    if (p.role == Role::matrix && p.shape.size() == 2) p.transposed = ++transposed % 2 == 1;  // every other one
+  BOOST_REQUIRE(transposed >= 2);
+  for (const char* axis : {"normuon.reduce_axis=rows", "normuon.reduce_axis=longer_dim"}) {
+    std::string label;
+    const Options options = test::options_with({axis}, label);
+    BOOST_TEST_CONTEXT(label) {
+      const Layout layout = Layout::build(m, options);
+      const Run run = cross_check(layout, options, CompareMode::resync, 5);
+      log_summary("tiny, transposed matrices, " + label + ", 5 steps resync", run.summary);
+      BOOST_TEST(run.summary.passed(), verdict_line(run.summary));
+      check_exact_kinds(run.summary);
+    }
+  }
+}
+
 // ---- (b) gpt2-124m shapes ----------------------------------------------------------------------------
 
 BOOST_AUTO_TEST_CASE(fast_matches_reference_on_gpt2_124m_shapes) {

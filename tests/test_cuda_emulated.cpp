@@ -280,6 +280,17 @@ BOOST_AUTO_TEST_CASE(matches_reference_on_odd_shapes_and_groups) {
   }
 }
 
+// Matrices stored [in, out] (GPT-2's Conv1D): their statistics and kappa follow the module on the device too.
+BOOST_AUTO_TEST_CASE(transposed_matrices_match_reference) {
+  Manifest m = odd_manifest();
+  for (ParamSpec& p : m.params) p.transposed = p.shape.size() == 2 && p.role == Role::matrix;
+  const Options options = odd_options();
+  const Layout layout = Layout::build(m, options);
+  const RunSummary s = cross_check(layout, options, CompareMode::resync, 3);
+  log_summary("odd shapes, transposed, 3 steps resync", s);
+  BOOST_TEST(s.passed(), verdict_line(s));
+}
+
 // Symmetric products in narrow panels (8 columns: up to 8 panels on these shapes, the last narrower),
 // both algorithms, against the reference: the comparator's bounds as with full products.
 BOOST_AUTO_TEST_CASE(narrow_panels_match_reference_on_odd_shapes_in_both_algorithms) {

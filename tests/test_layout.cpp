@@ -1,6 +1,8 @@
 #define BOOST_TEST_MODULE layout
 #include <boost/test/unit_test.hpp>
 
+#include <cmath>
+
 #include "normuon/flat_state.h"
 #include "normuon/layout.h"
 #include "normuon/presets.h"
@@ -70,6 +72,47 @@ BOOST_AUTO_TEST_CASE(reduce_axis_decides_the_second_moment_length) {
   BOOST_TEST(ll.entries[3].stat_len == 6);
   BOOST_TEST(ll.entries[1].stat_len == 6);  // a is 6x3: rows are the longer side
   BOOST_TEST(lr.fingerprint != ll.fingerprint);
+}
+
+// A matrix stored [in, out] (GPT-2's Conv1D) has its statistics along its module's rows, the stored columns,
+// and its shape factor from [out, in]; its fingerprint says so, as state files must not cross silently.
+BOOST_AUTO_TEST_CASE(a_transposed_matrix_follows_its_module) {
+  Manifest m = mixed_manifest();
+  const Layout plain = Layout::build(m, Options());
+  m.params[3].transposed = true;  // b: stored 3x6, the module's 6x3
+  m.params[4].transposed = true;  // c: stored 6x3, the module's 3x6
+  for (const char* axis : {"rows", "longer_dim"}) {
+    BOOST_TEST_CONTEXT(axis) {
+      Options o;
+      o.set(std::string("normuon.reduce_axis=") + axis);
+      const Layout l = Layout::build(m, o);
+      const LayoutEntry& b = l.entries[3];
+      const LayoutEntry& c = l.entries[4];
+      BOOST_TEST(b.transposed);
+      BOOST_TEST((b.rows == 3 && b.cols == 6));  // rows and cols stay the stored ones: the buffers hold it as is
+      BOOST_TEST((module_shape(b) == std::make_pair<int64_t, int64_t>(6, 3)));
+      BOOST_TEST(!b.stats_per_row);  // per neuron: the module's rows are b's columns (rows >= cols either way)
+      BOOST_TEST(b.stat_len == 6);
+      BOOST_TEST(c.stats_per_row == (std::string(axis) == "longer_dim"));  // module 3x6: per row, or its longer side
+      BOOST_TEST(c.stat_len == (std::string(axis) == "longer_dim" ? 6 : 3));
+      // kappa of the module's shape: b is 6x3 there (sqrt(max(1, 6/3))), c 3x6; stored as is, a 6x3.
+      BOOST_TEST(entry_kappa(b, LrScale::official) == std::sqrt(2.0));
+      BOOST_TEST(entry_kappa(c, LrScale::official) == 1.0);
+      BOOST_TEST(entry_kappa(l.entries[1], LrScale::official) == std::sqrt(2.0));
+      BOOST_TEST(entry_kappa(c, LrScale::spectral) == std::sqrt(0.5));
+      BOOST_TEST(l.describe().find("transposed") != std::string::npos);
+    }
+  }
+  // A square one: same lengths, another axis, so only the fingerprint tells the files apart.
+  Manifest square;
+  square.params = {param("w", {4, 4}, Role::matrix)};
+  const Layout as_stored = Layout::build(square, Options());
+  square.params[0].transposed = true;
+  const Layout flipped = Layout::build(square, Options());
+  BOOST_TEST(as_stored.entries[0].stats_per_row);
+  BOOST_TEST(!flipped.entries[0].stats_per_row);
+  BOOST_TEST(as_stored.fingerprint != flipped.fingerprint);
+  BOOST_TEST(plain.fingerprint == Layout::build(mixed_manifest(), Options()).fingerprint);
 }
 
 // docs/spec.md section 5: a 0-element matrix has 0-element state (a 0 x 3 matrix had a 3-float second

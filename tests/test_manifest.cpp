@@ -49,6 +49,7 @@ void check_same(const Manifest& a, const Manifest& b) {
       BOOST_TEST((x.role == y.role));
       BOOST_TEST(x.group == y.group);
       BOOST_TEST((x.algorithm == y.algorithm));
+      BOOST_TEST(x.transposed == y.transposed);
     }
   }
 }
@@ -178,6 +179,30 @@ BOOST_AUTO_TEST_CASE(validate_errors) {
   forced.params.push_back(spec("v", {3}));
   forced.params.back().algorithm = Algorithm::normuon;
   check_error([&] { forced.validate(); }, {"\"v\"", "NorMuon"});
+
+  Manifest flipped = ok;  // only a matrix (or a bank) is stored [in, out]
+  flipped.params[1].transposed = true;
+  check_error([&] { flipped.validate(); }, {"\"b\"", "transposed", "[4]"});
+  Manifest conv1d = ok;
+  conv1d.params[0].transposed = true;
+  conv1d.params.push_back(spec("bank", {2, 3, 4}, Role::experts));
+  conv1d.params.back().transposed = true;
+  BOOST_CHECK_NO_THROW(conv1d.validate());
+}
+
+// GPT-2's Conv1D weights are stored [in, out]: the column says so, and is written only when a parameter is.
+BOOST_AUTO_TEST_CASE(csv_transposed_column) {
+  Manifest m;
+  m.params = {spec("c_attn", {4, 12}), spec("c_proj", {4, 4}), spec("bias", {4}, Role::bias)};
+  BOOST_TEST(to_csv(m).rfind(kHeader, 0) == 0);  // none transposed: the six columns of earlier versions
+  m.params[0].transposed = true;
+  const std::string text = to_csv(m);
+  BOOST_TEST(text.rfind("name,shape,dtype,role,group,algorithm,transposed\n", 0) == 0);
+  BOOST_TEST(text.find("c_attn,4x12,f32,matrix,,auto,yes\n") != std::string::npos);
+  check_same(parse(text), m);
+  BOOST_TEST(parse("name,shape,transposed\nw,4x4,\nv,4x4,no\n").params[1].transposed == false);
+  check_csv_error("name,shape,transposed\nw,4x4,maybe\n", {"manifest.csv:2", "'transposed'", "maybe"});
+  check_csv_error("name,shape,transposed\nw,4,yes\n", {"manifest.csv:2", "'transposed'", "\"w\"", "[4]"});
 }
 
 // ---- CSV ---------------------------------------------------------------------------------------

@@ -50,7 +50,8 @@ std::vector<float> normuon_run(int64_t rows, int64_t cols, const NorMuonHyper& h
   std::vector<float> U(p.size()), O(p.size());
   NoClock clock;
   for (int step = 0; step < 2; ++step)
-    spec::normuon_update(ops, p.data(), g.data(), M.data(), v.data(), rows, cols, h, per_row, U.data(), O.data(), clock);
+    spec::normuon_update(ops, p.data(), g.data(), M.data(), v.data(), rows, cols, h, per_row, false, U.data(),
+                         O.data(), clock);
   p.insert(p.end(), M.begin(), M.end());
   p.insert(p.end(), v.begin(), v.end());
   return p;

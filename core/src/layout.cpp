@@ -21,14 +21,15 @@ uint64_t fnv1a64(const void* data, size_t size, uint64_t seed) {
 
 namespace {
 
-// The fingerprint hashes a canonical text of everything that decides where a value lives.
+// The fingerprint hashes a canonical text of everything that decides where a value lives, and what it means
+// (a transposed matrix's statistics follow its columns: marked only there, so other layouts keep their print).
 uint64_t compute_fingerprint(const Layout& layout) {
   std::ostringstream text;
   text << "normuon-layout-v1\n";
   for (const auto& e : layout.entries) {
     text << e.name << '|' << shape_to_string(e.shape) << '|' << to_string(e.dtype) << '|' << to_string(e.algorithm)
          << '|' << layout.group_names[e.group] << '|' << e.offset << '|' << e.bucket << '|' << e.stats_per_row << '|'
-         << e.stat_offset << '|' << e.stat_len << '|' << e.adam_offset << '\n';
+         << e.stat_offset << '|' << e.stat_len << '|' << e.adam_offset << (e.transposed ? "|transposed" : "") << '\n';
   }
   const std::string s = text.str();
   return fnv1a64(s.data(), s.size());
@@ -75,7 +76,11 @@ Layout Layout::build(const Manifest& manifest, const Options& options) {
                                     "each (" + expert_name(p.name, 0) + ", ...), not the bank");
       e.rows = p.shape[0];
       e.cols = p.shape[1];
-      e.stats_per_row = g->normuon.reduce_axis == ReduceAxis::rows || e.rows >= e.cols;
+      e.transposed = p.transposed;
+      // The spec's axis (section 3.1, step 4) on the module's [out, in]; its rows are a transposed one's columns.
+      const auto [m, n] = module_shape(e);
+      const bool module_rows = g->normuon.reduce_axis == ReduceAxis::rows || m >= n;
+      e.stats_per_row = module_rows != e.transposed;
       // docs/spec.md section 5: a 0-element matrix has 0-element state, its second moment included.
       e.stat_len = e.numel == 0 ? 0 : e.stats_per_row ? e.rows : e.cols;
     }
@@ -153,6 +158,15 @@ std::vector<NsBatch> newton_schulz_batches(const Layout& layout) {
   return batches;
 }
 
+std::pair<int64_t, int64_t> module_shape(const LayoutEntry& e) {
+  return e.transposed ? std::make_pair(e.cols, e.rows) : std::make_pair(e.rows, e.cols);
+}
+
+double entry_kappa(const LayoutEntry& e, LrScale rule) {
+  const auto [m, n] = module_shape(e);
+  return lr_scale_factor(rule, m, n);
+}
+
 int Layout::find(const std::string& name) const {
   for (int i = 0; i < static_cast<int>(entries.size()); ++i)
     if (entries[i].name == name) return i;
@@ -177,7 +191,8 @@ std::string Layout::describe() const {
   for (const auto& e : entries)
     out << "  " << to_string(e.algorithm) << (e.algorithm == Algorithm::normuon ? "  " : "    ") << e.name << " ["
         << shape_to_string(e.shape) << "] group=" << group_names[e.group]
-        << (e.algorithm == Algorithm::normuon ? (e.stats_per_row ? " stats=rows" : " stats=cols") : "") << "\n";
+        << (e.algorithm == Algorithm::normuon ? (e.stats_per_row ? " stats=rows" : " stats=cols") : "")
+        << (e.transposed ? " transposed" : "") << "\n";
   return out.str();
 }
 

@@ -107,9 +107,9 @@ std::vector<Row> read_rows(std::istream& in, const std::string& source) {
   return std::move(rc.rows);
 }
 
-enum Column { kName, kShape, kDType, kRole, kGroup, kAlgorithm, kColumnCount };
-constexpr std::array<const char*, kColumnCount> kColumnNames = {"name",  "shape", "dtype",
-                                                               "role",  "group", "algorithm"};
+enum Column { kName, kShape, kDType, kRole, kGroup, kAlgorithm, kTransposed, kColumnCount };
+constexpr std::array<const char*, kColumnCount> kColumnNames = {"name", "shape",     "dtype",     "role",
+                                                               "group", "algorithm", "transposed"};
 
 std::string column_list() {
   std::string out;
@@ -259,6 +259,21 @@ Algorithm route(const ParamSpec& p) {
   return matrix && !not_a_matrix ? Algorithm::normuon : Algorithm::adamw;
 }
 
+bool transposable(const ParamSpec& p) {
+  return p.shape.size() == 2 || (p.role == Role::experts && p.shape.size() == 3);
+}
+
+namespace {
+
+void check_transposed(const ParamSpec& p) {
+  if (p.transposed && !transposable(p))
+    throw std::invalid_argument("parameter " + quoted(p.name) + " is marked transposed but has shape " +
+                                shape_for_humans(p.shape) + " (only a matrix, or an expert bank with role experts, " +
+                                "is stored [in, out])");
+}
+
+}  // namespace
+
 std::string expert_name(const std::string& bank, int64_t k) { return bank + "[" + std::to_string(k) + "]"; }
 
 std::string resolved_group(const ParamSpec& p) {
@@ -294,6 +309,7 @@ void Manifest::validate() const {
       else if (!zero)
         elements *= e;
     route(p);
+    check_transposed(p);
   }
 }
 
@@ -347,6 +363,14 @@ Manifest Manifest::read_csv(std::istream& in, const std::string& source_name) {
       });
       in_column(kAlgorithm, [&](const std::string&) { return route(p); });  // NorMuon needs 2-D
     }
+    if (has(kTransposed))
+      p.transposed = in_column(kTransposed, [&](const std::string& s) {
+        if (s != "" && s != "no" && s != "yes")
+          throw std::invalid_argument("expected yes, no or empty, got " + quoted(s));
+        p.transposed = s == "yes";
+        check_transposed(p);
+        return p.transposed;
+      });
     m.params.push_back(std::move(p));
   }
   return m;
@@ -359,13 +383,17 @@ Manifest Manifest::read_csv_file(const std::string& path) {
 }
 
 void Manifest::write_csv(std::ostream& out) const {
-  for (size_t c = 0; c < kColumnCount; ++c) out << (c ? "," : "") << kColumnNames[c];
+  // The transposed column only when a parameter needs it: other manifests read as they always did.
+  const bool any_transposed =
+      std::any_of(params.begin(), params.end(), [](const ParamSpec& p) { return p.transposed; });
+  const size_t columns = any_transposed ? kColumnCount : kTransposed;
+  for (size_t c = 0; c < columns; ++c) out << (c ? "," : "") << kColumnNames[c];
   out << '\n';
   for (const ParamSpec& p : params) {
     const std::array<std::string, kColumnCount> fields = {
         p.name, shape_to_string(p.shape), to_string(p.dtype), to_string(p.role), p.group,
-        p.algorithm ? to_string(*p.algorithm) : "auto"};
-    for (size_t c = 0; c < kColumnCount; ++c) {
+        p.algorithm ? to_string(*p.algorithm) : "auto", p.transposed ? "yes" : "no"};
+    for (size_t c = 0; c < columns; ++c) {
       if (c) out << ',';
       write_field(out, fields[c]);
     }

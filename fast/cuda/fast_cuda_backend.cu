@@ -251,7 +251,7 @@ void FastCudaBackend::set_options(const Options& options, const std::vector<int6
   host_groups_.clear();
   for (size_t g = 0; g < options.groups.size(); ++g) host_groups_.push_back(cuda::group_scalars(options.groups[g]));
   cuda::fill_entry_scalars(layout_, options, group_steps, entry_steps, host_entry_scalars_);
-  cuda::fill_matrix_scalars(host_matrices_, options, host_matrix_scalars_);
+  cuda::fill_matrix_scalars(layout_, host_matrices_, options, host_matrix_scalars_);
   upload_staged({{groups_.data(), host_groups_.data(), groups_.bytes()},
                  {entry_scalars_.data(), host_entry_scalars_.data(), host_entry_scalars_.empty() ? 0 : entry_scalars_.bytes()},
                  {matrix_scalars_.data(), host_matrix_scalars_.data(), tables_.n_matrices > 0 ? matrix_scalars_.bytes() : 0}});

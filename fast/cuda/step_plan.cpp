@@ -163,12 +163,13 @@ void fill_entry_scalars(const Layout& layout, const Options& options, const std:
   }
 }
 
-void fill_matrix_scalars(const std::vector<MatrixInfo>& matrices, const Options& options,
+void fill_matrix_scalars(const Layout& layout, const std::vector<MatrixInfo>& matrices, const Options& options,
                          std::vector<MatrixScalars>& out) {
   out.resize(matrices.size());
   for (size_t m = 0; m < matrices.size(); ++m) {
     const MatrixInfo& info = matrices[m];
-    const double kappa = lr_scale_factor(options.groups.at(info.group).normuon.lr_scale, info.rows, info.cols);
+    const double kappa = entry_kappa(layout.entries.at(static_cast<size_t>(info.entry)),
+                                     options.groups.at(info.group).normuon.lr_scale);
     out[m] = {0.0f, static_cast<float>(kappa)};
   }
 }

@@ -79,9 +79,9 @@ EntryScalars entry_scalars(const AdamWHyper& group, const int64_t* steps_taken =
 void fill_entry_scalars(const Layout& layout, const Options& options, const std::vector<int64_t>* group_steps,
                         const std::vector<int64_t>* entry_steps, std::vector<EntryScalars>& out);
 
-// Per matrix (the plan's order) into `out`: the lr_scale factor of its group's rule; the ratio is the
-// device's. Reuses out's storage: set_options() runs every step.
-void fill_matrix_scalars(const std::vector<MatrixInfo>& matrices, const Options& options,
+// Per matrix (the plan's order) into `out`: the lr_scale factor of its group's rule on its entry (entry_kappa);
+// the ratio is the device's. Reuses out's storage: set_options() runs every step.
+void fill_matrix_scalars(const Layout& layout, const std::vector<MatrixInfo>& matrices, const Options& options,
                          std::vector<MatrixScalars>& out);
 
 // What a step's status says, as begin_step (core/src/step_prologue.cpp) says it, so every backend

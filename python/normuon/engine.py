@@ -335,7 +335,7 @@ class Engine:
         """This layout, or, when a state file names the parameters with other wrapper prefixes (saved under
         DDP or torch.compile and loaded without, or back), the same layout under the file's names: the
         values sit at the same places, so the scratch state loads and moves over unchanged. ValueError for an
-        expert bank the file holds whole."""
+        expert bank the file holds whole, or for matrices it holds by their stored rows that are transposed here."""
         in_file = {t["name"] for t in header["tensors"]}
         stripped = set(map(strip_wrappers, in_file))
         whole = [e for e in self.entries if is_piece(e) and strip_wrappers(e.name) in stripped]
@@ -351,6 +351,18 @@ class Engine:
                              "(earlier versions gave those to NorMuon), {'*experts.*bias*': 'normuon', '*experts.*': "
                              "'adamw'}. Or start without the file")
         ours = [label(e) for e in self.entries]
+        if header["layout_fingerprint"] != self.layout.fingerprint and any(e.transposed for e in self.entries):
+            as_stored = [copy.copy(e) for e in self.entries]
+            for e in as_stored:
+                e.transposed = False
+            print_of = _C.Layout.build(_C.Manifest(param_specs(as_stored, self.group_names, ours)), self.options)
+            if print_of.fingerprint == header["layout_fingerprint"]:
+                names = list(dict.fromkeys(e.name for e in self.entries if e.transposed))
+                more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+                shown = ", ".join(f"'{n}'" for n in names[:3]) + more
+                raise ValueError(f"the file holds every matrix by its stored rows (earlier versions, or transposed="
+                                 f"{{'*': False}}), but here {shown} run their statistics along the stored columns "
+                                 "(stored [in, out]): build the optimizer with transposed={'*': False} to load it")
         if header["layout_fingerprint"] == self.layout.fingerprint or set(ours) <= in_file:
             return self.layout  # load_state says what is wrong, if anything
         by_stripped = {}
@@ -416,7 +428,8 @@ def param_specs(entries, group_names, names=None):
     default_group = {"normuon": "normuon", "adamw": "adamw"}
     names = names or [label(e) for e in entries]
     return [_C.ParamSpec(n, list(e.shape), DTYPES[e.dtype], e.role,
-                         "" if group_names[e.group] == default_group[e.algorithm] else group_names[e.group], e.override)
+                         "" if group_names[e.group] == default_group[e.algorithm] else group_names[e.group], e.override,
+                         e.transposed)
             for n, e in zip(names, entries)]
 
 

@@ -1,15 +1,11 @@
-"""normuon.megatron: NorMuon (and the AdamW half) for Megatron-LM (docs/megatron.md).
+"""normuon.megatron: NorMuon (and the AdamW half) for Megatron-LM. docs/megatron.md tells how Megatron's
+settings map onto the spec and what the adapter does with Megatron's wrappers.
 
     import normuon.megatron
     normuon.megatron.register()          # once, before get_megatron_optimizer() / pretrain()
     config = OptimizerConfig(optimizer="normuon", muon_coefficient_type="simple", ...)
 
-MegatronNorMuon (this project's NorMuon, docs/spec.md section 3) takes the keywords of Megatron's
-TensorParallelAdaptiveMuon, and MegatronAdamW (its AdamW, section 4, with TE FusedAdam's step rule) those of
-TE's FusedAdam / torch.optim.AdamW, so Megatron's config fields reach them without new flags. Both lay out
-their state lazily, and again whenever Megatron's wrappers change param_groups (fp32 copies swapped in, 1-D
-shards, groups narrowed or emptied), and emit parameter-shaped checkpoint state, as Megatron's distributed
-checkpointing requires. Megatron is imported only inside register() and replace_adam().
+Megatron is imported only inside register() and replace_adam().
 """
 import copy
 import functools
@@ -70,27 +66,15 @@ CONFIG_FIELDS = {
 _STATE_KEYS = {"normuon": ("momentum_buffer", "moment2_buffer"), "adamw": ("exp_avg", "exp_avg_sq")}
 
 
-def _group_size(group):
-    """Ranks in a process group (None: 1); anything with size() works, so tests can pass stand-ins."""
-    if group is None:
-        return 1
-    size = getattr(group, "size", None)
-    if callable(size):
-        return int(size())
-    import torch.distributed as dist
-
-    return int(dist.get_world_size(group))
-
-
 def _number(label, where, group, key):
-    """A group value as a float: a Python number or a one-element tensor (Megatron's scheduler may keep lr
-    as a tensor and fill_() it). Its range is the core's to check (_checked)."""
+    """group[key] as a float; its range is the core's to check (_checked)."""
     if key not in group:
         raise ValueError(f"{label}: {where} has no '{key}'")
     return _as_number(label, where, key, group[key])
 
 
 def _as_number(label, where, key, value):
+    """A Python number or a one-element tensor (Megatron's scheduler may keep lr as a tensor and fill_() it)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{label}: {where}: {key} is a tensor of shape {tuple(value.shape)}, not a scalar")
@@ -102,8 +86,8 @@ def _as_number(label, where, key, value):
 
 
 def _checked(label, where, algorithm, values, given, notes=None):
-    """The spec's values checked by the core (check_values); a refusal names the group value it came from.
-    given: {spec field: (the group's key, its value)}; notes: {spec field: what to add to a refusal}."""
+    """The spec's values checked by the core; a refusal names the group value it came from. given: {spec
+    field: (the group's key, its value)}; notes: {spec field: what to add to a refusal}."""
     try:
         return _native.check_values(where, algorithm, values)
     except _native.OptionError as error:
@@ -143,11 +127,6 @@ def ns_precision_for(fp32_matmul_prec):
     return MATMUL_PRECISIONS[fp32_matmul_prec]
 
 
-def _tp_sharded(p):
-    """Megatron's tensor-parallel metadata: the parameter is one rank's slice along partition_dim."""
-    return bool(getattr(p, "tensor_model_parallel", False)) and getattr(p, "partition_dim", -1) not in (-1, None)
-
-
 def _is_qkv(p):
     """Megatron tags its fused QKV weights with is_qkv."""
     return bool(getattr(p, "is_qkv", False))
@@ -166,9 +145,8 @@ class _Slot:
 
 
 class _Tracked(dict):
-    """self.state and its per-parameter dicts: dicts that note, in a flag they share, any change made through
-    their methods (state moved, replaced, removed or added by Megatron's wrappers or torch's machinery), so
-    that a step tells in O(1) that nothing changed and walks no parameter."""
+    """self.state and its per-parameter dicts: any change made through their methods (by Megatron's wrappers
+    or torch's machinery) sets a flag they share, so that a step tells in O(1) that nothing changed."""
 
     def __init__(self, changed, *args):
         super().__init__(*args)
@@ -194,12 +172,8 @@ class _Tracked(dict):
 
 
 class _SplitState(MutableMapping):
-    """self.state[p] of a parameter split into row blocks: parameter-shaped fp32 copies of its blocks' state,
-    assembled on first access. A step reads and writes the blocks where they lie and needs no copy, so
-    while nobody looks, none is made; once looked at, every step reads the copies back first (edits in
-    place and replaced entries are honoured) and installs a fresh one after. It copies, pickles and
-    deep-copies as the plain dict it stands for (not a dict itself: isinstance(state, dict) is False).
-    `assemble` must not refer to the optimizer (no reference cycle keeps it alive)."""
+    """self.state[p] of a split parameter: parameter-shaped copies of its blocks' state, assembled on first
+    access (touched). Copies and pickles as a plain dict; `assemble` must not refer to the optimizer."""
 
     def __init__(self, assemble):
         self._assemble, self._data = assemble, None
@@ -239,8 +213,8 @@ class _SplitState(MutableMapping):
 
 
 def _in_memory(e):
-    """An engine entry's state as live views in the in-memory forms (Emerging-Optimizers', torch's): all
-    shaped like the entry but NorMuon's moment2_buffer, which is [m, 1] or [1, n] (its statistics axis)."""
+    """An engine entry's state as live views, shaped like the entry but NorMuon's moment2_buffer, which is
+    [m, 1] or [1, n] (its statistics axis), as Emerging-Optimizers has it."""
     views = dict(zip(_STATE_KEYS[e.algorithm], e.state))
     if e.algorithm == "normuon":
         m, n = e.shape
@@ -248,19 +222,15 @@ def _in_memory(e):
     return views
 
 
-def _export(e, master):
-    """An entry's state as fresh fp32 copies in its shape (moment2_buffer expanded along the statistics
-    axis), with master: master_param too for a bf16/f16 parameter."""
-    out = {k: v.expand(e.shape).clone(memory_format=torch.contiguous_format) for k, v in _in_memory(e).items()}
-    if master and e.low_precision:
-        out["master_param"] = e.param.clone()
-    return out
-
-
 def _assemble(entries, blocks, master):
-    """A parameter's state, parameter-shaped fresh fp32 copies (_export): from its one entry, or put together
-    from its blocks' (in the parameter's shape when the blocks were made)."""
-    parts = [_export(e, master) for e in entries]
+    """A parameter's state as fresh parameter-shaped fp32 copies (moment2_buffer expanded along its statistics
+    axis; with master, master_param too for a bf16/f16 parameter): from its one entry, or from its blocks'."""
+    parts = []
+    for e in entries:
+        part = {k: v.expand(e.shape).clone(memory_format=torch.contiguous_format) for k, v in _in_memory(e).items()}
+        if master and e.low_precision:
+            part["master_param"] = e.param.clone()
+        parts.append(part)
     if blocks is None:
         return parts[0]
     out = {}
@@ -277,16 +247,13 @@ def _reduce_moment2(src, shape, per_row, where):
     m, n = shape
     length, keep = (m, (m, 1)) if per_row else (n, (1, n))
     got = tuple(src.shape)
-    if got == (length,):
-        return src
-    if got == keep:
+    if got in ((length,), keep):
         return src.reshape(length)
     if got == (m, n):
         if src.numel() == 0:
             return src.new_zeros(length)
         reduced = src[:, 0] if per_row else src[0, :]
-        full = reduced.unsqueeze(1) if per_row else reduced.unsqueeze(0)
-        if not torch.equal(src, full.expand(m, n)):
+        if not torch.equal(src, reduced.reshape(keep).expand(m, n)):
             axis = "row" if per_row else "column"
             raise ValueError(f"MegatronNorMuon: {where}: the parameter-shaped moment2_buffer is not constant "
                              f"along each {axis} (statistics are per {axis} for a {m}x{n} matrix)")
@@ -296,18 +263,17 @@ def _reduce_moment2(src, shape, per_row, where):
 
 
 class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
-    """What MegatronNorMuon and MegatronAdamW share: the engine (engine.py, as NorMuonAdamW's; one
-    algorithm) over the parameters param_groups holds now, built lazily and again when they change; the
-    Megatron-facing state (self.state, state dicts) translated to and from its buffers; TE FusedAdam's step
-    rule. Subclasses set _label and _algorithm and implement _hypers (and _check_param, _spec_defaults,
-    _blocks where they differ)."""
+    """What MegatronNorMuon and MegatronAdamW share: an engine (one algorithm) over the parameters param_groups
+    holds now, built lazily and again when they change; self.state and state dicts translated to and from its
+    buffers; TE FusedAdam's step rule. Subclasses set _label, _algorithm and implement _hypers."""
 
     _label = None
     _algorithm = None
+    _fixed = None  # the spec's values the layout is built from (None: the spec's defaults)
+    _per_param_step = False  # state_dict() adds each parameter's 'step' (torch's AdamW has one)
 
     def _setup(self, params, defaults, backend, threads, nonfinite, verdict, device_backend):
-        """The common part of the constructors, last. device_backend: NorMuonAdamW's _device_backend (the
-        tests' emulated CUDA engine)."""
+        """The common part of the constructors, last. device_backend: the tests' emulated CUDA engine."""
         _native.require(self._label)
         try:
             self._choice = resolve_modes(backend, nonfinite, verdict)
@@ -354,37 +320,27 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         """None, or the RowBlocks that the engine steps as matrices of their own."""
         return None
 
-    def _spec_defaults(self):
-        """The spec's values the layout is built with (step() hands over the groups' own)."""
-        return _native.defaults(self._algorithm)
-
     def _group_step(self, i):
         """param_groups[i]['step'] (0 when absent), checked."""
         return _step_value(self._label, self.param_groups[i].get("step", 0), f"param_groups[{i}]")
 
     # --------------------------------------------------------------------------- the flat layout
 
-    def _current_signature(self):
-        """Which tensors param_groups holds (Megatron swaps the tensor objects); a bound tensor whose shape,
-        dtype or device changed in place is refused by the engine's step, by name."""
-        return tuple(tuple(map(id, g["params"])) for g in self.param_groups)
-
     def _ensure_built(self):
         """The layout matches param_groups, and self.state holds this optimizer's views (after a rebuild,
         or values someone else put into self.state, copied in)."""
         if self.engine is not None:
             self._settle()  # the previous step's deferred verdict, before its counters or state are read
-        signature = self._current_signature()
+        # Megatron swaps the tensor objects; a bound tensor changed in place is refused by the engine's step.
+        signature = tuple(tuple(map(id, g["params"])) for g in self.param_groups)
         if signature != self._signature:
             self._rebuild(signature)
         else:
             self._adopt_state()
 
     def _rebuild(self, signature):
-        """A new engine over the parameters param_groups holds now (the re-layout path NorMuonAdamW's
-        add_param_group takes too: Engine.carry_from). State comes from self.state (moved there by
-        Megatron's wrappers, or our views of the previous layout), fp32 masters from the previous layout;
-        parameters that left the groups lose theirs."""
+        """A new engine over the parameters param_groups holds now: state from self.state, fp32 masters and
+        counters from the previous engine (Engine.carry_from); parameters that left the groups lose theirs."""
         self._check_all()
         stepped = [i for i, g in enumerate(self.param_groups) if len(g["params"])]
         groups, plan, all_blocks = [], [], {}
@@ -403,7 +359,7 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         if groups:
             # The spec's values stand in until step() hands over the groups' own (Megatron builds with
             # lr=None and lets its scheduler set it); the fixed ones (layout, plan) are final.
-            values = _native.check_values("defaults", self._algorithm, self._spec_defaults())
+            values = _native.check_values("defaults", self._algorithm, self._fixed or _native.defaults(self._algorithm))
             aw = _native.defaults("adamw")
             try:  # the planned groups' values are not used: values are
                 planned, entries = plan_groups(groups, _native.defaults("normuon"),
@@ -427,10 +383,9 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         self._install_state()
 
     def _install_state(self, kept=None):
-        """self.state from the engine's buffers: live views for parameters it steps whole, parameter-shaped
-        copies for split ones, assembled when first looked at (_SplitState). kept: the state whose split
-        parameters' mappings stay where they are, ours or someone's (a handle someone holds keeps counting
-        until the next step refreshes them)."""
+        """self.state from the engine's buffers: live views for parameters it steps whole, a _SplitState for
+        split ones. kept: the state whose split parameters' mappings stay where they are, ours or someone's
+        (a handle someone holds keeps counting until the next step refreshes them)."""
         changed = [False]
         self.state = _Tracked(changed)
         for slot in self._slots.values():
@@ -444,7 +399,7 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         self._split_slots = [slot for slot in self._slots.values() if slot.blocks is not None]
 
     def _split_state(self, slot):
-        # _assemble and _export are functions: the partial holds no reference to this optimizer.
+        # _assemble is a function: the partial holds no reference to this optimizer.
         slot.lazy = _SplitState(functools.partial(_assemble, slot.entries, slot.blocks, False))
         return slot.lazy
 
@@ -463,9 +418,8 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         return bool(current) and all(current.get(k) is v for k, v in slot.views.items())
 
     def _adopt_state(self):
-        """Someone replaced, removed, added or (for split parameters) looked at entries of self.state (a load
-        through torch's machinery, offload/restore, a wrapper moving state): copy their values into the flat
-        state, reinstall the views."""
+        """Entries of self.state replaced, removed, added or (split parameters) looked at, by a load, an
+        offload/restore or a wrapper moving state: their values copied into the flat state, views reinstalled."""
         if isinstance(self.state, _Tracked) and not self.state.changed[0] and \
                 not any(slot.lazy.touched for slot in self._split_slots):
             return  # nothing changed: no parameter walked
@@ -488,9 +442,8 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         return writes
 
     def _slot_writes(self, slot, saved, where):
-        """(destination, source) pairs that put `saved` (one parameter's state dict, parameter-shaped or in
-        the in-memory form) into the flat state; empty means fresh state (zeros). ValueError, before anything
-        is written, if it does not fit."""
+        """(destination, source) pairs that put `saved` (one parameter's state, parameter-shaped or in memory's
+        form; empty: zeros) into the flat state. ValueError, before anything is written, if it does not fit."""
         if not saved:
             return [(t, torch.zeros(())) for e in slot.entries for t in e.state]
         keys = _STATE_KEYS[self._algorithm]
@@ -515,9 +468,8 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         return writes
 
     def _entry_writes(self, e, saved, where):
-        """The pairs for one engine entry. Every tensor is shaped like it but NorMuon's moment2_buffer, which
-        may also be parameter-shaped (constant along the statistics axis), reduced, or [m, 1] / [1, n]; a
-        master_param is taken for a bf16/f16 parameter only (an fp32 one is its own master)."""
+        """The pairs for one engine entry. NorMuon's moment2_buffer may take any of its forms
+        (_reduce_moment2); a master_param is taken for a bf16/f16 parameter only (an fp32 one is its own)."""
         shape, writes = tuple(e.shape), []
         targets = dict(zip(_STATE_KEYS[e.algorithm], e.state), master_param=e.param if e.low_precision else None)
         for key, dst in targets.items():
@@ -532,20 +484,17 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
                 writes.append((dst, src))
         return writes
 
-    # ------------------------------------------------------------------------------- Megatron hooks
+    # ------------------------------------------------------------------------------------- the step
 
     def _init_group(self, group, skip_non_grad_params=True):
-        """Megatron's init_state_fn calls this for every group (skip_non_grad_params=False) before it loads
-        a checkpoint. State lives in the flat layout, so every parameter of every group has it once the
-        layout is built; the arguments only follow Emerging-Optimizers' signature."""
+        """The hook Megatron's init_state_fn calls for every group before it loads a checkpoint: every
+        parameter has state once the layout is built (the arguments follow Emerging-Optimizers')."""
         self._ensure_built()
-
-    # ------------------------------------------------------------------------------------- the step
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One step over every parameter with a gradient (others are left as they are), then
-        group['step'] += 1 in every group with parameters. Hyper-parameters are read (and checked) first."""
+        """One step over every parameter with a gradient, then group['step'] += 1 in every group with
+        parameters (TE FusedAdam's rule). Hyper-parameters are read (and checked) first."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -558,13 +507,12 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         if self.engine is not None:
             self.engine.set_nonfinite(self.nonfinite)
             self.engine.set_values(values)
-            # TE FusedAdam's rule: the step about to run is group['step'] + 1 (AdamW's bias correction reads
-            # it); the core would count only steps with a gradient in the group.
-            self.engine.set_steps(steps)  # every parameter at its group's counter (TE)
+            # Every parameter at its group's counter: the step about to run is group['step'] + 1, which
+            # AdamW's bias correction reads (the core would count only steps with a gradient).
+            self.engine.set_steps(steps)
             skipped = self.engine.step()
             self._refresh_split_state()
-        # Deferred: this step's own verdict comes at the next one; what is reported now is the previous
-        # step's, as NorMuonAdamW reports it.
+        # Deferred: this step's own verdict comes at the next one; what is reported now is the previous one's.
         self.last_skip_reason = skipped if skipped is not None else self._settled_reason
         if skipped is None:
             self._advanced = list(self._stepped)
@@ -573,9 +521,8 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
         return loss
 
     def _settle(self):
-        """verdict='deferred' on CUDA: the previous step's NaN/Inf verdict, taken from a status copy that step
-        already made (no device sync). A skipped step changed nothing on the device, so the counters step()
-        advanced for it go back; nonfinite='error' raises here, one step late."""
+        """verdict='deferred' on CUDA: the previous step's NaN/Inf verdict. A skipped step changed nothing, so
+        the counters step() advanced for it go back; nonfinite='error' raises here, one step late."""
         try:
             skipped = self.engine.settle()
         except RuntimeError:
@@ -594,20 +541,14 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
 
     @property
     def backend(self):
-        """'fast-cpu', 'fast-cuda' or 'reference-python' once built; before that the choice ('auto' | 'fast' |
-        'reference')."""
+        """'fast-cpu', 'fast-cuda' or 'reference-python' once built; before that the choice."""
         return self.engine.backend if self.engine is not None else self._choice
 
     # ------------------------------------------------------------------------------- state dicts
 
-    def _extra_export(self, i):
-        """Per-parameter entries of param_groups[i] besides the state tensors (MegatronAdamW: a step)."""
-        return {}
-
     def state_dict(self):
-        """torch's structure, every tensor parameter-shaped (Megatron's distributed checkpoint requires it)
-        and a fresh fp32 copy, plus master_param for a bf16/f16 parameter. Before the first step (nothing
-        built, no state) "state" is empty, as torch's."""
+        """torch's structure, every tensor a fresh parameter-shaped fp32 copy (Megatron's distributed checkpoint
+        requires it), with master_param for a bf16/f16 parameter; "state" is empty before the first step."""
         if self.engine is not None or any(self.state.values()):
             self._ensure_built()
         groups, state, index = [], {}, 0
@@ -617,16 +558,16 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
             for p in g["params"]:
                 slot = self._slots.get(id(p))
                 if slot is not None:
-                    state[index] = dict(_assemble(slot.entries, slot.blocks, True), **self._extra_export(i))
+                    state[index] = _assemble(slot.entries, slot.blocks, True)
+                    if self._per_param_step:  # a fresh tensor per parameter: whoever loads it may share it
+                        state[index]["step"] = torch.tensor(float(self._group_step(i)))
                 index += 1
             groups.append(packed)
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict):
-        """Loads a state dict of the same groups and parameter counts; per parameter the forms _entry_writes
-        accepts. A group without 'step' takes a per-parameter 'step' if all agree (its value is read, the
-        tensor is never kept). Everything is checked before anything is written; a parameter without saved
-        state gets fresh (zero) state."""
+        """A state dict of the same groups and parameter counts, checked before anything is written. A group
+        without 'step' takes a per-parameter 'step' if all agree (its value is read, the tensor never kept)."""
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             self._fail("not an optimizer state dict: expected the keys 'state' and 'param_groups'")
         saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
@@ -666,22 +607,10 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
 
 
 class MegatronNorMuon(_MegatronFlat):
-    """NorMuon (docs/spec.md section 3) with the constructor of Megatron's TensorParallelAdaptiveMuon: its
-    keyword arguments (CONFIG_FIELDS names the config fields they come from) map onto the spec as
-    docs/megatron.md tabulates, and what the adapter cannot run is refused here, with the reason. With
-    split_qkv, a QKV weight (is_qkv_fn(p)) is run as its Q, K and V row blocks (p.qkv_split_shapes, else
-    qkv_split_shapes, per query group, as Megatron does), each a matrix of its own; under tp_mode
-    'blockwise' so is each rank's shard. use_syrk (a CUDA kernel choice) has no effect.
-
-    Every step reads lr (a float or a one-element tensor), weight_decay, momentum, beta2 and eps from the
-    groups. group['step'] follows TE FusedAdam's rule (MegatronAdamW), which Megatron's step
-    synchronisation across optimizers relies on.
-
-    Keyword-only extras: backend ('auto' | 'fast' | 'reference'; None reads NORMUON_BACKEND, then 'auto',
-    which is the fast backend), threads (fast backend; 0 = one per processor this process may use, within
-    its CPU quota), nonfinite ('error' | 'skip_step'), verdict ('deferred', the default: on CUDA a step's
-    NaN/Inf verdict is read at the next step, so no host sync; 'sync': in the same step).
-    """
+    """NorMuon (docs/spec.md section 3) with the constructor of Megatron's TensorParallelAdaptiveMuon; what the
+    adapter cannot run is refused, with the reason. docs/megatron.md maps the keywords onto the spec.
+    Keyword-only extras: backend ('auto' | 'fast' | 'reference'; None reads NORMUON_BACKEND), threads (0: one
+    per usable processor), nonfinite ('error' | 'skip_step'), verdict ('deferred', the default, | 'sync')."""
 
     _label = "MegatronNorMuon"
     _algorithm = "normuon"
@@ -734,7 +663,7 @@ class MegatronNorMuon(_MegatronFlat):
         self.qkv_split_shapes = qkv_split_shapes
         self.pg_collection = pg_collection
         self.tp_mode = tp_mode
-        self.use_syrk = use_syrk
+        self.use_syrk = use_syrk  # a CUDA kernel choice: no effect here
         self.coefficient_type = coefficient_type
         self.num_ns_steps = num_ns_steps
         self.scale_mode = scale_mode
@@ -748,22 +677,32 @@ class MegatronNorMuon(_MegatronFlat):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, beta2=beta2, eps=eps)
         self._setup(params, defaults, backend, threads, nonfinite, verdict, _device_backend)
 
-    # ------------------------------------------------------------------------------------- checks
-
     def _tp_size(self, p):
-        """Ranks the parameter is sharded over: Megatron's expert TP group for expert weights, else TP."""
-        if self.pg_collection is None:
+        """Ranks the parameter is sharded over (1 without pg_collection): Megatron's expert TP group for expert
+        weights, else TP (a process group, or anything with size(), so tests can pass stand-ins)."""
+        group = getattr(self.pg_collection, "expt_tp" if getattr(p, "expert_tp", False) else "tp", None)
+        if group is None:
             return 1
-        attr = "expt_tp" if getattr(p, "expert_tp", False) else "tp"
-        return _group_size(getattr(self.pg_collection, attr, None))
+        size = getattr(group, "size", None)
+        if callable(size):
+            return int(size())
+        import torch.distributed as dist
+
+        return int(dist.get_world_size(group))
 
     def _check_param(self, p, where):
         if p.dim() != 2:
+            experts = (" A weight of 3 dimensions may hold every expert of a MoE layer (--moe-single-grouped-weight): "
+                       "keep the experts' weights apart (TEGroupedMLP: --moe-grouped-gemm without "
+                       "--moe-single-grouped-weight), which this optimizer steps as matrices of their own"
+                       if p.dim() == 3 else "")
             self._fail(f"{where} has shape {list(p.shape)}: NorMuon needs whole 2-D matrices. Megatron routes "
                        "non-matrix parameters to Adam; under --use-distributed-optimizer the emerging-optimizer "
-                       "path shards whole matrices per rank (LayerWise), never 1-D fragments")
+                       "path shards whole matrices per rank (LayerWise), never 1-D fragments." + experts)
         super()._check_param(p, where)
-        size = self._tp_size(p) if _tp_sharded(p) else 1
+        # Megatron's tensor-parallel metadata: the parameter is one rank's slice along partition_dim.
+        tp_sharded = getattr(p, "tensor_model_parallel", False) and getattr(p, "partition_dim", -1) not in (-1, None)
+        size = self._tp_size(p) if tp_sharded else 1
         if size > 1 and self.tp_mode != "blockwise":
             self._fail(f"{where} (local shape {list(p.shape)}) is a tensor-parallel shard along dim "
                        f"{p.partition_dim} over {size} ranks, and tp_mode={self.tp_mode!r} needs the whole "
@@ -785,8 +724,7 @@ class MegatronNorMuon(_MegatronFlat):
 
     def _blocks(self, p, where):
         """Megatron's split_qkv: the rows are [query group][q | k | v rows] (qkv_split_shapes per group, a
-        gate block too when attention_output_gate is on); block j gathers its rows of every query group,
-        and each block is orthogonalised, normalised and scaled as a matrix of its own."""
+        gate block too when attention_output_gate is on); block j gathers its rows of every query group."""
         if not (self.split_qkv and self.is_qkv_fn(p)):
             return None
         shapes = getattr(p, "qkv_split_shapes", None)
@@ -802,9 +740,6 @@ class MegatronNorMuon(_MegatronFlat):
             self._fail(f"{where} has {rows} rows, not a multiple of sum(qkv_split_shapes) = {total} ({sizes})")
         return split_rows(p, sizes)
 
-    def _spec_defaults(self):
-        return dict(self._fixed)
-
     def _hypers(self, i, group):
         """The spec's values for one group (docs/megatron.md tabulates the mapping); ValueError names it."""
         where, label = f"param_groups[{i}]", self._label
@@ -818,26 +753,13 @@ class MegatronNorMuon(_MegatronFlat):
 
 
 class MegatronAdamW(_MegatronFlat):
-    """This project's AdamW (docs/spec.md section 4, the code path of NorMuonAdamW's AdamW groups) with the
-    constructor of TE's FusedAdam / torch.optim.AdamW, for Megatron's Adam groups (register(replace_adam=True)).
-
-    lr, betas, eps, weight_decay and bias_correction are group values, read at every step (lr may be a
-    one-element tensor; MuP's per-group eps works). What it does not implement is refused, with the reason;
-    TE's precision-aware options among them, as Megatron keeps the fp32 master weights itself. foreach and
-    fused have no effect; set_grad_none only sets zero_grad's default.
-
-    Step rule (TE FusedAdam): group['step'] is a Python int incremented once per step() in every group that
-    has parameters, with or without gradients, and the bias correction of step t uses it; there is no
-    per-parameter step tensor in self.state. state_dict() adds a per-parameter 'step' (a fresh 0-d fp32
-    tensor equal to the group's), which torch's and Megatron's no-TE paths read; load_state_dict() takes the
-    group's 'step', else a common per-parameter one, reading its value and never keeping the tensor (a
-    loaded step tensor may be shared by every parameter).
-
-    Keyword-only extras: backend, threads, nonfinite, verdict (as MegatronNorMuon).
-    """
+    """This project's AdamW (docs/spec.md section 4) with the constructor of TE's FusedAdam / torch.optim.AdamW,
+    for Megatron's Adam groups; what it does not implement is refused, with the reason (docs/megatron.md).
+    Keyword-only extras: backend, threads, nonfinite, verdict (as MegatronNorMuon)."""
 
     _label = "MegatronAdamW"
     _algorithm = "adamw"
+    _per_param_step = True  # read by torch's and Megatron's no-TE paths
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  bias_correction=True, adam_w_mode=True, capturable=False, master_weights=False,
@@ -848,15 +770,15 @@ class MegatronAdamW(_MegatronFlat):
         precision = ("master_weights, exp_avg_dtype, exp_avg_sq_dtype, use_decoupled_grad and "
                      "store_param_remainders are TE's precision-aware options (--use-precision-aware-optimizer), "
                      "which this optimizer does not implement: Megatron keeps fp32 master weights and state")
-        for name, value in (("amsgrad", amsgrad), ("capturable", capturable), ("maximize", maximize),
-                            ("differentiable", differentiable), ("master_weights", master_weights),
-                            ("use_decoupled_grad", use_decoupled_grad),
-                            ("store_param_remainders", store_param_remainders)):
+        refused = {"amsgrad": (amsgrad, "AMSGrad is not implemented"),
+                   "capturable": (capturable, "CUDA graph capture (--optimizer-cuda-graph) needs the CUDA backend"),
+                   "maximize": (maximize, "only minimisation is implemented"),
+                   "differentiable": (differentiable, "the step is not differentiable"),
+                   "master_weights": (master_weights, precision),
+                   "use_decoupled_grad": (use_decoupled_grad, precision),
+                   "store_param_remainders": (store_param_remainders, precision)}
+        for name, (value, why) in refused.items():
             if value:
-                why = {"amsgrad": "AMSGrad is not implemented",
-                       "capturable": "CUDA graph capture (--optimizer-cuda-graph) needs the CUDA backend",
-                       "maximize": "only minimisation is implemented",
-                       "differentiable": "the step is not differentiable"}.get(name, precision)
                 self._fail(f"{name}={value!r}: {why}")
         for name, value in (("master_weight_dtype", master_weight_dtype), ("exp_avg_dtype", exp_avg_dtype),
                             ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
@@ -868,7 +790,7 @@ class MegatronAdamW(_MegatronFlat):
                        "adam_w_mode=config.decoupled_weight_decay: keep it True)")
         if bias_correction not in (True, 1):
             self._fail(f"bias_correction={bias_correction!r}: only bias-corrected AdamW is implemented")
-        self.set_grad_none = set_grad_none
+        self.set_grad_none = set_grad_none  # only zero_grad()'s default; foreach and fused have no effect
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         self._setup(params, defaults, backend, threads, nonfinite, verdict, _device_backend)
 
@@ -885,10 +807,6 @@ class MegatronAdamW(_MegatronFlat):
         given.update({k: (k, _number(label, where, group, k)) for k in ("lr", "eps", "weight_decay")})
         return _checked(label, where, "adamw", {field: value for field, (_, value) in given.items()}, given)
 
-    def _extra_export(self, i):
-        # A fresh tensor per parameter: whoever loads it may share or increment it, never ours.
-        return {"step": torch.tensor(float(self._group_step(i)))}
-
     def zero_grad(self, set_to_none=None):
         """TE FusedAdam's default: gradients set to None (or set_grad_none's value when given)."""
         if set_to_none is None:
@@ -904,10 +822,8 @@ def init_state_fn(opt, config=None):
         opt._init_group(group, skip_non_grad_params=False)
 
 
-def adamw_init_state_fn(opt, config=None):
-    """Megatron's Adam init_state_fn contract for MegatronAdamW: state for every parameter. (Megatron's own
-    init_state_fn, which puts zero tensors into opt.state, works too: they are adopted at the next step.)"""
-    init_state_fn(opt, config)
+# MegatronAdamW's is the same. (Megatron's own Adam init_state_fn, zero tensors put into opt.state, works too.)
+adamw_init_state_fn = init_state_fn
 
 
 def config_to_kwargs(config, model_chunks=None, pg_collection=None, *, backend=None, threads=0):
@@ -956,8 +872,8 @@ def megatron_core_version():
 
 
 def check_version(version, allow_untested_version=False):
-    """Fails closed (RuntimeError naming the version) outside KNOWN_GOOD_VERSIONS, or when the version
-    cannot be told, unless allow_untested_version."""
+    """RuntimeError naming the version outside KNOWN_GOOD_VERSIONS, or when it cannot be told, unless
+    allow_untested_version."""
     if allow_untested_version:
         return
     low, high = KNOWN_GOOD_VERSIONS
@@ -996,7 +912,7 @@ def _check_adam_hooks(mopt, version):
 
 
 def _set_adam(mopt, backend, threads):
-    """MegatronAdamW (backend/threads its defaults: Megatron passes neither) as Megatron's Adam, and
+    """MegatronAdamW (with backend/threads as its defaults: Megatron passes neither) as Megatron's Adam, and
     USING_PYTORCH_OPTIMIZER off (without TE/Apex Megatron would otherwise call torch.optim.AdamW directly)."""
     cls = MegatronAdamW
     if backend is not None or threads:
@@ -1014,10 +930,8 @@ def _set_adam(mopt, backend, threads):
 
 
 def replace_adam(*, allow_untested_version=False, backend=None, threads=0):
-    """Makes Megatron build MegatronAdamW wherever it builds its Adam (the Adam groups next to Muon, and
-    --optimizer adam): sets megatron.core.optimizer.Adam and USING_PYTORCH_OPTIMIZER = False. Megatron has
-    no Adam registry, so this patches module globals, with register()'s version gate and fail-closed
-    checks. Returns the class."""
+    """Makes Megatron build MegatronAdamW wherever it builds its Adam (module globals: Megatron has no Adam
+    registry), with register()'s version gate and fail-closed checks. Returns the class."""
     mopt, _, version = _megatron("replace_adam", allow_untested_version)
     _check_adam_hooks(mopt, version)
     return _set_adam(mopt, backend, threads)
@@ -1025,15 +939,10 @@ def replace_adam(*, allow_untested_version=False, backend=None, threads=0):
 
 def register(name="normuon", *, replace_existing=False, replace_adam=False, allow_untested_version=False,
              backend=None, threads=0):
-    """Adds MegatronNorMuon to Megatron's emerging-optimizer registry under `name` (OptimizerConfig(optimizer=
-    name) builds it); with replace_adam=True, Megatron's Adam groups get MegatronAdamW too. Returns the entry.
-
-    Touches only the registry entry (its parameter routing copied from Megatron's own muon entry) and, where
-    it exists, megatron.core.optimizer.HAVE_EMERGING_OPTIMIZERS (set True: the emerging path refuses to run
-    without Emerging-Optimizers, which this optimizer does not need). Fails closed (RuntimeError, nothing
-    touched) when megatron-core is missing, outside KNOWN_GOOD_VERSIONS (unless allow_untested_version) or
-    lacks what it sets. Taking over an entry Megatron has (name='adaptive_muon' keeps the stock --optimizer
-    choice) needs replace_existing=True. backend/threads are handed to every optimizer it builds."""
+    """Adds MegatronNorMuon to Megatron's emerging-optimizer registry under `name` (its parameter routing
+    copied from Megatron's muon entry); with replace_adam=True, Megatron's Adam groups get MegatronAdamW too.
+    Returns the entry. Fails closed (RuntimeError, nothing touched) as docs/megatron.md tells; taking over an
+    entry Megatron has needs replace_existing=True. backend/threads go to every optimizer it builds."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"normuon.megatron.register: name={name!r} must be a non-empty string")
     mopt, eo, version = _megatron("register", allow_untested_version)
@@ -1068,7 +977,7 @@ def register(name="normuon", *, replace_existing=False, replace_adam=False, allo
                            f"take {sorted(fields)} ({error})") from None
     registry[name] = entry
     if hasattr(mopt, "HAVE_EMERGING_OPTIMIZERS"):
-        mopt.HAVE_EMERGING_OPTIMIZERS = True
+        mopt.HAVE_EMERGING_OPTIMIZERS = True  # the emerging path refuses to run without Emerging-Optimizers
     if replace_adam:
         _set_adam(mopt, backend, threads)
     return entry

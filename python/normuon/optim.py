@@ -61,6 +61,9 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW defaults.
     split_rows: {name: parts}: a matrix, or each expert of a bank, stepped as `parts` blocks of consecutive rows,
         each a matrix of its own (a fused gate_up projection's halves: {"*.gate_up_proj": 2}). None: whole.
+    transposed: {name: bool}: matrices (or banks) stored [in, out], whose neurons are the stored columns: NorMuon's
+        statistics and shape factor follow them. Over the modules' word: transformers' Conv1D weights (GPT-2) are;
+        {"*": False} steps every matrix by its stored rows.
     overrides: {name: "normuon" | "adamw" | "auto"}, wins over the rule. roles: {name: role} (matrix, embedding,
         head, norm, bias, other, router, experts: a MoE bank [E, m, n], E matrices stepped where they lie).
         Either takes glob patterns for names ("*.mlp.gate.weight"), as split_rows does: an exact name wins, then
@@ -88,7 +91,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     def __init__(self, params=None, lr=None, beta1=None, beta2=None, weight_decay=None, nesterov=None, ns_steps=None,
                  *, momentum=None, adamw_lr=None, adamw_betas=None, adamw_eps=None, adamw_weight_decay=None,
                  normuon_params=None, adamw_params=None, model=None, overrides=None, roles=None, backend=None,
-                 threads=None, nonfinite="error", verdict="sync", process_group=None, split_rows=None, _row_blocks=(),
+                 threads=None, nonfinite="error", verdict="sync", process_group=None, split_rows=None, transposed=None,
+                 _row_blocks=(),
                  _state_for_frozen=False, _device_backend=None, **knobs):
         require("NorMuonAdamW")
         knobs = _torch_keywords(knobs)
@@ -119,9 +123,10 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self._state_for_frozen = _state_for_frozen
         # The Megatron adapter's split QKV: RowBlocks, each standing in the groups as its key tensor.
         self._row_blocks = {id(b.key): b for b in _row_blocks}
-        params, roles = resolve_inputs(params, normuon_params, adamw_params, model, roles)
+        params, roles, flips = resolve_inputs(params, normuon_params, adamw_params, model, roles, transposed)
         overrides = expand_patterns(dict(overrides or {}), param_names(params), "overrides")
         self._split_rows = dict(split_rows or {})
+        self._transposed = dict(transposed or {})
         # What add_param_group needs later: the constructor's values for a new group, and the model to name
         # and route its tensors (a weak reference: the optimizer must not keep a model alive).
         self._defaults_by_algorithm = (normuon_defaults, adamw_defaults)
@@ -129,7 +134,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             if isinstance(model if model is not None else params, torch.nn.Module) else None
         self._threads = threads
         groups, entries = plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, self._row_blocks,
-                                      expand_patterns(self._split_rows, param_names(params), "split_rows"))
+                                      expand_patterns(self._split_rows, param_names(params), "split_rows"), flips)
         # torch's schedulers read the keys of `defaults`: "betas" makes OneCycleLR and CyclicLR cycle betas[0]
         # (beta1) in every group; NorMuon groups carry their (beta1, beta2) as betas too.
         super().__init__(groups, dict(lr=normuon_defaults["lr"], betas=(normuon_defaults["beta1"], normuon_defaults["beta2"]),
@@ -213,14 +218,17 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         known = {"params", "names", "name", "algorithm", "momentum", "betas"} | set(NORMUON_FIELDS) | \
             set(ADAMW_KEYS) | set(ADAMW_PREFIXED)
         new_extra = {k: v for k, v in param_group.items() if k not in known}  # a scheduler's initial_lr, ...
-        added, roles = resolve_inputs([{k: v for k, v in param_group.items() if k in known}], model=model)
+        added, roles, flips = resolve_inputs([{k: v for k, v in param_group.items() if k in known}], model=model)
         old = {id(e.tensor): e for e in self.engine.entries + self.engine.frozen}
         # A router added now has its experts among the parameters already here.
         roles.update(router_roles([e.name for e in old.values()] + param_names(added)))
         roles.update({e.name: (e.role, e.evidence) for e in old.values()})
         names = [e.name for e in old.values()] + param_names(added)
         split = {n: p for n, p in expand_patterns(self._split_rows, names, "split_rows").items() if n in names}
-        groups, entries = plan_groups(kept + added, *self._defaults_by_algorithm, {}, roles, self._row_blocks, split)
+        flips.update({n: (v, "transposed=") for n, v in expand_patterns(self._transposed, names, "transposed").items()})
+        flips.update({e.name: (e.transposed, None) for e in old.values()})
+        groups, entries = plan_groups(kept + added, *self._defaults_by_algorithm, {}, roles, self._row_blocks, split,
+                                      flips)
         one_device(entries)
         for i, g in enumerate(groups):  # every value checked before anything is swapped
             self._validated(i, dict(g))
@@ -409,7 +417,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         entries = [es[0] for es in by_parameter(entries).values()]  # a bank's experts: one row
         owners = {r["index"]: r["owner"] for r in self.ownership_table() or ()}
         return [dict(index=e.index, name=e.name, shape=tuple(e.block.param_shape if is_piece(e) else e.shape),
-                     dtype=DTYPES[e.dtype], role=e.role,
+                     dtype=DTYPES[e.dtype], role=e.role, transposed=e.transposed,
                      algorithm=e.algorithm, group=self.param_groups[e.group]["name"],
                      why=e.why + (" (frozen: no state until it has a gradient)" if id(e) in frozen else ""),
                      stats=("" if e.algorithm == "adamw" or id(e) in frozen else "rows" if e.stats_per_row else "cols"),
@@ -472,9 +480,12 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 by_tensor[t] = {k: v.clone(memory_format=torch.contiguous_format)
                                 for k, v in param_state(es).items()}, own[id(es[0])]
         groups, state, index = [], {}, 0
+        flipped = self._transposed_names()
         for g in self.param_groups:
             packed = {k: (list(v) if isinstance(v, list) else v) for k, v in g.items() if k != "params"}
             packed["params"] = list(range(index, index + len(g["params"])))
+            if flipped & set(g["names"]):  # their second moments run along the stored columns
+                packed["transposed"] = [n for n in g["names"] if n in flipped]
             for t in g["params"]:
                 if id(t) in by_tensor:  # (frozen: no state, as torch has none for a parameter never stepped)
                     s, own = by_tensor[id(t)]
@@ -486,6 +497,11 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             result = hook(self, state_dict)
             state_dict = state_dict if result is None else result
         return state_dict
+
+    def _transposed_names(self):
+        """The names of the parameters stored [in, out] (transposed=)."""
+        entries = self._shards.planned if self._shards is not None else self.engine.entries + self.engine.frozen
+        return {e.name for e in entries if e.transposed}
 
     def load_state_dict(self, state_dict):
         """Checks everything first (group count, algorithms, parameter counts and names, state keys and
@@ -513,6 +529,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         sh = self._shards
         by_tensor = by_parameter(sh.planned if sh is not None else self.engine.entries)
         writes, new_groups, steps, own_steps = [], [], [], {}
+        flipped = set(map(strip_wrappers, self._transposed_names()))
         position = {id(e.tensor): i for i, e in enumerate(sh.planned)} if sh is not None else {}
         pieces = [dict() for _ in position]  # sharded: this rank's piece of each parameter's state
         for i, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
@@ -526,11 +543,19 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 diff = next((f"'{a}' saved vs '{b}' here" for a, b in zip(sg["names"], g["names"])
                              if strip_wrappers(a) != strip_wrappers(b)), "a different count")
                 raise ValueError(f"{where}: parameter names differ ({diff})")
+            saved = set(map(strip_wrappers, sg.get("transposed", ())))
+            differ = sorted(saved ^ (flipped & set(saved_names)))
+            if differ:
+                n = differ[0]
+                raise ValueError(f"{where}: parameter '{n}' was saved " + ("stored [in, out] (transposed)" if n in saved
+                                 else "by its stored rows") + " but is " + ("by its stored rows" if n in saved else
+                                 "stored [in, out]") + " here, so its second moment runs along the other axis: build "
+                                 f"the optimizer with transposed={{'{n}': {n in saved}}} to load it")
             step = sg.get("step", 0)
             if not isinstance(step, int) or step < 0:
                 raise ValueError(f"{where}: step={step!r} is not a non-negative integer")
             steps.append(step)
-            new = {k: v for k, v in sg.items() if k != "params"}
+            new = {k: v for k, v in sg.items() if k not in ("params", "transposed")}
             new["params"], new["name"], new["names"] = g["params"], g["name"], g["names"]
             self._validated(i, new)
             for k in self.engine.fixed_keys:
@@ -684,7 +709,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         contents = _C.read_state_file(path)  # one read: the header looked at and the tensors are one version
         try:
             flat = _C.FlatState(target.file_layout(contents.header))
-        except ValueError as error:  # an expert bank saved whole
+        except ValueError as error:  # an expert bank saved whole, matrices by their stored rows
             raise ValueError(f"{path}: {error}") from None
         saved = _C.load_state_file(contents, flat)  # all or nothing, into a scratch state
         # What the layout and the CUDA plan fixed, and each group's values as a step would check them (a file

@@ -6,7 +6,7 @@ import warnings
 import torch
 
 from .native import _C, fields, require
-from .routing import expand_patterns, infer_role, module_roles, router_roles
+from .routing import expand_patterns, infer_role, module_roles, router_roles, transposed_weights
 
 NORMUON_FIELDS = fields("normuon") if _C is not None else ()  # the core's fields of a NorMuon group
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -36,7 +36,7 @@ class _Entry:
 
     __slots__ = ("index", "name", "tensor", "shape", "dtype", "role", "evidence", "algorithm", "why", "group",
                  "override", "master", "version", "grad", "state", "stats_per_row", "stat_len", "has_grad", "block",
-                 "grad_of", "parts")
+                 "grad_of", "parts", "transposed")
 
     @property
     def low_precision(self):
@@ -79,13 +79,16 @@ class _Entry:
             self.block.write(self.block.param.detach(), values)
 
 
-def plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, row_blocks=None, split_rows=None):
+def plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, row_blocks=None, split_rows=None,
+                transposed=None):
     """User input -> (param groups of one algorithm each, entries in manifest order): every input form,
     roles and routing, and nothing else (no state, no native buffers). roles: {name: role or (role,
     evidence)} (resolve_inputs); a parameter without one is judged by its name (routing.py). row_blocks:
     {id(key tensor): RowBlock} of the Megatron adapter's split matrices. split_rows: {name: parts}, matrices (or
-    each expert of a bank) stepped as `parts` blocks of consecutive rows. Consumes overrides, roles, split_rows."""
+    each expert of a bank) stepped as `parts` blocks of consecutive rows. transposed: {name: (bool, evidence)}
+    (resolve_inputs), matrices stored [in, out]. Consumes overrides, roles, split_rows, transposed."""
     split_rows = {} if split_rows is None else split_rows
+    transposed = {} if transposed is None else transposed
     params = list(params)
     if not params:
         raise ValueError("NorMuonAdamW got an empty parameter list")
@@ -170,6 +173,7 @@ def plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, row_
                 e.why = f"group '{base}'"
             elif e.why.startswith("rule: ") and e.role in ("embedding", "head", "router", "experts"):
                 e.why += f" ({evidence})"  # what told the role: a module, the name, or roles=
+            _transpose(e, *transposed.pop(name, (False, None)))
             if name in split_rows:
                 _split(e, split_rows.pop(name))
             if not given and evidence == "name" and e.algorithm == "normuon" and override is None:
@@ -192,6 +196,8 @@ def plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, row_
         raise ValueError(f"roles name unknown parameter(s): {', '.join(sorted(roles))}")
     if split_rows:
         raise ValueError(f"split_rows names unknown parameter(s): {', '.join(sorted(split_rows))}")
+    if transposed:
+        raise ValueError(f"transposed names unknown parameter(s): {', '.join(sorted(transposed))}")
     group_names = [g["name"] for g in groups]
     for n in group_names:
         if not isinstance(n, str) or not n or "." in n or "=" in n or group_names.count(n) > 1:
@@ -210,6 +216,17 @@ def is_bank(e):
     return e.role == "experts" and e.algorithm == "normuon" and len(e.shape) == 3 and e.block is None
 
 
+def _transpose(e, flag, evidence):
+    """e stored [in, out] when flag: NorMuon's statistics and shape factor follow its columns (the module's rows)."""
+    if not isinstance(flag, bool):
+        raise ValueError(f"transposed: parameter '{e.name}': {flag!r} is not True or False")
+    if flag and not (len(e.shape) == 2 or e.role == "experts" and len(e.shape) == 3):
+        raise ValueError(f"transposed: parameter '{e.name}' {list(e.shape)} is not a matrix or an expert bank")
+    e.transposed = flag
+    if flag and e.algorithm == "normuon":
+        e.why += f" (stored [in, out]: {evidence})"
+
+
 def _split(e, parts):
     """e stepped as `parts` blocks of consecutive rows (each expert of a bank): a fused projection's halves."""
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
@@ -217,6 +234,9 @@ def _split(e, parts):
     if e.algorithm != "normuon" or e.block is not None or len(e.shape) != (3 if e.role == "experts" else 2):
         raise ValueError(f"split_rows: parameter '{e.name}' {list(e.shape)} is not a matrix or an expert bank NorMuon "
                          f"steps ({e.algorithm}: {e.why})")
+    if e.transposed and parts > 1:
+        raise ValueError(f"split_rows: parameter '{e.name}' is stored [in, out] ({e.why}): its rows are input "
+                         "features, not blocks of outputs; give it transposed=False to split its stored rows")
     if e.shape[-2] % parts:
         raise ValueError(f"split_rows: parameter '{e.name}' has {e.shape[-2]} rows, not a multiple of {parts}")
     e.parts = parts
@@ -273,11 +293,12 @@ def _named_tensors(params, names, group_index, prefix):
     return triples
 
 
-def resolve_inputs(params, normuon_params=None, adamw_params=None, model=None, roles=None):
-    """(params, roles) from the constructor's forms: an nn.Module (routed by its modules), parameters or
-    groups (model= adds the modules' evidence and names the bare tensors of the model), or an explicit split
-    into normuon_params / adamw_params (as Muon users split by hand). roles: {name: role} from roles= (which
-    wins) and {name: (role, evidence)} from the modules."""
+def resolve_inputs(params, normuon_params=None, adamw_params=None, model=None, roles=None, transposed=None):
+    """(params, roles, transposed) from the constructor's forms: an nn.Module (routed by its modules),
+    parameters or groups (model= adds the modules' evidence and names the bare tensors of the model), or an
+    explicit split into normuon_params / adamw_params (as Muon users split by hand). roles: {name: role} from
+    roles= (which wins) and {name: (role, evidence)} from the modules. transposed: {name: (bool, evidence)}, the
+    matrices stored [in, out], from the modules (Conv1D) and transposed= (names or patterns: bool, which wins)."""
     if isinstance(params, torch.nn.Module):
         if model is not None and model is not params:
             raise ValueError("NorMuonAdamW got a module as params and another one as model=")
@@ -300,15 +321,17 @@ def resolve_inputs(params, normuon_params=None, adamw_params=None, model=None, r
                 params.append({"params": given, "algorithm": name, "name": name})
     if not isinstance(params, torch.Tensor):  # walked more than once below: generators (named_parameters(), a
         params = [_listed(item) for item in params]  # group's parameters()) as lists
-    told = {}
+    told, flips = {}, {}
     if model is not None:
-        by_module = module_roles(model)
+        by_module, stored_in_out = module_roles(model), transposed_weights(model)
         params = _named_by(params, {id(p): n for n, p in model.named_parameters()})
         told = {n: by_module[id(t)] for n, t in _pairs(params) if id(t) in by_module}
+        flips = {n: (True, stored_in_out[id(t)]) for n, t in _pairs(params) if id(t) in stored_in_out}
     names = param_names(params)
     told.update(router_roles(names))  # a router's Linear is a matrix to its module, a router by what lies beside it
     told.update(expand_patterns(roles or {}, names, "roles"))
-    return params, told
+    flips.update({n: (v, "transposed=") for n, v in expand_patterns(transposed or {}, names, "transposed").items()})
+    return params, told, flips
 
 
 def _listed(item):
@@ -378,4 +401,5 @@ def _make_entry(index, name, tensor, role, block=None):
     e.grad_of = None  # a sharded parameter's DTensor, whose .grad holds this entry's gradient (sharded.py)
     e.parts = 1  # blocks of rows the matrix (each expert of a bank) is stepped as (split_rows=)
     e.stats_per_row, e.stat_len = True, 0
+    e.transposed = False  # stored [in, out] (plan_groups' transposed)
     return e

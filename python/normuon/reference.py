@@ -159,8 +159,9 @@ def newton_schulz(update, h):
     return X
 
 
-def normuon_update(p, g, M, v, h, per_row):
-    """One NorMuon step (spec section 3.1) of one matrix, in place on p, M (momentum) and v (second moment)."""
+def normuon_update(p, g, M, v, h, per_row, transposed=False):
+    """One NorMuon step (spec section 3.1) of one matrix, in place on p, M (momentum) and v (second moment).
+    per_row: the statistics along the stored rows; transposed: p is stored [in, out], kappa follows [out, in]."""
     rows, cols = p.shape
     # 1-2. momentum (EMA) and the Nesterov blend; never hand M itself to Newton-Schulz.
     M.copy_(lerp(M, g, 1 - h["beta1"]))
@@ -182,7 +183,7 @@ def normuon_update(p, g, M, v, h, per_row):
     update = O * (s.unsqueeze(1) if per_row else s.unsqueeze(0))
     nu_normalised = _norm_in_double(update)
     update.mul_(nu / (nu_normalised + h["renorm_eps"]))
-    update.mul_(lr_scale_factor(h["lr_scale"], rows, cols))
+    update.mul_(lr_scale_factor(h["lr_scale"], *((cols, rows) if transposed else (rows, cols))))
     # 10. weight decay.
     lr, wd, mode = h["lr"], h["weight_decay"], h["weight_decay_mode"]
     if mode == "decoupled":
@@ -235,7 +236,7 @@ class ReferenceBackend:
 
     def step(self, layout, entries, hypers, group_steps, entry_steps, nonfinite):
         """entries: in layout order, objects with .name, .algorithm, .group, .has_grad, .param, .grad,
-        .state (two fp32 tensors), .stats_per_row; hypers: per group, a dict of the spec's field names.
+        .state (two fp32 tensors), .stats_per_row, .transposed; hypers: per group, a dict of the spec's field names.
         Returns (the skip reason, None, None), or (None, group_steps, entry_steps) advanced."""
         begun = begin_step(layout, entries, group_steps, entry_steps, nonfinite)
         if isinstance(begun, str):
@@ -246,7 +247,7 @@ class ReferenceBackend:
                 continue  # untouched, state not advanced
             h = hypers[e.group]
             if e.algorithm == "normuon":
-                normuon_update(e.param, e.grad, e.state[0], e.state[1], h, e.stats_per_row)
+                normuon_update(e.param, e.grad, e.state[0], e.state[1], h, e.stats_per_row, e.transposed)
             else:
                 adamw_update(e.param, e.grad, e.state[0], e.state[1], h, entry_steps[i])
         return None, group_steps, entry_steps

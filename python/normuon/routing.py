@@ -16,6 +16,9 @@ moe.router.gate): its weight scores the experts, so it is a router, not a hidden
 An expert bank, by name: a 3-D tensor [E, m, n] of an `experts` module (transformers 5.x MoE models'
 experts.gate_up_proj and experts.down_proj, torchtitan's GroupedExperts' w1, w2, w3) holds E matrices, each
 stepped by NorMuon as a matrix of its own; a tensor there named as a bias ([E, f]: gpt-oss) is biases.
+A matrix stored transposed, [in, out] (transformers' Conv1D: GPT-2; the banks [E, in, out] of experts modules
+that say is_transposed: gpt-oss; by their modules), has its neurons along the stored columns: NorMuon's
+statistics and shape factor follow them (docs/spec.md section 2).
 """
 import fnmatch
 import math
@@ -138,6 +141,27 @@ def _torch_module(module):
     return type(module).__module__.startswith("torch.nn.")
 
 
+def _conv1d(module):
+    """transformers' Conv1D (GPT-2's c_attn, c_fc, c_proj: a linear layer whose weight is stored [in, out]), known
+    by its class name and its output width nf, so that transformers need not be imported."""
+    w = getattr(module, "weight", None)
+    return type(module).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.dim() == 2 and \
+        w.shape[1] == getattr(module, "nf", None)
+
+
+def transposed_weights(model):
+    """{id(weight): evidence} of the matrices `model` stores [in, out]: Conv1D weights (_conv1d), and the expert
+    banks [E, in, out] of transformers' experts modules that say is_transposed (gpt-oss; their biases are not)."""
+    out = {}
+    for name, m in model.named_modules():
+        if _conv1d(m):
+            out[id(m.weight)] = f"Conv1D '{name}'"
+        elif getattr(m, "is_transposed", None) is True and hasattr(m, "has_gate"):  # @use_experts_implementation
+            out.update({id(p): f"{type(m).__name__} '{name}' is_transposed" for pname, p in
+                        m.named_parameters(recurse=False) if p.dim() == 3 and "bias" not in pname})
+    return out
+
+
 class _Doubt(str):
     """The evidence of a parameter the modules make a hidden matrix although it may be the output layer;
     output_layer_doubts names it unless roles= or overrides= said what it is."""
@@ -182,7 +206,7 @@ def module_roles(model):
         roles[id(w)] = ("head", f"{type(m).__name__} '{mname}' maps onto the vocabulary ({vocab})")
     named_heads = _named_heads(model, roles)
     for mname, m in model.named_modules():
-        if not _torch_module(m) or isinstance(m, EMBEDDING_MODULES):
+        if not (_torch_module(m) or _conv1d(m)) or isinstance(m, EMBEDDING_MODULES):
             continue
         for pname, p in m.named_parameters(recurse=False):
             if id(p) not in roles:

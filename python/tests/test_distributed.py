@@ -27,7 +27,10 @@ VARIANTS = {
     "ref_fp32": (None, "reference", False, dict(weight_decay=0.1, adamw_weight_decay=0.05)),
     "fast_fp32": (None, "fast", False, dict(weight_decay=0.1, adamw_weight_decay=0.05)),
     "fast_fp32_sched": (None, "fast", True, dict(weight_decay=0.1, adamw_weight_decay=0.05,
-                                                 reduce_axis="longer_dim", weight_decay_mode="cautious")),
+                                                 reduce_axis="longer_dim", weight_decay_mode="cautious",
+                                                 # stored [in, out]: a wide matrix and a square one
+                                                 transposed={"blocks.*.mlp_fc.weight": True,
+                                                             "blocks.*.proj.weight": True})),
     "fast_bf16": (torch.bfloat16, "fast", False, dict(weight_decay=0.1, adamw_betas=(0.0, 0.95))),
 }
 

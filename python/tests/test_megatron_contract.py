@@ -313,6 +313,9 @@ def test_3_one_dimensional_shards_are_refused_clearly(backend):
         opt.load_state_dict(opt.state_dict())
     with pytest.raises(ValueError, match="NorMuon needs whole 2-D matrices"):
         MegatronNorMuon([shards[1]], coefficient_type="simple", backend=backend)
+    # A MoE layer's experts in one 3-D weight: the flag that keeps them apart.
+    with pytest.raises(ValueError, match=r"has shape \[4, 8, 6\].*without --moe-single-grouped-weight"):
+        MegatronNorMuon([torch.nn.Parameter(torch.zeros(4, 8, 6))], coefficient_type="simple", backend=backend)
 
 
 # ------------------------------------------------------------------------------------------------ 5

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "normuon/manifest.h"
@@ -40,6 +41,7 @@ struct LayoutEntry {
   int64_t rows = 0, cols = 0;
   int bucket = -1;
   bool stats_per_row = true;  // second moment per row (length rows) or per column (length cols)
+  bool transposed = false;    // stored [in, out] (ParamSpec::transposed): rows and cols above are the stored ones
   int64_t stat_offset = 0, stat_len = 0;
   // AdamW only: offset in exp_avg / exp_avg_sq
   int64_t adam_offset = 0;
@@ -65,8 +67,8 @@ struct Layout {
   int64_t stat_floats = 0;     // size of the row_var buffer
   int64_t adam_floats = 0;     // size of exp_avg and exp_avg_sq
   int64_t master_floats = 0;   // size of the masters buffer of table mode (low-precision parameters)
-  // FNV-1a over names, shapes, dtypes, algorithms, groups and all offsets but the master offsets, which
-  // follow from the dtypes (so state files of earlier versions keep their fingerprint).
+  // FNV-1a over names, shapes, dtypes, algorithms, groups, transposition and all offsets but the master
+  // offsets, which follow from the dtypes (so state files of earlier versions keep their fingerprint).
   uint64_t fingerprint = 0;
 
   // Validates the manifest, routes every parameter, checks its group exists and matches its algorithm.
@@ -78,6 +80,12 @@ struct Layout {
   std::string fingerprint_hex() const;
   std::string describe() const;             // human-readable routing table and buckets
 };
+
+// A NorMuon entry's matrix as its module has it, [out, in]: (rows, cols), or (cols, rows) when transposed. The
+// statistics axis and the shape factor kappa follow it (docs/spec.md section 3.1, steps 4 and 9).
+std::pair<int64_t, int64_t> module_shape(const LayoutEntry& e);
+// kappa of a NorMuon entry under an lr_scale rule: lr_scale_factor on its module's shape.
+double entry_kappa(const LayoutEntry& e, LrScale rule);
 
 // The Newton-Schulz batches every fast backend runs: the NorMuon matrices of one shape bucket that share
 // a group (and so the Newton-Schulz knobs). Buckets in layout order; within a bucket, groups in order of

@@ -32,6 +32,9 @@ struct ParamSpec {
   Role role = Role::other;
   std::string group;                        // empty = the default group of its algorithm
   std::optional<Algorithm> algorithm;       // explicit override of the routing rule
+  // Stored [in, out], transposed against its module's [out, in] (GPT-2's Conv1D; for a bank, each expert):
+  // the statistics axis and NorMuon's shape factor follow the module (docs/spec.md section 3.1).
+  bool transposed = false;
 
   int64_t numel() const;
 };
@@ -39,13 +42,15 @@ struct ParamSpec {
 struct Manifest {
   std::vector<ParamSpec> params;
 
-  // Checks names (non-empty, unique), shapes (no negative extents, at most kMaxParamElements elements) and
-  // overrides (NorMuon only on 2-D). Throws std::invalid_argument naming the offending parameter.
+  // Checks names (non-empty, unique), shapes (no negative extents, at most kMaxParamElements elements),
+  // overrides (NorMuon only on 2-D) and transposition (only of a matrix or a bank). Throws
+  // std::invalid_argument naming the offending parameter.
   void validate() const;
 
-  // CSV with header: name,shape,dtype,role,group,algorithm
+  // CSV with header: name,shape,dtype,role,group,algorithm[,transposed]
   //   shape: extents joined by 'x' ("768x3072"), "" for a scalar; dtype: f32|bf16|f16;
-  //   role: matrix|embedding|head|norm|bias|other|router|experts; group: free text or empty; algorithm: auto|normuon|adamw.
+  //   role: matrix|embedding|head|norm|bias|other|router|experts; group: free text or empty;
+  //   algorithm: auto|normuon|adamw; transposed: yes|no|"" (written only when a parameter is).
   // Errors name the line and the column.
   static Manifest read_csv(std::istream& in, const std::string& source_name = "<csv>");
   static Manifest read_csv_file(const std::string& path);
@@ -57,6 +62,8 @@ struct Manifest {
 // nor biases, and for expert banks (role experts, 3-D: E matrices); AdamW for everything else. An explicit
 // override wins, but NorMuon on anything but a matrix or a bank is an error.
 Algorithm route(const ParamSpec& p);
+// Whether a parameter can be stored transposed: a matrix, or an expert bank (role experts, 3-D).
+bool transposable(const ParamSpec& p);
 // Expert k of bank `name`, as a layout names the matrix it lays out for it: "name[k]".
 std::string expert_name(const std::string& bank, int64_t k);
 // Group of a parameter: its own, or "normuon"/"adamw" by algorithm.
