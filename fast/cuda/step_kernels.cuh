@@ -234,6 +234,115 @@ __global__ void finalize_kernel(StepBuffers b, int first_matrix) {
   }
 }
 
+// One element's update (spec section 3.1, steps 7-11): normalised, re-normed and scaled, the weight decay, the
+// step. Both paths of normuon_update_kernel use it, so they round alike.
+__device__ __forceinline__ float updated_param(float o, float scale, float p, const GroupScalars& s,
+                                               const MatrixScalars& ms) {
+  const float u = ((o * scale) * ms.ratio) * ms.kappa;
+  if (s.decay) {
+    if (s.wd_mode == 0) p = p * s.decay_factor;
+    else if (s.wd_mode == 1) p = p - (p * (u * p >= 0.0f ? 1.0f : 0.0f)) * s.lr_wd;
+  }
+  return fmaf(s.neg_lr, u, p);
+}
+
+// Four consecutive 2-byte values in one 8-byte access.
+struct alignas(8) Bf16x4 {
+  __nv_bfloat16 x[4];
+};
+struct alignas(8) Halfx4 {
+  __half x[4];
+};
+
+__device__ __forceinline__ bool aligned(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// Whether a chunk's update can go four elements per access: every operand dense (no row runs: a block of
+// a fused weight is not) and aligned to its vector, as the optimizer's own buffers and torch's tensors are
+// unless a parameter starts inside another tensor (an expert of a bank, a view).
+__device__ __forceinline__ bool vector_ready(const EntryOperands& op, const MatrixInfo& m, const Chunk& c) {
+  if (op.master_runs.run != 0 || !aligned(op.master + c.begin, 16)) return false;
+  const bool ns_aligned = m.ns_bf16 ? aligned(static_cast<const __nv_bfloat16*>(m.ns_output) + c.begin, 8)
+                                    : aligned(static_cast<const float*>(m.ns_output) + c.begin, 16);
+  return ns_aligned && (!op.low || (op.low_runs.run == 0 && aligned(static_cast<const __half*>(op.low) + c.begin, 8)));
+}
+
+__device__ __forceinline__ void load4_ns(const void* data, bool bf16, int64_t i, float* o) {
+  if (bf16) {
+    const Bf16x4 q = *reinterpret_cast<const Bf16x4*>(static_cast<const __nv_bfloat16*>(data) + i);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) o[k] = __bfloat162float(q.x[k]);
+  } else {
+    const float4 q = *reinterpret_cast<const float4*>(static_cast<const float*>(data) + i);
+    o[0] = q.x;
+    o[1] = q.y;
+    o[2] = q.z;
+    o[3] = q.w;
+  }
+}
+
+// The fp32 values, and the caller's bf16 / fp16 parameter rounded (store_param's rule), four at a time.
+__device__ __forceinline__ void store4_param(const EntryOperands& op, int64_t i, const float* p) {
+  *reinterpret_cast<float4*>(op.master + i) = make_float4(p[0], p[1], p[2], p[3]);
+  if (!op.low) return;
+  if (op.low_type == ElemType::bf16) {
+    Bf16x4 q;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) q.x[k] = __float2bfloat16_rn(p[k]);
+    *reinterpret_cast<Bf16x4*>(static_cast<__nv_bfloat16*>(op.low) + i) = q;
+  } else {
+    Halfx4 q;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) q.x[k] = __float2half_rn(p[k]);
+    *reinterpret_cast<Halfx4*>(static_cast<__half*>(op.low) + i) = q;
+  }
+}
+
+// The update of a chunk four elements per access (vector_ready). A thread's vectors lie kBlock apart, so
+// the row and column of its first element take one division and later ones follow by addition: no
+// division per element. The last size % 4 elements go one per thread.
+__device__ void update_in_vectors(const Chunk& c, const EntryOperands& op, const MatrixInfo& m, const GroupScalars& s,
+                                  const MatrixScalars& ms, const float* __restrict__ inv_scale) {
+  const int vectors = c.size / 4;
+  const uint32_t cols = static_cast<uint32_t>(m.cols);  // a matrix has < 2^31 elements (plan_unsupported_reason)
+  const uint32_t stride = 4 * kBlock, stride_rows = stride / cols, stride_cols = stride - stride_rows * cols;
+  const uint32_t first = static_cast<uint32_t>(c.begin) + 4 * threadIdx.x;
+  uint32_t row = first / cols, col = first - row * cols;
+  for (int v = threadIdx.x; v < vectors; v += kBlock) {
+    const int64_t i = c.begin + 4 * static_cast<int64_t>(v);
+    float o[4], p[4];
+    load4_ns(m.ns_output, m.ns_bf16, i, o);
+    const float4 q = *reinterpret_cast<const float4*>(op.master + i);
+    p[0] = q.x;
+    p[1] = q.y;
+    p[2] = q.z;
+    p[3] = q.w;
+    uint32_t r = row, j = col;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      p[k] = updated_param(o[k], inv_scale[m.stats_per_row ? r : j], p[k], s, ms);
+      if (++j == cols) {  // the next row
+        j = 0;
+        ++r;
+      }
+    }
+    store4_param(op, i, p);
+    col += stride_cols;
+    row += stride_rows;
+    if (col >= cols) {
+      col -= cols;
+      ++row;
+    }
+  }
+  const int tail = 4 * vectors + static_cast<int>(threadIdx.x);
+  if (tail < c.size) {
+    const uint32_t idx = static_cast<uint32_t>(c.begin + tail), r = idx / cols;
+    const float scale = inv_scale[m.stats_per_row ? r : idx - r * cols];
+    store_param(op, idx, updated_param(load_ns(m.ns_output, m.ns_bf16, idx), scale, load_param(op, idx), s, ms));
+  }
+}
+
 __global__ void normuon_update_kernel(StepBuffers b, const Chunk* chunks) {
   if (step_skipped(b.status)) return;
   const Chunk c = chunks[blockIdx.x];
@@ -243,7 +352,11 @@ __global__ void normuon_update_kernel(StepBuffers b, const Chunk* chunks) {
   const MatrixInfo m = b.matrices[e.matrix];
   const GroupScalars s = b.groups[e.group];
   const MatrixScalars ms = b.matrix_scalars[e.matrix];
-  const float* inv_scale = b.inv_scale + m.stat_offset;
+  const float* __restrict__ inv_scale = b.inv_scale + m.stat_offset;
+  if (vector_ready(op, m, c)) {
+    update_in_vectors(c, op, m, s, ms, inv_scale);
+    return;
+  }
   const uint32_t cols = static_cast<uint32_t>(m.cols);
   for (int i0 = threadIdx.x; i0 < c.size; i0 += kBlock * kIlp) {
     float o[kIlp], p[kIlp], scale[kIlp];
@@ -261,15 +374,7 @@ __global__ void normuon_update_kernel(StepBuffers b, const Chunk* chunks) {
 #pragma unroll
     for (int k = 0; k < kIlp; ++k) {
       const int i = i0 + k * kBlock;
-      if (i < c.size) {
-        const float u = ((o[k] * scale[k]) * ms.ratio) * ms.kappa;
-        float pk = p[k];
-        if (s.decay) {
-          if (s.wd_mode == 0) pk = pk * s.decay_factor;
-          else if (s.wd_mode == 1) pk = pk - (pk * (u * pk >= 0.0f ? 1.0f : 0.0f)) * s.lr_wd;
-        }
-        store_param(op, c.begin + i, fmaf(s.neg_lr, u, pk));
-      }
+      if (i < c.size) store_param(op, c.begin + i, updated_param(o[k], scale[k], p[k], s, ms));
     }
   }
 }
