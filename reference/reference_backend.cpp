@@ -130,7 +130,7 @@ at::Tensor newton_schulz(const at::Tensor& update, const NorMuonHyper& h) {
 }
 
 void normuon_update(at::Tensor p, const at::Tensor& g, at::Tensor M, at::Tensor v, const NorMuonHyper& h,
-                    bool stats_per_row, bool transposed, PhaseTimes* times) {
+                    bool stats_per_row, PhaseTimes* times, bool transposed) {
   normuon_on(shared_primitives(), p, g, M, v, h, stats_per_row, transposed, times);
 }
 

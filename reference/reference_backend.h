@@ -72,11 +72,11 @@ class ReferenceBackend : public Backend {
 // Newton-Schulz orthogonalisation of a 2-D fp32 tensor in the group's precision (fp32 result holding
 // values of that precision).
 at::Tensor newton_schulz(const at::Tensor& update, const NorMuonHyper& h);
-// One NorMuon step of one matrix, in place on p, M (momentum) and v (second moment). transposed: p is stored
+// One NorMuon step of one matrix, in place on p, M (momentum) and v (second moment). `times` (optional)
+// receives the time of each phase (on CUDA the clock synchronises the device). transposed: p is stored
 // [in, out], so kappa follows its transpose (ParamSpec::transposed; stats_per_row is the stored axis).
-// `times` (optional) receives the time of each phase (on CUDA the clock synchronises the device).
 void normuon_update(at::Tensor p, const at::Tensor& g, at::Tensor M, at::Tensor v, const NorMuonHyper& h,
-                    bool stats_per_row, bool transposed = false, PhaseTimes* times = nullptr);
+                    bool stats_per_row, PhaseTimes* times = nullptr, bool transposed = false);
 // One AdamW step (torch.optim.AdamW, single-tensor path) of one tensor at its own step count t >= 1.
 void adamw_update(at::Tensor p, const at::Tensor& g, at::Tensor m, at::Tensor v, const AdamWHyper& h, int64_t t,
                   PhaseTimes* times = nullptr);

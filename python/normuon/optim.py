@@ -182,6 +182,12 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self.engine = Engine(self._shards.entries if self._shards else laid, groups, self._choice,
                              threads=self._threads, nonfinite=self.nonfinite, verdict=self.verdict, frozen=frozen,
                              device_backend=self._device_backend)
+        # Each NorMuon group names its matrices stored [in, out]: an own key, as "names", so that a state dict
+        # (flattened by torch.distributed.checkpoint too) carries what its second moments mean.
+        flipped = {id(e.tensor) for e in entries if e.transposed}
+        for g in self.param_groups:
+            if g["algorithm"] == "normuon":
+                g["transposed"] = [n for n, t in zip(g["names"], g["params"]) if id(t) in flipped]
         param_of = {e.index: e.tensor for e in entries}
         self.state = defaultdict(dict)
         if self._shards is not None:
@@ -204,6 +210,10 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         if not isinstance(param_group, dict) or "params" not in param_group:
             raise ValueError("add_param_group takes a dict with 'params' (and optionally 'name', 'algorithm' and "
                              "hyper-parameters)")
+        if "transposed" in param_group:
+            raise ValueError("add_param_group: 'transposed' is the optimizer's own group key (which of the group's "
+                             "matrices are stored [in, out]): the model's modules say it, or the constructor's "
+                             "transposed=")
         self._sync_hyper()  # the current values of the existing groups, checked
         self._settle()
         self.engine.refresh_masters()
@@ -480,12 +490,9 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 by_tensor[t] = {k: v.clone(memory_format=torch.contiguous_format)
                                 for k, v in param_state(es).items()}, own[id(es[0])]
         groups, state, index = [], {}, 0
-        flipped = self._transposed_names()
         for g in self.param_groups:
             packed = {k: (list(v) if isinstance(v, list) else v) for k, v in g.items() if k != "params"}
             packed["params"] = list(range(index, index + len(g["params"])))
-            if flipped & set(g["names"]):  # their second moments run along the stored columns
-                packed["transposed"] = [n for n in g["names"] if n in flipped]
             for t in g["params"]:
                 if id(t) in by_tensor:  # (frozen: no state, as torch has none for a parameter never stepped)
                     s, own = by_tensor[id(t)]
@@ -497,11 +504,6 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             result = hook(self, state_dict)
             state_dict = state_dict if result is None else result
         return state_dict
-
-    def _transposed_names(self):
-        """The names of the parameters stored [in, out] (transposed=)."""
-        entries = self._shards.planned if self._shards is not None else self.engine.entries + self.engine.frozen
-        return {e.name for e in entries if e.transposed}
 
     def load_state_dict(self, state_dict):
         """Checks everything first (group count, algorithms, parameter counts and names, state keys and
@@ -529,7 +531,6 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         sh = self._shards
         by_tensor = by_parameter(sh.planned if sh is not None else self.engine.entries)
         writes, new_groups, steps, own_steps = [], [], [], {}
-        flipped = set(map(strip_wrappers, self._transposed_names()))
         position = {id(e.tensor): i for i, e in enumerate(sh.planned)} if sh is not None else {}
         pieces = [dict() for _ in position]  # sharded: this rank's piece of each parameter's state
         for i, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
@@ -543,20 +544,15 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 diff = next((f"'{a}' saved vs '{b}' here" for a, b in zip(sg["names"], g["names"])
                              if strip_wrappers(a) != strip_wrappers(b)), "a different count")
                 raise ValueError(f"{where}: parameter names differ ({diff})")
-            saved = set(map(strip_wrappers, sg.get("transposed", ())))
-            differ = sorted(saved ^ (flipped & set(saved_names)))
-            if differ:
-                n = differ[0]
-                raise ValueError(f"{where}: parameter '{n}' was saved " + ("stored [in, out] (transposed)" if n in saved
-                                 else "by its stored rows") + " but is " + ("by its stored rows" if n in saved else
-                                 "stored [in, out]") + " here, so its second moment runs along the other axis: build "
-                                 f"the optimizer with transposed={{'{n}': {n in saved}}} to load it")
+            _same_transposition(where, sg.get("transposed", ()), g.get("transposed", ()))
             step = sg.get("step", 0)
             if not isinstance(step, int) or step < 0:
                 raise ValueError(f"{where}: step={step!r} is not a non-negative integer")
             steps.append(step)
             new = {k: v for k, v in sg.items() if k not in ("params", "transposed")}
             new["params"], new["name"], new["names"] = g["params"], g["name"], g["names"]
+            if "transposed" in g:
+                new["transposed"] = g["transposed"]
             self._validated(i, new)
             for k in self.engine.fixed_keys:
                 if k in new and new[k] != g[k]:
@@ -665,11 +661,11 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                                               zip(self.engine.group_names, self.param_groups, self.engine.values)],
                        "reference", frozen=frozen)
         if filled:
-            for w, state in zip(whole.entries, states):
-                for key, dst in named_state(w).items():
+            for ws, state in zip(by_parameter(whole.entries).values(), states):  # (a bank: its experts)
+                for key, dst in param_state(ws).items():
                     dst.copy_(state[key])
             whole.mark_current()
-            whole.set_steps(sh.steps, [sh.entry_steps[i] for i, _ in laid])
+            whole.set_steps(sh.steps, [sh.entry_steps[i] for i, _ in laid for _ in sh.spans[i]])
         return whole, [i for i, _ in laid]
 
     def import_state(self, path):
@@ -737,7 +733,28 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         return flat, updated
 
 
-_GROUP_OWN_KEYS = {"params", "names", "name", "algorithm", "step", "betas"}  # the optimizer's own group keys
+_GROUP_OWN_KEYS = {"params", "names", "name", "algorithm", "step", "betas", "transposed"}  # the optimizer's own keys
+
+
+def _same_transposition(where, saved, here):
+    """A NorMuon group's matrices stored [in, out] in a state dict (none: saved before they were, or with
+    transposed={'*': False}) and here, by name without wrapper prefixes: ValueError when they differ, since their
+    second moments run along the other axis, with the transposed= that loads it."""
+    saved_set = set(map(strip_wrappers, saved))
+    differ = [n for n in here if strip_wrappers(n) not in saved_set] + \
+        [n for n in saved if strip_wrappers(n) not in set(map(strip_wrappers, here))]
+    if not differ:
+        return
+    shown = ", ".join(f"'{n}'" for n in differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+    if not saved:
+        how = "transposed={'*': False}"
+    elif not here:
+        how = "the modules' reading (no transposed={'*': False}) or transposed={name: True} for those saved so"
+    else:
+        how = "the transposed= it was saved with"
+    raise ValueError(f"{where}: the state dict holds {'no' if not saved else len(saved)} matrices stored [in, out] "
+                     f"(transposed), this optimizer {len(here)}; {shown} differ, and their second moments run along "
+                     f"the other axis: build the optimizer with {how} to load it")
 
 
 # torch.optim keywords: those that change nothing here are taken; the others name what they map to.

@@ -217,13 +217,17 @@ def is_bank(e):
 
 
 def _transpose(e, flag, evidence):
-    """e stored [in, out] when flag: NorMuon's statistics and shape factor follow its columns (the module's rows)."""
+    """e stored [in, out] when flag: NorMuon's statistics and shape factor follow its columns (the module's rows).
+    Only NorMuon's matrices and banks have those; the modules' word is taken where it applies, transposed= is
+    refused where it cannot."""
     if not isinstance(flag, bool):
         raise ValueError(f"transposed: parameter '{e.name}': {flag!r} is not True or False")
     if flag and not (len(e.shape) == 2 or e.role == "experts" and len(e.shape) == 3):
-        raise ValueError(f"transposed: parameter '{e.name}' {list(e.shape)} is not a matrix or an expert bank")
-    e.transposed = flag
-    if flag and e.algorithm == "normuon":
+        if evidence == "transposed=":
+            raise ValueError(f"transposed: parameter '{e.name}' {list(e.shape)} is not a matrix or an expert bank")
+        flag = False
+    e.transposed = flag and e.algorithm == "normuon"
+    if e.transposed:
         e.why += f" (stored [in, out]: {evidence})"
 
 
@@ -235,8 +239,8 @@ def _split(e, parts):
         raise ValueError(f"split_rows: parameter '{e.name}' {list(e.shape)} is not a matrix or an expert bank NorMuon "
                          f"steps ({e.algorithm}: {e.why})")
     if e.transposed and parts > 1:
-        raise ValueError(f"split_rows: parameter '{e.name}' is stored [in, out] ({e.why}): its rows are input "
-                         "features, not blocks of outputs; give it transposed=False to split its stored rows")
+        raise ValueError(f"split_rows: parameter '{e.name}' is stored [in, out] ({e.why}): its outputs are its "
+                         "columns, and splitting columns is not served (its rows are input features)")
     if e.shape[-2] % parts:
         raise ValueError(f"split_rows: parameter '{e.name}' has {e.shape[-2]} rows, not a multiple of {parts}")
     e.parts = parts

@@ -136,9 +136,15 @@ def infer_role(name, shape):
     return _shape_role(parts, len(shape))
 
 
+# torch.nn's containers: a parameter they hold directly (an expert bank in a bare nn.Module named experts) is
+# told by its name, not by the class.
+CONTAINERS = (torch.nn.Module, torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential, torch.nn.ParameterList,
+              torch.nn.ParameterDict)
+
+
 def _torch_module(module):
-    """A module class from torch.nn itself: its parameters' roles follow from the class, not from names."""
-    return type(module).__module__.startswith("torch.nn.")
+    """A layer class from torch.nn itself: its parameters' roles follow from the class, not from names."""
+    return type(module).__module__.startswith("torch.nn.") and type(module) not in CONTAINERS
 
 
 def _conv1d(module):

@@ -19,7 +19,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .engine import in_pieces, named_state, param_specs
+from .engine import by_parameter, label, laid_out, param_specs, param_state
 from .native import _C, require
 
 _DTENSOR = []  # torch.distributed.tensor.DTensor, or None where this torch has none: looked up once
@@ -103,6 +103,13 @@ def _object_group(process_group, dist_backend):
     return dist.new_group(backend="gloo")
 
 
+def _moment2_dims(e):
+    """(lead, axis): a NorMuon parameter's leading dimensions (1 for a bank [E, m, n], else 0), which its second
+    moment keeps, and the dimension the statistics run along."""
+    lead = len(e.shape) - 2
+    return lead, lead + (0 if e.stats_per_row else 1)
+
+
 def _local(t):
     """A DTensor's local piece, or a plain tensor itself (replicated over a process group)."""
     return t._local_tensor if isinstance(t, dtensor_type() or ()) else t
@@ -141,10 +148,9 @@ class Shards:
         meshes = []
         for e in planned:
             where = f"parameter '{e.name}'"
-            if in_pieces(e):
-                raise ValueError(f"{where} is an expert bank {list(e.shape)} or split into blocks (split_rows=), "
-                                 "which sharded training does not step yet: route it to AdamW (overrides={'"
-                                 + e.name + "': 'adamw'}) or leave it whole, or step it in one process")
+            if e.parts > 1:
+                raise ValueError(f"{where} is split into blocks of rows (split_rows=), which sharded training does "
+                                 "not step yet: leave it whole (the default), or step it in one process")
             if process_group is not None:
                 if kind is not None and isinstance(e.tensor, kind):
                     raise ValueError(f"{where} is a DTensor: process_group= is for plain tensors every rank holds "
@@ -203,10 +209,11 @@ class Shards:
             if sum(_numel(b) for b, first in zip(blocks, senders) if first) != math.prod(e.shape):
                 raise ValueError(f"parameter '{e.name}': the ranks' blocks do not tile it once: its meshes do not "
                                  "cover the ranks of the optimizer's group")
-        matrices = [e for e in planned if e.algorithm == "normuon"]
+        matrices = [e for e in planned if e.algorithm == "normuon"]  # an expert bank: its experts, one owner
         values = [v for _, _, v in groups]
-        costs = [newton_schulz_flops(e.shape[0], e.shape[1], values[e.group]["ns_steps"],
-                                     values[e.group].get("ns_algorithm", "standard")) for e in matrices]
+        costs = [math.prod(e.shape[:-2]) * newton_schulz_flops(e.shape[-2], e.shape[-1], values[e.group]["ns_steps"],
+                                                               values[e.group].get("ns_algorithm", "standard"))
+                 for e in matrices]
         owners, _ = assign_owners(costs, self.world)
         at = {id(e): i for i, e in enumerate(planned)}  # everything below is keyed by position in `planned`
         self.owner = {at[id(e)]: r for e, r in zip(matrices, owners)}
@@ -229,12 +236,18 @@ class Shards:
                 mine.grad_of = e.tensor if mine.tensor is not e.tensor else None
             self.entries.append(mine)
             self.positions.append(i)
-        # The whole model's layout: the counters of one process (the core's rule, _C.advance_steps).
+        # The whole model's layout: the counters of one process (the core's rule, _C.advance_steps), over the
+        # layout's entries (a bank's experts, each at its bank's count); spans: each parameter's entries.
         options = _C.Options([(name, algorithm) for name, algorithm, _ in groups])
         for i, v in enumerate(values):
             options.set_group(i, v)
-        self.layout = _C.Layout.build(_C.Manifest(param_specs(planned, [name for name, _, _ in groups])), options)
-        for e, le in zip(planned, self.layout.entries):  # the routing table's statistics axis
+        laid = [laid_out(e) for e in planned]
+        self.spans = [range(sum(map(len, laid[:i])), sum(map(len, laid[:i + 1]))) for i in range(len(laid))]
+        flat = [x for xs in laid for x in xs]
+        names = [label(x) for x in flat]
+        self.layout = _C.Layout.build(_C.Manifest(param_specs(flat, [name for name, _, _ in groups], names)), options)
+        for e, span in zip(planned, self.spans):  # the routing table's statistics axis (a bank's: its experts')
+            le = self.layout.entries[span[0]]
             e.stats_per_row, e.stat_len = le.stats_per_row, le.stat_len
         self.steps = [0] * len(values)
         self.entry_steps = [0] * len(planned)
@@ -305,9 +318,16 @@ class Shards:
             self._exchange(has_grad, inward=False)
         finally:
             self._tallies = (self.comm_stats,)
-        self.steps, self.entry_steps = _C.advance_steps(self.layout, has_grad, self.steps, self.entry_steps)
-        engine.set_steps(self.steps, [self.entry_steps[i] for i in self.positions])
+        counts = [self.entry_steps[i] for i, span in enumerate(self.spans) for _ in span]
+        self.steps, counts = _C.advance_steps(self.layout, [has_grad[i] for i, span in enumerate(self.spans)
+                                                            for _ in span], self.steps, counts)
+        self.entry_steps = [counts[span[0]] for span in self.spans]
+        self._set_engine_steps(engine)
         return None
+
+    def _set_engine_steps(self, engine):
+        """The counters into this rank's engine: one per engine entry (a bank's experts each at the bank's)."""
+        engine.set_steps(self.steps, [self.entry_steps[i] for i in self.positions for _ in self.spans[i]])
 
     def refresh(self, engine):
         """Collective. The owners' whole matrices from the parameters as they are now (their blocks, no
@@ -434,15 +454,17 @@ class Shards:
 
     def state_layout(self, i):
         """Parameter i's state as one process holds it: (key, whole shape, this key's block on each rank),
-        laid out as the parameter; a NorMuon second moment follows the parameter's blocks along its axis."""
+        laid out as the parameter; a NorMuon second moment follows the parameter's blocks along its axis (a
+        bank's, [E, len], along its experts too)."""
         e = self.planned[i]
         keys = ["momentum_buffer", "moment2_buffer"] if e.algorithm == "normuon" else ["exp_avg", "exp_avg_sq"]
         keys += ["master_param"] if e.low_precision else []
         out = []
         for key in keys:
             if key == "moment2_buffer":
-                axis = 0 if e.stats_per_row else 1
-                out.append((key, (e.stat_len,), [(b[axis],) for b in self.blocks[i]]))
+                lead, axis = _moment2_dims(e)
+                blocks = [b[:lead] + (b[axis],) for b in self.blocks[i]]
+                out.append((key, tuple(e.shape[:lead]) + (e.stat_len,), blocks))
             else:
                 out.append((key, tuple(e.shape), self.blocks[i]))
         return out
@@ -455,19 +477,21 @@ class Shards:
             return tuple(e.tensor.placements)
         from torch.distributed.tensor import Replicate
 
-        axis = 0 if e.stats_per_row else 1
+        lead, axis = _moment2_dims(e)
         out = []
         for p in e.tensor.placements:
-            if _shard_dim(p) is not None and _shard_dim(p) % len(e.shape) == axis:  # (a _StridedShard keeps its factor)
-                out.append(type(p)(0, split_factor=p.split_factor) if hasattr(p, "split_factor") else type(p)(0))
+            d = None if _shard_dim(p) is None else _shard_dim(p) % len(e.shape)
+            if d is not None and (d < lead or d == axis):  # (a _StridedShard keeps its factor)
+                to = d if d < lead else lead
+                out.append(type(p)(to, split_factor=p.split_factor) if hasattr(p, "split_factor") else type(p)(to))
             else:
                 out.append(Replicate())
         return tuple(out)
 
     def _views(self, engine):
-        """position -> {key: this rank's engine view} of what its engine holds (whole matrices it owns,
-        local pieces of AdamW parameters)."""
-        return {i: named_state(me) for i, me in zip(self.positions, engine.entries)}
+        """position -> {key: this rank's engine view} of what its engine holds (whole matrices and banks it
+        owns, local pieces of AdamW parameters)."""
+        return {i: param_state(es) for i, es in zip(self.positions, by_parameter(engine.entries).values())}
 
     def local_state(self, engine):
         """Collective. Per position, {key: this rank's piece} (fresh fp32 tensors, the blocks state_layout
@@ -543,7 +567,7 @@ class Shards:
                                       lambda i=i, key=key, b=b: views[i][key][_slices(b)]))
         self._move(moves)
         self.steps, self.entry_steps = list(steps), list(entry_steps)
-        engine.set_steps(self.steps, [self.entry_steps[i] for i in self.positions])
+        self._set_engine_steps(engine)
         engine.mark_current()
 
     def load_whole(self, engine, whole, positions):
@@ -552,10 +576,11 @@ class Shards:
         in the plan (a parameter it leaves out, frozen and never stepped, stays as it is)."""
         given = [{} for _ in self.planned]
         entry_steps = list(self.entry_steps)
+        counts = dict(zip(map(id, whole.entries), whole.entry_steps))
         with torch.no_grad():
-            for i, w, count in zip(positions, whole.entries, whole.entry_steps):
-                _local(self.planned[i].tensor).copy_(w.values()[_slices(self.blocks[i][self.rank])])
-                given[i], entry_steps[i] = named_state(w), count
+            for i, ws in zip(positions, by_parameter(whole.entries).values()):
+                _local(self.planned[i].tensor).copy_(ws[0].source.detach()[_slices(self.blocks[i][self.rank])])
+                given[i], entry_steps[i] = param_state(ws), counts[id(ws[0])]
         self.refresh(engine)  # the owners' whole matrices from the parameters just written
         self.load_local_state(engine, [self.local_pieces(i, g) for i, g in enumerate(given)], whole.steps,
                               entry_steps)

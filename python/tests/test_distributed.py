@@ -566,3 +566,28 @@ def test_a_file_one_rank_cannot_read_is_refused_everywhere(runs):
                                "(nothing was changed)")
     for r in got:
         assert_same(r["after"], r["before"])
+
+
+def test_an_expert_bank_under_process_group_steps_as_one_process(one_rank):
+    """A bank [E, m, n] every rank holds whole (process_group=): its owner steps its experts where the bank lies,
+    as one process does."""
+    def model_and_opt(**kw):
+        torch.manual_seed(9)
+        model = nn.Module()
+        model.experts = nn.Module()
+        model.experts.w1 = nn.Parameter(torch.randn(3, 8, 6))
+        model.proj = nn.Linear(6, 6)
+        return model, normuon.NorMuonAdamW(model, threads=1, **kw)
+
+    runs = []
+    for kw in (dict(process_group=dist.group.WORLD), {}):
+        model, opt = model_and_opt(**kw)
+        for step in range(1, 3):
+            fill_grads(model, step)
+            opt.step()
+        runs.append((params_of(model), {k: v for k, v in opt.state_dict()["state"][0].items()},
+                     [r["algorithm"] for r in opt.routing_table()]))
+    (got, got_state, routes), (want, want_state, _) = runs
+    assert routes[0] == "normuon"
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert all(torch.equal(got_state[k], want_state[k]) for k in want_state)

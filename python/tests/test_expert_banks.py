@@ -285,3 +285,19 @@ def test_split_rows_in_state_files_and_added_groups(native, tmp_path):
     split.add_param_group({"params": [("b.gate_up.weight", b)]})
     assert [e.name for e in split.engine.layout.entries] == [
         "a.gate_up.weight.part0", "a.gate_up.weight.part1", "b.gate_up.weight.part0", "b.gate_up.weight.part1"]
+
+
+def test_a_bank_in_a_bare_container_is_told_by_its_name():
+    """torch.nn's containers (a bare nn.Module, a ModuleDict) say nothing of the parameters they hold: a bank held
+    by one named experts is a bank by its name (the container's class made it 'other', AdamW, before)."""
+    require_native()
+    model = torch.nn.Module()
+    model.experts = torch.nn.Module()
+    model.experts.w1 = torch.nn.Parameter(torch.randn(3, 8, 6))
+    model.blocks = torch.nn.ModuleDict({"experts": torch.nn.Module()})
+    model.blocks["experts"].w2 = torch.nn.Parameter(torch.randn(3, 6, 8))
+    model.proj = torch.nn.Linear(6, 6)
+    rows = {r["name"]: r for r in normuon.NorMuonAdamW(model, threads=1).routing_table()}
+    for name in ("experts.w1", "blocks.experts.w2"):
+        assert (rows[name]["role"], rows[name]["algorithm"]) == ("experts", "normuon"), rows[name]
+    assert (rows["proj.weight"]["role"], rows["proj.bias"]["role"]) == ("matrix", "bias")

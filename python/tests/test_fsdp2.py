@@ -49,6 +49,53 @@ class Tiny(nn.Module):
         return self.head(self.norm(h))
 
 
+class TinyMoe(nn.Module):
+    """An embedding, a mixture of 3 experts stored as banks as transformers 5.x stores them (experts.gate_up_proj
+    [E, 2f, d], experts.down_proj [E, d, f]: FSDP2 shards the experts, unevenly at 2 ranks, one rank without any
+    at 4), a norm and a head."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        torch.manual_seed(4)
+        self.embed = nn.Embedding(11, 6)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.randn(3, 8, 6) * 0.4)
+        self.experts.down_proj = nn.Parameter(torch.randn(3, 6, 4) * 0.4)
+        self.norm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.to(dtype)
+
+    def forward(self, x):
+        h = self.embed(x)
+        mixed = 0
+        for k in range(3):
+            gate, up = (h @ self.experts.gate_up_proj[k].t()).chunk(2, dim=-1)
+            mixed = mixed + (nn.functional.silu(gate) * up) @ self.experts.down_proj[k].t()
+        return self.head(self.norm(h + mixed))
+
+
+def train_moe(variant, shard, file_out=None):
+    """TinyMoe trained for STEPS steps, FSDP2-sharded or in one process: its parameters after every step, the
+    counters and the whole state dict at the end; file_out: the project's state file written then."""
+    dtype, backend, kw = VARIANTS[variant]
+    model = TinyMoe(dtype)
+    if shard:
+        fully_shard(model)
+    opt = normuon.NorMuonAdamW(model, backend=backend, threads=1, **kw)
+    seen = []
+    for step in range(1, STEPS + 1):
+        model(batch(step)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append({n: (p.full_tensor() if shard else p).detach().clone() for n, p in model.named_parameters()})
+    state = {k: {key: t.full_tensor() if shard and key != "step" else t for key, t in s.items()}
+             for k, s in opt.state_dict()["state"].items()}
+    if file_out is not None:
+        opt.export_state(file_out)
+    return dict(params=seen, steps=[g["step"] for g in opt.param_groups], state=state,
+                owners={r["name"]: r["owner"] for r in opt.ownership_table() or ()})
+
+
 def batch(step):
     g = torch.Generator().manual_seed(100 + step)
     return torch.randint(0, 11, (4, 5), generator=g)
@@ -207,6 +254,8 @@ def rank_job(world, rank, out):
                         for v in RESUMED})
     else:
         results = {v: train(v, shard=True) for v in VARIANTS}
+    results.update({"moe_" + v: train_moe(v, shard=True, file_out=os.path.join(out, f"moe-{v}-w{world}.safetensors"))
+                    for v in VARIANTS})
     if world != 2:
         results.update({"resumed_" + v: train(v, shard=True, first=2, load=os.path.join(out, "dcp-" + v))
                         for v in RESUMED})
@@ -309,6 +358,33 @@ def assert_same(got, one, where, first=1):
     for step, (a, b) in enumerate(zip(got["params"], one["params"][first - 1:]), start=first):
         for name in b:
             assert torch.equal(a[name], b[name]), (where, step, name, (a[name] - b[name]).abs().max())
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_banks_step_bit_for_bit_as_one_process(runs, world, variant):
+    """Banks sharded by FSDP2 along their experts: each bank is stepped whole by one owner, as one process steps
+    it; the state dict holds the bank's state, the state file loads into one process."""
+    with one_thread():
+        one = train_moe(variant, shard=False)
+    for rank, result in enumerate(runs[world]):
+        got = result["moe_" + variant]
+        assert_same(got, one, (world, rank))
+        assert got["state"].keys() == one["state"].keys()
+        for k, s in one["state"].items():
+            for key, t in s.items():
+                assert torch.equal(got["state"][k][key], t), (world, rank, k, key)
+        assert got["owners"]["experts.gate_up_proj"] in range(world)  # one owner per bank
+    dtype, backend, kw = VARIANTS[variant]
+    with one_thread():
+        model = TinyMoe(dtype)
+        opt = normuon.NorMuonAdamW(model, backend=backend, threads=1, **kw)
+        opt.import_state(os.path.join(runs["out"], f"moe-{variant}-w{world}.safetensors"))
+    for k, s in one["state"].items():
+        for key, t in s.items():
+            assert torch.equal(opt.state_dict()["state"][k][key], t), (world, k, key)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), one["params"][-1][name]), name
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
