@@ -149,10 +149,11 @@ def _torch_module(module):
 
 def _conv1d(module):
     """transformers' Conv1D (GPT-2's c_attn, c_fc, c_proj: a linear layer whose weight is stored [in, out]), known
-    by its class name and its output width nf, so that transformers need not be imported."""
+    by its class name (or a base's: fully_shard makes FSDPConv1D) and its output width nf, so that transformers
+    need not be imported."""
     w = getattr(module, "weight", None)
-    return type(module).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.dim() == 2 and \
-        w.shape[1] == getattr(module, "nf", None)
+    named = any(c.__name__ == "Conv1D" for c in type(module).__mro__)
+    return named and isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[1] == getattr(module, "nf", None)
 
 
 def transposed_weights(model):

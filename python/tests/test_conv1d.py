@@ -275,3 +275,14 @@ def test_gpt_oss_expert_banks_follow_their_module():
     opt.step()
     bank = dict(model.named_parameters())["model.layers.0.mlp.experts.down_proj"]  # [4, 24, 16]: per column
     assert opt.state[bank]["moment2_buffer"].shape == (4, 16)
+
+
+def test_a_conv1d_wrapped_by_fully_shard_is_still_one():
+    """fully_shard swaps a module's class for a subclass (FSDPConv1D): the base class still tells."""
+    require_native()
+    model = tiny_gpt2()
+    block = model.transformer.h[0].mlp.c_fc
+    block.__class__ = type("FSDPConv1D", (type(block),), {})
+    rows = {r["name"]: r for r in normuon.NorMuonAdamW(model, threads=1).routing_table()}
+    assert rows["transformer.h.0.mlp.c_fc.weight"]["transposed"]
+    assert "Conv1D 'transformer.h.0.mlp.c_fc'" in rows["transformer.h.0.mlp.c_fc.weight"]["why"]
