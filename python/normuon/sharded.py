@@ -209,7 +209,10 @@ class Shards:
             if sum(_numel(b) for b, first in zip(blocks, senders) if first) != math.prod(e.shape):
                 raise ValueError(f"parameter '{e.name}': the ranks' blocks do not tile it once: its meshes do not "
                                  "cover the ranks of the optimizer's group")
-        matrices = [e for e in planned if e.algorithm == "normuon"]  # an expert bank: its experts, one owner
+        # A bank whose ranks hold whole experts, none twice (fully_shard cuts it along them): each rank steps its
+        # own experts where they lie, no exchange. Any other matrix or bank: one owner, for all its experts.
+        self.local = {i for i in range(len(planned)) if self._experts_apart(i)}
+        matrices = [e for i, e in enumerate(planned) if e.algorithm == "normuon" and i not in self.local]
         values = [v for _, _, v in groups]
         costs = [math.prod(e.shape[:-2]) * newton_schulz_flops(e.shape[-2], e.shape[-1], values[e.group]["ns_steps"],
                                                                values[e.group].get("ns_algorithm", "standard"))
@@ -223,10 +226,12 @@ class Shards:
         self.proxies = {}  # position -> the whole matrix an owner steps
         self.grads = {}    # position -> its gradient buffer (the proxy's .grad when the matrix has a gradient)
         for i, e in enumerate(planned):
-            if e.algorithm == "normuon" and self.owner[i] != self.rank:
+            if e.algorithm == "normuon" and self.owner.get(i, self.rank) != self.rank:
                 continue
+            if i in self.local and _numel(self.blocks[i][self.rank]) == 0:
+                continue  # none of the bank's experts here
             mine = copy.copy(e)
-            if e.algorithm == "normuon" and not self._whole_everywhere(i):  # whole here, from the blocks
+            if e.algorithm == "normuon" and i not in self.local and not self._whole_everywhere(i):  # whole here
                 mine.tensor = torch.zeros(e.shape, dtype=e.dtype, device=_local(e.tensor).device)
                 self.grads[i] = mine.tensor.grad = torch.zeros_like(mine.tensor)
                 self.proxies[i] = mine.tensor
@@ -272,6 +277,13 @@ class Shards:
         every = [None] * self.world
         dist.all_gather_object(every, error, group=self.object_group)
         return next(((r, e) for r, e in enumerate(every) if e is not None), None)
+
+    def _experts_apart(self, i):
+        """Parameter i is a NorMuon bank whose ranks hold whole experts, none of them twice."""
+        e, blocks = self.planned[i], self.blocks[i]
+        held = [b for b in blocks if _numel(b)]
+        return e.algorithm == "normuon" and len(e.shape) == 3 and len(set(held)) == len(held) and \
+            all(b[1:] == ((0, e.shape[1]), (0, e.shape[2])) for b in held)
 
     def _whole_everywhere(self, i):
         full = tuple((0, n) for n in self.planned[i].shape)
@@ -327,7 +339,12 @@ class Shards:
 
     def _set_engine_steps(self, engine):
         """The counters into this rank's engine: one per engine entry (a bank's experts each at the bank's)."""
-        engine.set_steps(self.steps, [self.entry_steps[i] for i in self.positions for _ in self.spans[i]])
+        engine.set_steps(self.steps, [self.entry_steps[i] for i, es in zip(self.positions, self._by_position(engine))
+                                      for _ in es])
+
+    def _by_position(self, engine):
+        """This rank's engine entries of each of its positions (a bank: its experts here)."""
+        return list(by_parameter(engine.entries).values())
 
     def refresh(self, engine):
         """Collective. The owners' whole matrices from the parameters as they are now (their blocks, no
@@ -397,7 +414,7 @@ class Shards:
     def _exchange_moves(self, has_grad, inward):
         moves = []
         for i, (e, present) in enumerate(zip(self.planned, has_grad)):
-            if e.algorithm != "normuon" or not present:
+            if e.algorithm != "normuon" or i in self.local or not present:
                 continue
             o, local, blocks = self.owner[i], _local(e.tensor), self.blocks[i]
             if i not in self.proxies and self._whole_everywhere(i):
@@ -491,7 +508,7 @@ class Shards:
     def _views(self, engine):
         """position -> {key: this rank's engine view} of what its engine holds (whole matrices and banks it
         owns, local pieces of AdamW parameters)."""
-        return {i: param_state(es) for i, es in zip(self.positions, by_parameter(engine.entries).values())}
+        return {i: param_state(es) for i, es in zip(self.positions, self._by_position(engine))}
 
     def local_state(self, engine):
         """Collective. Per position, {key: this rank's piece} (fresh fp32 tensors, the blocks state_layout
@@ -500,8 +517,9 @@ class Shards:
         for i, e in enumerate(self.planned):
             pieces = {}
             for key, shape, blocks in self.state_layout(i):
-                if e.algorithm == "adamw":
-                    pieces[key] = views[i][key].clone()
+                if e.algorithm == "adamw" or i in self.local:  # held here, as its parameter is
+                    pieces[key] = views[i][key].clone() if i in views else \
+                        torch.zeros(tuple(hi - lo for lo, hi in blocks[self.rank]), device=_local(e.tensor).device)
                     continue
                 mine = blocks[self.rank]
                 pieces[key] = torch.empty(tuple(hi - lo for lo, hi in mine), dtype=torch.float32,
@@ -558,8 +576,9 @@ class Shards:
                 piece = pieces[i][key]
                 if piece is None:
                     continue
-                if e.algorithm == "adamw":
-                    views[i][key].copy_(piece.reshape(views[i][key].shape))
+                if e.algorithm == "adamw" or i in self.local:
+                    if i in views:  # (a bank without experts here has nothing to load)
+                        views[i][key].copy_(piece.reshape(views[i][key].shape))
                     continue
                 for r, (b, first) in enumerate(zip(blocks, _senders(blocks))):
                     if first:  # each distinct block once
