@@ -137,7 +137,7 @@ def infer_role(name, shape):
 
 
 # torch.nn's containers: a parameter they hold directly (an expert bank in a bare nn.Module named experts) is
-# told by its name, not by the class.
+# told by its name, not by the class (module_roles).
 CONTAINERS = (torch.nn.Module, torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential, torch.nn.ParameterList,
               torch.nn.ParameterDict)
 
@@ -213,12 +213,16 @@ def module_roles(model):
         roles[id(w)] = ("head", f"{type(m).__name__} '{mname}' maps onto the vocabulary ({vocab})")
     named_heads = _named_heads(model, roles)
     for mname, m in model.named_modules():
-        if not (_torch_module(m) or _conv1d(m)) or isinstance(m, EMBEDDING_MODULES):
+        container = type(m) in CONTAINERS
+        if not (_torch_module(m) or container or _conv1d(m)) or isinstance(m, EMBEDDING_MODULES):
             continue
         for pname, p in m.named_parameters(recurse=False):
             if id(p) not in roles:
                 full = f"{mname}.{pname}" if mname else pname
-                roles[id(p)] = (_shape_role(strip_wrappers(full.lower()).split("."), p.dim()), type(m).__name__)
+                if container:  # the class says nothing: the name does (a bank in a bare module named experts)
+                    roles[id(p)] = (infer_role(full, p.shape), f"name, in {type(m).__name__} '{mname}'")
+                else:
+                    roles[id(p)] = (_shape_role(strip_wrappers(full.lower()).split("."), p.dim()), type(m).__name__)
     if not tied and not candidates:
         _doubt_the_last_layer(model, roles, named_heads)
     return roles

@@ -4,8 +4,9 @@ whole tensor. The step of one process, bit for bit, with every rank holding only
 (docs/distributed.md).
 
 AdamW and every elementwise pass run on the local pieces: the engine binds each DTensor's local tensor and
-reads its gradient's local piece. NorMuon needs whole matrices: each matrix has one owner rank, balanced by
-the Newton-Schulz cost the core computes. Per step, one packed all_to_all hands every owner the blocks of
+reads its gradient's local piece. NorMuon needs whole matrices: an expert bank whose ranks hold whole experts,
+none twice (fully_shard's cut), is stepped by each rank on its own experts; every other matrix or bank has one
+owner rank, balanced by the Newton-Schulz cost the core computes. Per step, one packed all_to_all hands every owner the blocks of
 its matrices (parameters and gradients, each block sent once however many ranks hold it); the owner's engine
 steps whole matrices, the arithmetic of one process; one packed all_to_all returns every rank its new block.
 A matrix every rank holds whole is stepped by its owner where it lies. A NaN/Inf gradient is found on every
@@ -214,13 +215,15 @@ class Shards:
         self.local = {i for i in range(len(planned)) if self._experts_apart(i)}
         matrices = [e for i, e in enumerate(planned) if e.algorithm == "normuon" and i not in self.local]
         values = [v for _, _, v in groups]
-        costs = [math.prod(e.shape[:-2]) * newton_schulz_flops(e.shape[-2], e.shape[-1], values[e.group]["ns_steps"],
-                                                               values[e.group].get("ns_algorithm", "standard"))
-                 for e in matrices]
-        owners, _ = assign_owners(costs, self.world)
         at = {id(e): i for i, e in enumerate(planned)}  # everything below is keyed by position in `planned`
+        costs = [math.prod(e.shape[:-2]) * self._expert_cost(at[id(e)], values) for e in matrices]
+        # The ranks start from the experts they step where they lie.
+        loads = [sum(_numel(self.blocks[i][r][:1]) * self._expert_cost(i, values) for i in self.local)
+                 for r in range(self.world)]
+        owners, _ = assign_owners(costs, self.world, loads)
         self.owner = {at[id(e)]: r for e, r in zip(matrices, owners)}
         self.cost = {at[id(e)]: c for e, c in zip(matrices, costs)}
+        self.cost.update({i: planned[i].shape[0] * self._expert_cost(i, values) for i in self.local})
         self.entries = []  # what this rank's engine steps, in manifest order
         self.positions = []  # of each of them in `planned`
         self.proxies = {}  # position -> the whole matrix an owner steps
@@ -265,8 +268,9 @@ class Shards:
 
     def ownership(self):
         """One row per parameter (manifest order): index, name, algorithm, shape, owner (the rank that runs a
-        matrix's Newton-Schulz and sends its new values; 'all' for what every rank steps on its own piece)
-        and cost (Newton-Schulz FLOPs of a matrix, elements of the rest)."""
+        matrix's Newton-Schulz and sends its new values; 'all' for what every rank steps on its own piece: AdamW's,
+        and the experts of a bank fully_shard cut) and cost (Newton-Schulz FLOPs of a matrix or a bank's experts,
+        elements of the rest)."""
         return [dict(index=e.index, name=e.name, algorithm=e.algorithm, shape=tuple(e.shape),
                      owner=self.owner.get(i, "all"), cost=self.cost.get(i, math.prod(e.shape)))
                 for i, e in enumerate(self.planned)]
@@ -277,6 +281,12 @@ class Shards:
         every = [None] * self.world
         dist.all_gather_object(every, error, group=self.object_group)
         return next(((r, e) for r, e in enumerate(every) if e is not None), None)
+
+    def _expert_cost(self, i, values):
+        """One matrix of parameter i (an expert of a bank): its Newton-Schulz FLOPs."""
+        e = self.planned[i]
+        v = values[e.group]
+        return newton_schulz_flops(e.shape[-2], e.shape[-1], v["ns_steps"], v.get("ns_algorithm", "standard"))
 
     def _experts_apart(self, i):
         """Parameter i is a NorMuon bank whose ranks hold whole experts, none of them twice."""
@@ -321,8 +331,11 @@ class Shards:
             bad = self._first_nonfinite(has_grad)
             if bad is not None:
                 index, element, value = bad
-                e = self.planned[index]
-                return _C.nonfinite_gradient(e.name, value, element, self.steps[e.group] + 1, nonfinite)
+                e, span = self.planned[index], self.spans[index]
+                # One process names a bank's expert and the element inside it.
+                k, element = divmod(element, math.prod(e.shape[-2:])) if len(span) > 1 else (0, element)
+                return _C.nonfinite_gradient(self.layout.entries[span[k]].name, value, element,
+                                             self.steps[e.group] + 1, nonfinite)
             self._exchange(has_grad, inward=True)
             skipped = engine.step()
             if skipped is not None:  # (every gradient was checked above, on every rank)

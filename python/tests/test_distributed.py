@@ -591,3 +591,12 @@ def test_an_expert_bank_under_process_group_steps_as_one_process(one_rank):
     assert routes[0] == "normuon"
     assert all(torch.equal(got[n], want[n]) for n in want)
     assert all(torch.equal(got_state[k], want_state[k]) for k in want_state)
+    # A NaN in a bank: one process's message, naming the expert and the element inside it.
+    reasons = []
+    for kw in (dict(process_group=dist.group.WORLD), {}):
+        model, opt = model_and_opt(nonfinite="skip_step", **kw)
+        fill_grads(model, 1)
+        model.experts.w1.grad[1, 2, 3] = float("nan")
+        opt.step()
+        reasons.append(opt.last_skip_reason)
+    assert reasons[0] == reasons[1] and "'experts.w1[1]'" in reasons[0] and "element 15" in reasons[0], reasons

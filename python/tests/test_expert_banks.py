@@ -2,6 +2,7 @@
 is a matrix of its own, bit for bit what the same matrix gets as a 2-D parameter; state dicts hold the bank's shape;
 state files name the experts and refuse a file that held the bank whole (AdamW)."""
 import io
+import warnings
 
 import pytest
 
@@ -301,3 +302,10 @@ def test_a_bank_in_a_bare_container_is_told_by_its_name():
     for name in ("experts.w1", "blocks.experts.w2"):
         assert (rows[name]["role"], rows[name]["algorithm"]) == ("experts", "normuon"), rows[name]
     assert (rows["proj.weight"]["role"], rows["proj.bias"]["role"]) == ("matrix", "bias")
+    # A 3-D tensor a container holds outside any experts module (Reformer's axial position embeddings, in a
+    # ParameterList) goes to AdamW by the rule, told by the container, with no warning.
+    model.pos = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(4, 1, 6))])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rows = {r["name"]: r for r in normuon.NorMuonAdamW(model, threads=1).routing_table()}
+    assert rows["pos.0"]["algorithm"] == "adamw"
