@@ -6,9 +6,10 @@ whole tensor. The step of one process, bit for bit, with every rank holding only
 AdamW and every elementwise pass run on the local pieces: the engine binds each DTensor's local tensor and
 reads its gradient's local piece. NorMuon needs whole matrices: an expert bank whose ranks hold whole experts,
 none twice (fully_shard's cut), is stepped by each rank on its own experts; every other matrix or bank has one
-owner rank, balanced by the Newton-Schulz cost the core computes. Per step, one packed all_to_all hands every owner the blocks of
-its matrices (parameters and gradients, each block sent once however many ranks hold it); the owner's engine
-steps whole matrices, the arithmetic of one process; one packed all_to_all returns every rank its new block.
+owner rank, balanced by the Newton-Schulz cost the core computes. Per step, one packed all_to_all hands every
+owner the blocks of its matrices (parameters and gradients, each block sent once however many ranks hold it);
+the owner's engine steps whole matrices, the arithmetic of one process; one packed all_to_all returns every
+rank its new block.
 A matrix every rank holds whole is stepped by its owner where it lies. A NaN/Inf gradient is found on every
 rank alike, before anything changes (a small all_reduce), and the group counters follow the core's rule
 over the whole model, so every rank reports the same. State dicts are DTensors laid out as their
