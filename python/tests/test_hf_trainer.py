@@ -82,3 +82,19 @@ def test_an_optimizer_handed_over_works_too(tmp_path, native):
                                    optimizers=(opt, None))
     trainer.train()
     assert opt.param_groups[0]["step"] == 2
+
+
+def test_gpt2_through_the_trainer_steps_its_conv1d_weights_as_their_module(tmp_path, native):
+    """GPT-2's Conv1D weights ([in, out]) reach the optimizer through the Trainer's groups: the model tells them."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2,
+                                                                 n_head=2))
+    args = training_args(tmp_path)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
+                                   optimizer_cls_and_kwargs=normuon.hf.trainer_optimizer(args, lr=0.02, threads=1))
+    trainer.train()
+    opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    rows = {r["name"]: r for r in opt.routing_table()}
+    conv = [n for n in rows if n.endswith(("c_attn.weight", "c_fc.weight", "c_proj.weight"))]
+    assert len(conv) == 8 and all(rows[n]["transposed"] and rows[n]["stats"] == "cols" for n in conv)
+    assert {g["name"] for g in opt.param_groups if g.get("transposed")} == {"decay_normuon"}
