@@ -4,8 +4,8 @@ whole tensor. The step of one process, bit for bit, with every rank holding only
 (docs/distributed.md).
 
 AdamW and every elementwise pass run on the local pieces: the engine binds each DTensor's local tensor and
-reads its gradient's local piece. NorMuon needs whole matrices: an expert bank whose ranks hold whole experts,
-none twice (fully_shard's cut), is stepped by each rank on its own experts; every other matrix or bank has one
+reads its gradient's local piece. NorMuon needs whole matrices: an expert bank whose ranks hold whole experts
+(fully_shard's cut, HSDP's too) is stepped by each rank on its own experts; every other matrix or bank has one
 owner rank, balanced by the Newton-Schulz cost the core computes. Per step, one packed all_to_all hands every
 owner the blocks of its matrices (parameters and gradients, each block sent once however many ranks hold it);
 the owner's engine steps whole matrices, the arithmetic of one process; one packed all_to_all returns every
@@ -290,11 +290,13 @@ class Shards:
         return newton_schulz_flops(e.shape[-2], e.shape[-1], v["ns_steps"], v.get("ns_algorithm", "standard"))
 
     def _experts_apart(self, i):
-        """Parameter i is a NorMuon bank whose ranks hold whole experts, none of them twice."""
+        """Parameter i is a NorMuon bank whose ranks hold whole experts, cut along them: fully_shard's Shard(0),
+        also under HSDP's replicas (which step their experts alike). Not a bank every rank holds whole
+        (process_group=): its owner spreads the work instead."""
         e, blocks = self.planned[i], self.blocks[i]
         held = [b for b in blocks if _numel(b)]
-        return e.algorithm == "normuon" and len(e.shape) == 3 and len(set(held)) == len(held) and \
-            all(b[1:] == ((0, e.shape[1]), (0, e.shape[2])) for b in held)
+        return e.algorithm == "normuon" and len(e.shape) == 3 and (self.world == 1 or not self._whole_everywhere(i)) \
+            and all(b[1:] == ((0, e.shape[1]), (0, e.shape[2])) for b in held)
 
     def _whole_everywhere(self, i):
         full = tuple((0, n) for n in self.planned[i].shape)

@@ -190,6 +190,35 @@ def placed(variant, world, two_d=False):
     return dict(params=seen, steps=[g["step"] for g in opt.param_groups])
 
 
+def banks_on_a_2d_mesh(world):
+    """Expert banks as DTensors on a 2 x 2 mesh (world 4; None: plain tensors in one process), gradients set by
+    hand: HSDP's (Replicate, Shard(0)) and (Shard(0), Shard(0)) hold whole experts, each rank steps its own;
+    (Shard(0), Shard(1)) cuts them, one owner steps the bank."""
+    torch.manual_seed(5)
+    named = [(n, nn.Parameter(torch.randn(4, 8, 6) * 0.4)) for n in ("experts.hsdp", "experts.apart", "experts.cut")]
+    named.append(("mid.weight", nn.Parameter(torch.randn(8, 8))))
+    if world is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (2, 2))
+        place = {"experts.hsdp": [Replicate(), Shard(0)], "experts.apart": [Shard(0), Shard(0)],
+                 "experts.cut": [Shard(0), Shard(1)], "mid.weight": [Shard(0), Replicate()]}
+        named = [(n, nn.Parameter(distribute_tensor(p.detach(), mesh, place[n]))) for n, p in named]
+    opt = normuon.NorMuonAdamW(named, threads=1, weight_decay=0.1, ns_precision="fp32")
+    seen = []
+    for step in range(1, STEPS + 1):
+        for k, (n, p) in enumerate(named):
+            g = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + k))
+            p.grad = g if world is None else distribute_tensor(g, p.device_mesh, p.placements)
+        opt.step()
+        seen.append({n: (p if world is None else p.full_tensor()).detach().clone() for n, p in named})
+    state = {k: {key: t if world is None or key == "step" else t.full_tensor() for key, t in s.items()}
+             for k, s in opt.state_dict()["state"].items()}
+    return dict(params=seen, steps=[g["step"] for g in opt.param_groups], state=state,
+                owners={r["name"]: r["owner"] for r in opt.ownership_table() or ()})
+
+
 def fsdp_tp_against_one_process():
     """FSDP x TP as torchtitan lays it out (world 4, mesh dp 2 x tp 2: 'up' column-parallel, 'down' row-parallel,
     then fully_shard over dp, which strides the column-parallel rows). TP's split sums make the gradients
@@ -267,6 +296,7 @@ def rank_job(world, rank, out):
     if world == 4:
         results.update({"2d_" + v: placed(v, world, two_d=True) for v in VARIANTS})
         results["fsdp_tp"] = fsdp_tp_against_one_process()
+        results["banks_2d"] = banks_on_a_2d_mesh(world)
     if world == 1:
         return results
     results.update({"placed_" + v: placed(v, world) for v in VARIANTS})
@@ -387,6 +417,19 @@ def test_expert_banks_step_bit_for_bit_as_one_process(runs, world, variant):
             assert torch.equal(opt.state_dict()["state"][k][key], t), (world, k, key)
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), one["params"][-1][name]), name
+
+
+def test_banks_on_a_2d_mesh_step_where_their_experts_lie(runs):
+    with one_thread():
+        one = banks_on_a_2d_mesh(None)
+    for rank, got in enumerate(runs[4]):
+        got = got["banks_2d"]
+        assert_same(got, one, rank)
+        for k, s in one["state"].items():
+            for key, t in s.items():
+                assert torch.equal(got["state"][k][key], t), (rank, k, key)
+        assert got["owners"]["experts.hsdp"] == got["owners"]["experts.apart"] == "all", got["owners"]
+        assert got["owners"]["experts.cut"] in range(4), got["owners"]
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
