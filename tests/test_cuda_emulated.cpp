@@ -461,7 +461,7 @@ BOOST_AUTO_TEST_CASE(table_mode_steps_the_callers_tensors_as_the_flat_state_in_e
   // The kernels through the operand table of table mode (FastCudaBackend::set_tensors): fp32 parameters
   // in place, bf16 / fp16 ones through masters written back rounded, gradients of all three dtypes read
   // where they are, some missing: bit for bit the flat step on the same values. Shifted by one element, no
-  // parameter is aligned to a vector: the update pass's scalar path against the flat state's vector path.
+  // parameter or gradient is aligned to a vector: the passes' scalar paths against the flat state's vectors.
   const Options options = odd_options();
   Manifest m = odd_manifest();
   const DType cycle[] = {DType::f32, DType::bf16, DType::f16};
@@ -479,7 +479,7 @@ BOOST_AUTO_TEST_CASE(table_mode_steps_the_callers_tensors_as_the_flat_state_in_e
         for (size_t e = 0; e < layout.entries.size(); ++e) {
           const LayoutEntry& le = layout.entries[e];
           params[e].resize(static_cast<size_t>(le.numel + 1) * dtype_bytes(le.dtype) + 1);
-          grads[e].resize(static_cast<size_t>(le.numel) * dtype_bytes(grad_dtype) + 1);
+          grads[e].resize(static_cast<size_t>(le.numel + 1) * dtype_bytes(grad_dtype) + 1);
           char* param = params[e].data() + shift * dtype_bytes(le.dtype);
           narrow(flat.param(static_cast<int>(e)), param, le.dtype, le.numel);
           widen(param, le.dtype, flat.param(static_cast<int>(e)), le.numel);  // both start equal
@@ -490,9 +490,10 @@ BOOST_AUTO_TEST_CASE(table_mode_steps_the_callers_tensors_as_the_flat_state_in_e
           kGenerator.fill_gradients(flat, s);
           for (size_t e = 0; e < layout.entries.size(); ++e) {
             const LayoutEntry& le = layout.entries[e];
-            narrow(flat.grad(static_cast<int>(e)), grads[e].data(), grad_dtype, le.numel);
-            widen(grads[e].data(), grad_dtype, flat.grad(static_cast<int>(e)), le.numel);
-            table.grads[e] = TensorRef{flat.has_grad[e] ? grads[e].data() : nullptr, grad_dtype, {}};
+            char* grad = grads[e].data() + shift * dtype_bytes(grad_dtype);
+            narrow(flat.grad(static_cast<int>(e)), grad, grad_dtype, le.numel);
+            widen(grad, grad_dtype, flat.grad(static_cast<int>(e)), le.numel);
+            table.grads[e] = TensorRef{flat.has_grad[e] ? grad : nullptr, grad_dtype, {}};
           }
           flat_backend.step(flat, options);
           table_backend.step(state, table, options);

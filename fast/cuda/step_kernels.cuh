@@ -146,6 +146,130 @@ __global__ void advance_steps_kernel(StepBuffers b) {
   }
 }
 
+// Four consecutive 2-byte values in one 8-byte access.
+struct alignas(8) Bf16x4 {
+  __nv_bfloat16 x[4];
+};
+struct alignas(8) Halfx4 {
+  __half x[4];
+};
+
+__device__ __forceinline__ bool aligned(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+__device__ __forceinline__ void load4_ns(const void* data, bool bf16, int64_t i, float* o) {
+  if (bf16) {
+    const Bf16x4 q = *reinterpret_cast<const Bf16x4*>(static_cast<const __nv_bfloat16*>(data) + i);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) o[k] = __bfloat162float(q.x[k]);
+  } else {
+    const float4 q = *reinterpret_cast<const float4*>(static_cast<const float*>(data) + i);
+    o[0] = q.x;
+    o[1] = q.y;
+    o[2] = q.z;
+    o[3] = q.w;
+  }
+}
+
+// The fp32 values, and the caller's bf16 / fp16 parameter rounded (store_param's rule), four at a time.
+__device__ __forceinline__ void store4_param(const EntryOperands& op, int64_t i, const float* p) {
+  *reinterpret_cast<float4*>(op.master + i) = make_float4(p[0], p[1], p[2], p[3]);
+  if (!op.low) return;
+  if (op.low_type == ElemType::bf16) {
+    Bf16x4 q;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) q.x[k] = __float2bfloat16_rn(p[k]);
+    *reinterpret_cast<Bf16x4*>(static_cast<__nv_bfloat16*>(op.low) + i) = q;
+  } else {
+    Halfx4 q;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) q.x[k] = __float2half_rn(p[k]);
+    *reinterpret_cast<Halfx4*>(static_cast<__half*>(op.low) + i) = q;
+  }
+}
+
+// Four consecutive values of an fp32 buffer, in one 16-byte access.
+__device__ __forceinline__ void load4(const float* p, float* x) {
+  const float4 q = *reinterpret_cast<const float4*>(p);
+  x[0] = q.x;
+  x[1] = q.y;
+  x[2] = q.z;
+  x[3] = q.w;
+}
+
+__device__ __forceinline__ void store4(float* p, const float* x) {
+  *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+}
+
+// Element i of a 4-byte (fp32) or 2-byte (bf16, fp16) array starts a 16- or 8-byte vector.
+__device__ __forceinline__ bool starts_vector(const void* data, int bytes, int64_t i) {
+  return aligned(static_cast<const char*>(data) + i * bytes, 4 * static_cast<uintptr_t>(bytes));
+}
+
+__device__ __forceinline__ int elem_bytes(ElemType type) { return type == ElemType::f32 ? 4 : 2; }
+
+// Four gradients as stored (load_grad's types), then divided by the gradient scaler's scale as load_grad does.
+__device__ __forceinline__ void load4_grad(const StepBuffers& b, const EntryOperands& op, int64_t i, float* g) {
+  if (op.grad_type == ElemType::bf16) {
+    const Bf16x4 q = *reinterpret_cast<const Bf16x4*>(static_cast<const __nv_bfloat16*>(op.grad) + i);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) g[k] = __bfloat162float(q.x[k]);
+  } else if (op.grad_type == ElemType::f16) {
+    const Halfx4 q = *reinterpret_cast<const Halfx4*>(static_cast<const __half*>(op.grad) + i);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) g[k] = __half2float(q.x[k]);
+  } else {
+    load4(static_cast<const float*>(op.grad) + i, g);
+  }
+  if (b.grad_scale) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) g[k] = g[k] / *b.grad_scale;
+  }
+}
+
+__device__ __forceinline__ void store4_ns(void* data, bool bf16, int64_t i, const float* x) {
+  if (bf16) {
+    Bf16x4 q;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) q.x[k] = __float2bfloat16_rn(x[k]);  // P(U): round to nearest even
+    *reinterpret_cast<Bf16x4*>(static_cast<__nv_bfloat16*>(data) + i) = q;
+  } else {
+    store4(static_cast<float*>(data) + i, x);
+  }
+}
+
+// Whether a chunk's gradient, or its parameter (master and bf16 / fp16 copy), goes four elements per access:
+// dense (no row runs: a block of a fused weight is not) and aligned to the vector, as the optimizer's buffers
+// and torch's tensors are unless a tensor starts inside another one (an expert of a bank, a view).
+__device__ __forceinline__ bool grad_in_vectors(const EntryOperands& op, const Chunk& c) {
+  return op.grad_runs.run == 0 && starts_vector(op.grad, elem_bytes(op.grad_type), c.begin);
+}
+
+__device__ __forceinline__ bool param_in_vectors(const EntryOperands& op, const Chunk& c) {
+  if (op.master_runs.run != 0 || !starts_vector(op.master, 4, c.begin)) return false;
+  return !op.low || (op.low_runs.run == 0 && starts_vector(op.low, 2, c.begin));
+}
+
+// One element of the momentum pass (spec section 3.1, steps 1-2): the new momentum, and U, what Newton-Schulz
+// reads (P(U) once stored).
+__device__ __forceinline__ float momentum_element(float M, float g, const GroupScalars& s, float* u) {
+  const float mk = lerp(M, g, s.w1);
+  *u = s.nesterov ? lerp(g, mk, s.beta1) : mk;
+  return mk;
+}
+
+// One element of AdamW (torch.optim.AdamW's single-tensor step, spec section 4): the new parameter, exp_avg
+// and exp_avg_sq in place.
+__device__ __forceinline__ float adamw_element(float p, float g, float* m, float* v, const GroupScalars& s,
+                                               const EntryScalars& bias) {
+  const float pk = s.adam_decay ? p * s.adam_decay_factor : p;                  // param.mul_(1 - lr*wd)
+  *m = lerp(*m, g, s.adam_w1);                                                  // exp_avg.lerp_(g, 1 - beta1)
+  *v = fmaf(s.adam_one_minus_beta2 * g, g, *v * s.adam_beta2);                  // mul_(b2).addcmul_(g, g, 1-b2)
+  const float denom = sqrtf(*v) / bias.adam_bc2_sqrt + s.adam_eps;              // (sqrt(v) / bc2_sqrt).add_(eps)
+  return pk + (bias.adam_neg_step_size * *m) / denom;                           // addcdiv_(m, denom, -step_size)
+}
+
 __global__ void momentum_kernel(StepBuffers b, const Chunk* chunks) {
   if (step_skipped(b.status)) return;
   const Chunk c = chunks[blockIdx.x];
@@ -155,6 +279,26 @@ __global__ void momentum_kernel(StepBuffers b, const Chunk* chunks) {
   const MatrixInfo m = b.matrices[e.matrix];
   const GroupScalars s = b.groups[e.group];
   const int64_t base = e.offset + c.begin;
+  if (grad_in_vectors(op, c) && starts_vector(b.momentum, 4, base) &&
+      starts_vector(m.ns_input, m.ns_bf16 ? 2 : 4, c.begin)) {  // four elements per access, then the tail
+    const int vectors = c.size / 4;
+    for (int v = threadIdx.x; v < vectors; v += kBlock) {
+      float g[4], M[4], u[4];
+      load4_grad(b, op, c.begin + 4 * v, g);
+      load4(b.momentum + base + 4 * v, M);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) M[k] = momentum_element(M[k], g[k], s, &u[k]);
+      store4(b.momentum + base + 4 * v, M);
+      store4_ns(m.ns_input, m.ns_bf16, c.begin + 4 * v, u);
+    }
+    const int i = 4 * vectors + static_cast<int>(threadIdx.x);
+    if (i < c.size) {
+      float u;
+      b.momentum[base + i] = momentum_element(b.momentum[base + i], load_grad(b, op, c.begin + i), s, &u);
+      store_ns(m.ns_input, m.ns_bf16, c.begin + i, u);
+    }
+    return;
+  }
   for (int i0 = threadIdx.x; i0 < c.size; i0 += kBlock * kIlp) {
     float g[kIlp], M[kIlp];
 #pragma unroll
@@ -169,9 +313,9 @@ __global__ void momentum_kernel(StepBuffers b, const Chunk* chunks) {
     for (int k = 0; k < kIlp; ++k) {
       const int i = i0 + k * kBlock;
       if (i < c.size) {
-        const float mk = lerp(M[k], g[k], s.w1);
-        b.momentum[base + i] = mk;
-        store_ns(m.ns_input, m.ns_bf16, c.begin + i, s.nesterov ? lerp(g[k], mk, s.beta1) : mk);
+        float u;
+        b.momentum[base + i] = momentum_element(M[k], g[k], s, &u);
+        store_ns(m.ns_input, m.ns_bf16, c.begin + i, u);
       }
     }
   }
@@ -246,57 +390,10 @@ __device__ __forceinline__ float updated_param(float o, float scale, float p, co
   return fmaf(s.neg_lr, u, p);
 }
 
-// Four consecutive 2-byte values in one 8-byte access.
-struct alignas(8) Bf16x4 {
-  __nv_bfloat16 x[4];
-};
-struct alignas(8) Halfx4 {
-  __half x[4];
-};
-
-__device__ __forceinline__ bool aligned(const void* p, uintptr_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
-
-// Whether a chunk's update can go four elements per access: every operand dense (no row runs: a block of
-// a fused weight is not) and aligned to its vector, as the optimizer's own buffers and torch's tensors are
-// unless a parameter starts inside another tensor (an expert of a bank, a view).
+// Whether a chunk's update goes four elements per access: its parameter (param_in_vectors) and its
+// Newton-Schulz output.
 __device__ __forceinline__ bool vector_ready(const EntryOperands& op, const MatrixInfo& m, const Chunk& c) {
-  if (op.master_runs.run != 0 || !aligned(op.master + c.begin, 16)) return false;
-  const bool ns_aligned = m.ns_bf16 ? aligned(static_cast<const __nv_bfloat16*>(m.ns_output) + c.begin, 8)
-                                    : aligned(static_cast<const float*>(m.ns_output) + c.begin, 16);
-  return ns_aligned && (!op.low || (op.low_runs.run == 0 && aligned(static_cast<const __half*>(op.low) + c.begin, 8)));
-}
-
-__device__ __forceinline__ void load4_ns(const void* data, bool bf16, int64_t i, float* o) {
-  if (bf16) {
-    const Bf16x4 q = *reinterpret_cast<const Bf16x4*>(static_cast<const __nv_bfloat16*>(data) + i);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) o[k] = __bfloat162float(q.x[k]);
-  } else {
-    const float4 q = *reinterpret_cast<const float4*>(static_cast<const float*>(data) + i);
-    o[0] = q.x;
-    o[1] = q.y;
-    o[2] = q.z;
-    o[3] = q.w;
-  }
-}
-
-// The fp32 values, and the caller's bf16 / fp16 parameter rounded (store_param's rule), four at a time.
-__device__ __forceinline__ void store4_param(const EntryOperands& op, int64_t i, const float* p) {
-  *reinterpret_cast<float4*>(op.master + i) = make_float4(p[0], p[1], p[2], p[3]);
-  if (!op.low) return;
-  if (op.low_type == ElemType::bf16) {
-    Bf16x4 q;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) q.x[k] = __float2bfloat16_rn(p[k]);
-    *reinterpret_cast<Bf16x4*>(static_cast<__nv_bfloat16*>(op.low) + i) = q;
-  } else {
-    Halfx4 q;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) q.x[k] = __float2half_rn(p[k]);
-    *reinterpret_cast<Halfx4*>(static_cast<__half*>(op.low) + i) = q;
-  }
+  return param_in_vectors(op, c) && starts_vector(m.ns_output, m.ns_bf16 ? 2 : 4, c.begin);
 }
 
 // The update of a chunk four elements per access (vector_ready). A thread's vectors lie kBlock apart, so
@@ -388,6 +485,32 @@ __global__ void adamw_kernel(StepBuffers b, const Chunk* chunks) {
   const GroupScalars s = b.groups[e.group];
   const EntryScalars bias = b.entry_scalars[c.entry];  // the entry's own count's bias corrections
   const int64_t adam_base = e.adam_offset + c.begin;
+  if (grad_in_vectors(op, c) && param_in_vectors(op, c) && starts_vector(b.exp_avg, 4, adam_base) &&
+      starts_vector(b.exp_avg_sq, 4, adam_base)) {  // four elements per access, then the tail
+    const int vectors = c.size / 4;
+    for (int q = threadIdx.x; q < vectors; q += kBlock) {
+      const int64_t i = c.begin + 4 * q;
+      float g[4], p[4], m[4], v[4];
+      load4_grad(b, op, i, g);
+      load4(op.master + i, p);
+      load4(b.exp_avg + adam_base + 4 * q, m);
+      load4(b.exp_avg_sq + adam_base + 4 * q, v);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) p[k] = adamw_element(p[k], g[k], &m[k], &v[k], s, bias);
+      store4_param(op, i, p);
+      store4(b.exp_avg + adam_base + 4 * q, m);
+      store4(b.exp_avg_sq + adam_base + 4 * q, v);
+    }
+    const int i = 4 * vectors + static_cast<int>(threadIdx.x);
+    if (i < c.size) {
+      float m = b.exp_avg[adam_base + i], v = b.exp_avg_sq[adam_base + i];
+      store_param(op, c.begin + i, adamw_element(load_param(op, c.begin + i), load_grad(b, op, c.begin + i), &m, &v,
+                                                 s, bias));
+      b.exp_avg[adam_base + i] = m;
+      b.exp_avg_sq[adam_base + i] = v;
+    }
+    return;
+  }
   for (int i0 = threadIdx.x; i0 < c.size; i0 += kBlock * kIlp) {
     float g[kIlp], p[kIlp], m[kIlp], v[kIlp];
 #pragma unroll
@@ -404,13 +527,9 @@ __global__ void adamw_kernel(StepBuffers b, const Chunk* chunks) {
     for (int k = 0; k < kIlp; ++k) {
       const int i = i0 + k * kBlock;
       if (i < c.size) {
-        const float pk = s.adam_decay ? p[k] * s.adam_decay_factor : p[k];         // param.mul_(1 - lr*wd)
-        const float mk = lerp(m[k], g[k], s.adam_w1);                               // exp_avg.lerp_(g, 1 - beta1)
-        const float vk = fmaf(s.adam_one_minus_beta2 * g[k], g[k], v[k] * s.adam_beta2);  // mul_(b2).addcmul_(g, g, 1-b2)
-        const float denom = sqrtf(vk) / bias.adam_bc2_sqrt + s.adam_eps;           // (sqrt(v) / bc2_sqrt).add_(eps)
-        store_param(op, c.begin + i, pk + (bias.adam_neg_step_size * mk) / denom);  // addcdiv_(m, denom, -step_size)
-        b.exp_avg[adam_base + i] = mk;
-        b.exp_avg_sq[adam_base + i] = vk;
+        store_param(op, c.begin + i, adamw_element(p[k], g[k], &m[k], &v[k], s, bias));
+        b.exp_avg[adam_base + i] = m[k];
+        b.exp_avg_sq[adam_base + i] = v[k];
       }
     }
   }
