@@ -341,9 +341,12 @@ BOOST_AUTO_TEST_CASE(nonfinite_gradients_change_nothing_and_are_reported_like_ev
         BOOST_REQUIRE(!backend.step(state, options).skipped);
         kEveryGradient.fill_gradients(state, 2);
         const int entry = layout.find(where);
-        const int64_t element = layout.entries[entry].numel / 2;
+        const int64_t numel = layout.entries[entry].numel;
+        // Inside a vector of four (numel / 2 is a multiple of 4 here), beside a later bad one in the same vector.
+        const int64_t element = numel > 8 ? numel / 2 + 1 : 0;
         state.grad(entry)[element] = bad;
-        state.grad(entry)[layout.entries[entry].numel - 1] = bad;  // a later one: the first is reported
+        if (numel > 8) state.grad(entry)[element + 1] = bad;
+        state.grad(entry)[numel - 1] = bad;  // a later one: the first is reported
         const FlatState before = state;
 
         options.nonfinite = NonFinitePolicy::error;

@@ -92,22 +92,6 @@ __device__ double block_sum(double x, double* shared) {
   return total;
 }
 
-__global__ void scan_gradients_kernel(StepBuffers b, const Chunk* chunks) {
-  if (b.found_inf) return;  // the gradient scaler has looked
-  const Chunk c = chunks[blockIdx.x];
-  if (!b.has_grad[c.entry]) return;
-  const EntryOperands op = b.operands[c.entry];
-  unsigned long long first = kNoBadGradient;
-  for (int i = threadIdx.x; i < c.size; i += blockDim.x)
-    if (!isfinite(load_grad(op, c.begin + i))) {
-      first = (static_cast<unsigned long long>(c.entry) << kBadElementBits) | static_cast<unsigned long long>(c.begin + i);
-      break;  // later elements of this thread have larger indices
-    }
-  for (int offset = 16; offset > 0; offset /= 2) first = min(first, __shfl_down_sync(0xffffffffu, first, offset));
-  // A minimum is the same whatever order the warps arrive in: the atomic keeps the result deterministic.
-  if ((threadIdx.x & 31) == 0 && first != kNoBadGradient) atomicMin(&b.status->first_bad, first);
-}
-
 __global__ void advance_steps_kernel(StepBuffers b) {
   StepStatus& status = *b.status;
   if (b.found_inf && *b.found_inf != 0.0f) {  // the scaler skips this step: nothing moves, nothing to report
@@ -209,8 +193,8 @@ __device__ __forceinline__ bool starts_vector(const void* data, int bytes, int64
 
 __device__ __forceinline__ int elem_bytes(ElemType type) { return type == ElemType::f32 ? 4 : 2; }
 
-// Four gradients as stored (load_grad's types), then divided by the gradient scaler's scale as load_grad does.
-__device__ __forceinline__ void load4_grad(const StepBuffers& b, const EntryOperands& op, int64_t i, float* g) {
+// Four gradients as stored (load_grad's types).
+__device__ __forceinline__ void load4_grad(const EntryOperands& op, int64_t i, float* g) {
   if (op.grad_type == ElemType::bf16) {
     const Bf16x4 q = *reinterpret_cast<const Bf16x4*>(static_cast<const __nv_bfloat16*>(op.grad) + i);
 #pragma unroll
@@ -222,6 +206,11 @@ __device__ __forceinline__ void load4_grad(const StepBuffers& b, const EntryOper
   } else {
     load4(static_cast<const float*>(op.grad) + i, g);
   }
+}
+
+// Four gradients as the step uses them: divided by the gradient scaler's scale, as load_grad does.
+__device__ __forceinline__ void load4_grad(const StepBuffers& b, const EntryOperands& op, int64_t i, float* g) {
+  load4_grad(op, i, g);
   if (b.grad_scale) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) g[k] = g[k] / *b.grad_scale;
@@ -268,6 +257,37 @@ __device__ __forceinline__ float adamw_element(float p, float g, float* m, float
   *v = fmaf(s.adam_one_minus_beta2 * g, g, *v * s.adam_beta2);                  // mul_(b2).addcmul_(g, g, 1-b2)
   const float denom = sqrtf(*v) / bias.adam_bc2_sqrt + s.adam_eps;              // (sqrt(v) / bc2_sqrt).add_(eps)
   return pk + (bias.adam_neg_step_size * *m) / denom;                           // addcdiv_(m, denom, -step_size)
+}
+
+__global__ void scan_gradients_kernel(StepBuffers b, const Chunk* chunks) {
+  if (b.found_inf) return;  // the gradient scaler has looked
+  const Chunk c = chunks[blockIdx.x];
+  if (!b.has_grad[c.entry]) return;
+  const EntryOperands op = b.operands[c.entry];
+  const unsigned long long entry = static_cast<unsigned long long>(c.entry) << kBadElementBits;
+  unsigned long long first = kNoBadGradient;
+  // Each thread walks its elements in increasing order and stops at its first bad one.
+  if (grad_in_vectors(op, c)) {  // four per access, then the tail
+    const int vectors = c.size / 4;
+    for (int v = threadIdx.x; v < vectors && first == kNoBadGradient; v += blockDim.x) {
+      float g[4];
+      load4_grad(op, c.begin + 4 * v, g);
+      for (int k = 3; k >= 0; --k)  // the vector's first bad element wins
+        if (!isfinite(g[k])) first = entry | static_cast<unsigned long long>(c.begin + 4 * v + k);
+    }
+    const int i = 4 * vectors + static_cast<int>(threadIdx.x);
+    if (first == kNoBadGradient && i < c.size && !isfinite(load_grad(op, c.begin + i)))
+      first = entry | static_cast<unsigned long long>(c.begin + i);
+  } else {
+    for (int i = threadIdx.x; i < c.size; i += blockDim.x)
+      if (!isfinite(load_grad(op, c.begin + i))) {
+        first = entry | static_cast<unsigned long long>(c.begin + i);
+        break;  // later elements of this thread have larger indices
+      }
+  }
+  for (int offset = 16; offset > 0; offset /= 2) first = min(first, __shfl_down_sync(0xffffffffu, first, offset));
+  // A minimum is the same whatever order the warps arrive in: the atomic keeps the result deterministic.
+  if ((threadIdx.x & 31) == 0 && first != kNoBadGradient) atomicMin(&b.status->first_bad, first);
 }
 
 __global__ void momentum_kernel(StepBuffers b, const Chunk* chunks) {
