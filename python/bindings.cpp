@@ -229,6 +229,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("route", [](const ParamSpec& p) { return std::string(to_string(route(p))); }, py::arg("param"),
         "The spec's routing rule: 'normuon' or 'adamw' (ValueError: NorMuon forced on a non-2-D parameter)");
   m.def("resolved_group", &resolved_group, py::arg("param"));
+  m.def("transposable", &transposable, py::arg("param"),
+        "Whether a parameter can be stored transposed ([in, out]): a matrix, or an expert bank with role experts");
 
   py::class_<Manifest>(m, "Manifest")
       .def(py::init([](std::vector<ParamSpec> params) {

@@ -740,9 +740,9 @@ def _same_transposition(where, saved, here):
     """A NorMuon group's matrices stored [in, out] in a state dict (none: saved before they were, or with
     transposed={'*': False}) and here, by name without wrapper prefixes: ValueError when they differ, since their
     second moments run along the other axis, with the transposed= that loads it."""
-    saved_set = set(map(strip_wrappers, saved))
+    saved_set, here_set = set(map(strip_wrappers, saved)), set(map(strip_wrappers, here))
     differ = [n for n in here if strip_wrappers(n) not in saved_set] + \
-        [n for n in saved if strip_wrappers(n) not in set(map(strip_wrappers, here))]
+        [n for n in saved if strip_wrappers(n) not in here_set]
     if not differ:
         return
     shown = ", ".join(f"'{n}'" for n in differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")

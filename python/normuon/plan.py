@@ -222,7 +222,7 @@ def _transpose(e, flag, evidence):
     refused where it cannot."""
     if not isinstance(flag, bool):
         raise ValueError(f"transposed: parameter '{e.name}': {flag!r} is not True or False")
-    if flag and not (len(e.shape) == 2 or e.role == "experts" and len(e.shape) == 3):
+    if flag and not require("routing").transposable(_C.ParamSpec(e.name, list(e.shape), "f32", e.role)):
         if evidence == "transposed=":
             raise ValueError(f"transposed: parameter '{e.name}' {list(e.shape)} is not a matrix or an expert bank")
         flag = False

@@ -16,6 +16,7 @@ over the whole model, so every rank reports the same. State dicts are DTensors l
 parameters, for torch.distributed.checkpoint.
 """
 import copy
+import itertools
 import math
 
 import torch
@@ -211,8 +212,8 @@ class Shards:
             if sum(_numel(b) for b, first in zip(blocks, senders) if first) != math.prod(e.shape):
                 raise ValueError(f"parameter '{e.name}': the ranks' blocks do not tile it once: its meshes do not "
                                  "cover the ranks of the optimizer's group")
-        # A bank whose ranks hold whole experts, none twice (fully_shard cuts it along them): each rank steps its
-        # own experts where they lie, no exchange. Any other matrix or bank: one owner, for all its experts.
+        # A bank whose ranks hold whole experts (_experts_apart): each rank steps its own experts where they lie,
+        # no exchange. Any other matrix or bank: one owner, for all its experts.
         self.local = {i for i in range(len(planned)) if self._experts_apart(i)}
         matrices = [e for i, e in enumerate(planned) if e.algorithm == "normuon" and i not in self.local]
         values = [v for _, _, v in groups]
@@ -227,6 +228,7 @@ class Shards:
         self.cost.update({i: planned[i].shape[0] * self._expert_cost(i, values) for i in self.local})
         self.entries = []  # what this rank's engine steps, in manifest order
         self.positions = []  # of each of them in `planned`
+        self.laid_counts = []  # of each of them: the engine's entries for it (a bank: its experts here)
         self.proxies = {}  # position -> the whole matrix an owner steps
         self.grads = {}    # position -> its gradient buffer (the proxy's .grad when the matrix has a gradient)
         for i, e in enumerate(planned):
@@ -245,13 +247,15 @@ class Shards:
                 mine.grad_of = e.tensor if mine.tensor is not e.tensor else None
             self.entries.append(mine)
             self.positions.append(i)
+            self.laid_counts.append(len(laid_out(mine)))
         # The whole model's layout: the counters of one process (the core's rule, _C.advance_steps), over the
         # layout's entries (a bank's experts, each at its bank's count); spans: each parameter's entries.
         options = _C.Options([(name, algorithm) for name, algorithm, _ in groups])
         for i, v in enumerate(values):
             options.set_group(i, v)
         laid = [laid_out(e) for e in planned]
-        self.spans = [range(sum(map(len, laid[:i])), sum(map(len, laid[:i + 1]))) for i in range(len(laid))]
+        ends = list(itertools.accumulate(map(len, laid)))
+        self.spans = [range(end - len(xs), end) for xs, end in zip(laid, ends)]
         flat = [x for xs in laid for x in xs]
         names = [label(x) for x in flat]
         self.layout = _C.Layout.build(_C.Manifest(param_specs(flat, [name for name, _, _ in groups], names)), options)
@@ -355,12 +359,8 @@ class Shards:
 
     def _set_engine_steps(self, engine):
         """The counters into this rank's engine: one per engine entry (a bank's experts each at the bank's)."""
-        engine.set_steps(self.steps, [self.entry_steps[i] for i, es in zip(self.positions, self._by_position(engine))
-                                      for _ in es])
-
-    def _by_position(self, engine):
-        """This rank's engine entries of each of its positions (a bank: its experts here)."""
-        return list(by_parameter(engine.entries).values())
+        engine.set_steps(self.steps, [self.entry_steps[i] for i, n in zip(self.positions, self.laid_counts)
+                                      for _ in range(n)])
 
     def refresh(self, engine):
         """Collective. The owners' whole matrices from the parameters as they are now (their blocks, no
@@ -524,7 +524,7 @@ class Shards:
     def _views(self, engine):
         """position -> {key: this rank's engine view} of what its engine holds (whole matrices and banks it
         owns, local pieces of AdamW parameters)."""
-        return {i: param_state(es) for i, es in zip(self.positions, self._by_position(engine))}
+        return {i: param_state(es) for i, es in zip(self.positions, by_parameter(engine.entries).values())}
 
     def local_state(self, engine):
         """Collective. Per position, {key: this rank's piece} (fresh fp32 tensors, the blocks state_layout
