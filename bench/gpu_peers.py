@@ -6,7 +6,7 @@ hyper-parameters (NorMuon lr 0.02, momentum 0.95, beta2 0.95, weight_decay 0; Ad
 embeddings, head, norms and biases, by the project's routing rule (docs/spec.md section 2).
 
 Per peer: step time, kernels / copies / launch calls / host syncs / ATen ops per step (torch.profiler),
-extra memory, and the speed-up against `official` and `reference-py`. Peers run one after another, each
+extra memory, and the speed-up against `official` and `reference`. Peers run one after another, each
 on a fresh copy of the model that is freed before the next; one that cannot run is reported as skipped or
 failed with the reason. Progress goes to stderr, the table (printed last) to stdout.
 
@@ -39,7 +39,7 @@ from peers.run import Plan, run_python_peer  # noqa: E402
 PEER_HELP = "\n".join(f"  {p.name:<24}{p.what}" for p in PEERS)
 EPILOG = f"""peers (--peers, in this order):
 {PEER_HELP}
-  official, torch-muon, emerging-adaptive-muon and reference-py are per-parameter ("slow"): they take
+  official, torch-muon, emerging-adaptive-muon and reference are per-parameter ("slow"): they take
   --slow-steps / --slow-warmup. dion-normuon is torch.compile'd: its first steps compile, so it wants
   --warmup >= 1 (the default 3 covers it). torch-muon is Muon, not NorMuon. emerging-adaptive-muon steps fp32 copies
   of a bf16 model (it takes fp32 only). official writes into p.grad; its gradients are restored between

@@ -6,7 +6,8 @@ Times, side by side in this one process (python and cpp in turns, each on the sa
   python     normuon.NorMuonAdamW.step() (table mode: the model's own tensors, in place)
   cpp        the native engine's step over the same tensors as the Python step bound them, reading none of
              them again (what the Python wrapper adds is the gap)
-  reference  the pure-torch per-parameter reference from Python (NorMuonAdamW(backend="reference"): the old path)
+  reference  the per-parameter reference from Python (NorMuonAdamW(backend="reference"): the spec's steps one
+             parameter after another, in C++)
   adamw      torch.optim.AdamW (default implementation) over every parameter
 
 For each: median ms per step, ATen operators dispatched per step (TorchDispatchMode), optimizer bytes

@@ -371,6 +371,7 @@ PYBIND11_MODULE(_C, m) {
         "FlatState -> table mode: state, steps, masters, and the caller's parameters rounded to their dtype");
 
   bind_engine(m);
+  bind_spec(m);
 
   py::class_<StepResult>(m, "StepResult")
       .def_readonly("skipped", &StepResult::skipped)

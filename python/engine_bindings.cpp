@@ -19,6 +19,7 @@
 #include "normuon/engine.h"
 #include "normuon/low_precision.h"
 #include "normuon/step_prologue.h"
+#include "table_reference.h"
 #ifdef NORMUON_HAVE_FAST_CPU
 #include "fast_cpu_backend.h"
 #endif
@@ -320,7 +321,7 @@ void bind_engine(py::module_& m) {
   m.attr("has_fast_cpu") = false;
 #endif
   m.attr("FOUND_INF_REASON") = kFoundInfReason;
-  // The step prologue's rules for the Python reference (step_prologue.h), so that it states none of its own.
+  // The step prologue's rules for sharded training (step_prologue.h), so that it states none of its own.
   m.def(
       "advance_steps",
       [](const Layout& layout, const std::vector<bool>& has_grad, std::vector<int64_t> group_steps,
@@ -363,6 +364,15 @@ void bind_engine(py::module_& m) {
            py::arg("manifest"), py::arg("options"), py::arg("backend"), py::arg("device"),
            "On a device backend another module made (normuon._C_cuda.engine_backend), over tensors on `device` "
            "(torch's get_device(): -1 for the CPU)")
+      .def_static(
+          "reference",
+          [](const Manifest& manifest, const Options& options) {
+            return std::make_unique<TorchEngine>(manifest, options, [](const Layout&, const Options&) {
+              return std::make_unique<ReferenceTableBackend>();
+            }, -1);
+          },
+          py::arg("manifest"), py::arg("options"),
+          "On the reference (reference-cpu): the spec's per-parameter steps over CPU tensors, no libtorch")
       .def_property_readonly("on_device", [](TorchEngine& t) { return t.engine().on_device(); })
       .def_property("verdict",
                     [](TorchEngine& t) { return t.engine().verdict() == Verdict::sync ? "sync" : "deferred"; },

@@ -15,6 +15,7 @@
 namespace normuon {
 
 void bind_engine(pybind11::module_& m);
+void bind_spec(pybind11::module_& m);  // spec_bindings.cpp
 
 // A 1-D numpy array over `size` elements at `data`, owned by `owner` (kept alive as the array's base).
 template <typename T>

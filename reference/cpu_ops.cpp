@@ -17,6 +17,12 @@ float* CpuOps::scratch(int slot, int64_t n) {
   return s.data();
 }
 
+int64_t CpuOps::held_bytes() const {
+  size_t bytes = sums_.capacity() * sizeof(double);
+  for (const std::vector<float>& s : slots_) bytes += s.capacity() * sizeof(float);
+  return static_cast<int64_t>(bytes);
+}
+
 void CpuOps::gemm(const float* A, const float* B, float* C, int64_t m, int64_t k, int64_t n, bool bf16) {
   spec::gemm(A, B, C, m, k, n, bf16);
 }

@@ -13,6 +13,7 @@ namespace normuon::spec {
 class CpuOps {
  public:
   float* scratch(int slot, int64_t n);  // at least n floats, reused between calls (slots 0..7)
+  int64_t held_bytes() const;           // the scratch and partial sums held now
 
   void gemm(const float* A, const float* B, float* C, int64_t m, int64_t k, int64_t n, bool bf16);
   void gemm_abt(const float* A, const float* B, float* C, int64_t m, int64_t k, int64_t n, bool bf16);

@@ -1,5 +1,6 @@
 // Table mode (core/include/normuon/param_table.h): the fast CPU backend stepping the caller's own
-// tensors gives the bits of the FlatState step, for fp32, bf16 and fp16 parameters and gradients, with
+// tensors gives the bits of its FlatState step, and so does the reference (its libtorch-free table step,
+// reference/table_reference.h, against its ATen-held flat one), for fp32, bf16 and fp16 parameters and gradients, with
 // missing gradients, addresses that change between steps, NaN/Inf gradients, states that cross between
 // the modes through state files, and matrices that are blocks of rows of a larger tensor (row runs).
 #define BOOST_TEST_MODULE param_table
@@ -10,10 +11,15 @@
 #include <filesystem>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "fast_cpu_backend.h"
+#ifdef NORMUON_TEST_HAVE_REFERENCE
+#include "reference_backend.h"
+#include "table_reference.h"
+#endif
 #include "normuon/grad_gen.h"
 #include "normuon/low_precision.h"
 #include "normuon/param_table.h"
@@ -78,6 +84,24 @@ struct Caller {
   }
 };
 
+// Which backend steps both modes.
+enum class Which { fast, reference };
+
+std::unique_ptr<Backend> flat_backend_of(Which which, const Layout& layout, const Options& opts) {
+#ifdef NORMUON_TEST_HAVE_REFERENCE
+  if (which == Which::reference) return std::make_unique<ReferenceBackend>(ReferenceDevice::cpu);
+#endif
+  BOOST_REQUIRE(which == Which::fast);
+  return std::make_unique<FastCpuBackend>(layout, opts, 2);
+}
+
+std::unique_ptr<TableBackend> table_backend_of(Which which, const Layout& layout, const Options& opts) {
+#ifdef NORMUON_TEST_HAVE_REFERENCE
+  if (which == Which::reference) return std::make_unique<ReferenceTableBackend>();
+#endif
+  return std::make_unique<FastCpuBackend>(layout, opts, 2);
+}
+
 // Both modes side by side from the same start, stepped with the same gradients.
 struct Twins {
   Layout layout;
@@ -85,17 +109,18 @@ struct Twins {
   FlatState flat;
   TableState table_state;
   Caller caller;
-  FastCpuBackend flat_backend, table_backend;
+  std::unique_ptr<Backend> flat_backend;
+  std::unique_ptr<TableBackend> table_backend;
   GradientGenerator gen{1234, 5};  // some parameters miss their gradient at some steps
 
-  explicit Twins(DType grad_dtype, Manifest m = mixed_manifest())
+  explicit Twins(DType grad_dtype, Manifest m = mixed_manifest(), Which which = Which::fast)
       : layout(Layout::build(m, options())),
         opts(options()),
         flat(layout),
         table_state(layout),
         caller(layout, grad_dtype),
-        flat_backend(layout, opts, 2),
-        table_backend(layout, opts, 2) {
+        flat_backend(flat_backend_of(which, layout, opts)),
+        table_backend(table_backend_of(which, layout, opts)) {
     gen.fill_params(flat);
     caller.take_params(flat);
     for (size_t e = 0; e < layout.entries.size(); ++e) table_state.refresh_master(static_cast<int>(e), caller.table);
@@ -104,11 +129,15 @@ struct Twins {
   StepResult step(int64_t s, bool move = false) {
     gen.fill_gradients(flat, s);
     caller.take_grads(flat, move);
-    const StepResult a = flat_backend.step(flat, opts);
-    const StepResult b = table_backend.step(table_state, caller.table, opts);
+    const StepResult a = flat_backend->step(flat, opts);
+    const StepResult b = table_step(caller.table);
     BOOST_TEST(a.skipped == b.skipped);
     BOOST_TEST(a.reason == b.reason);
     return b;
+  }
+
+  StepResult table_step(const ParamTable& table, const float* grad_scale = nullptr) {
+    return table_backend->step(table_state, table, opts, grad_scale);
   }
 
   // Everything equal bit for bit: masters or fp32 parameters, the caller's rounded parameters, state.
@@ -184,7 +213,7 @@ BOOST_AUTO_TEST_CASE(parameters_without_gradients_are_untouched) {
   const int idle = 1;  // a bf16 parameter (mixed_manifest's cycle) that gets no gradient this step
   BOOST_REQUIRE(twins.layout.entries[idle].dtype == DType::bf16);
   twins.caller.table.grads[idle].data = nullptr;
-  twins.table_backend.step(twins.table_state, twins.caller.table, twins.opts);
+  twins.table_step(twins.caller.table);
   BOOST_TEST(twins.caller.params[idle] == before[idle]);
   const LayoutEntry& le = twins.layout.entries[idle];
   BOOST_TEST(same_bits(twins.table_state.master(idle), masters_before.data() + le.master_offset,
@@ -203,8 +232,12 @@ BOOST_AUTO_TEST_CASE(nonfinite_low_precision_gradients_change_nothing_and_read_a
   const std::vector<std::vector<char>> params_before = twins.caller.params;
   const TableState state_before = twins.table_state;
   std::string flat_message, table_message;
-  try { twins.flat_backend.step(twins.flat, twins.opts); } catch (const std::runtime_error& x) { flat_message = x.what(); }
-  try { twins.table_backend.step(twins.table_state, twins.caller.table, twins.opts); } catch (const std::runtime_error& x) { table_message = x.what(); }
+  try {
+    twins.flat_backend->step(twins.flat, twins.opts);
+  } catch (const std::runtime_error& x) {
+    flat_message = x.what();
+  }
+  try { twins.table_step(twins.caller.table); } catch (const std::runtime_error& x) { table_message = x.what(); }
   BOOST_TEST(table_message.find(twins.layout.entries[e].name) != std::string::npos, table_message);
   BOOST_TEST(table_message == flat_message);
   BOOST_TEST(twins.caller.params == params_before);
@@ -251,14 +284,14 @@ BOOST_AUTO_TEST_CASE(a_bad_table_is_refused_before_anything_changes) {
   twins.caller.take_grads(twins.flat, false);
   ParamTable wrong = twins.caller.table;
   wrong.params[1].dtype = DType::f32;  // the layout says bf16
-  BOOST_CHECK_EXCEPTION(twins.table_backend.step(twins.table_state, wrong, twins.opts), std::invalid_argument,
+  BOOST_CHECK_EXCEPTION(twins.table_step(wrong), std::invalid_argument,
                         [&](const std::invalid_argument& x) {
                           return std::string(x.what()).find(twins.layout.entries[1].name) != std::string::npos &&
                                  std::string(x.what()).find("bf16") != std::string::npos;
                         });
   ParamTable missing = twins.caller.table;
   missing.params[0].data = nullptr;
-  BOOST_CHECK_THROW(twins.table_backend.step(twins.table_state, missing, twins.opts), std::invalid_argument);
+  BOOST_CHECK_THROW(twins.table_step(missing), std::invalid_argument);
   BOOST_TEST((twins.table_state.group_steps == std::vector<int64_t>{0, 0}));
 }
 
@@ -310,8 +343,8 @@ struct FusedTwins : Twins {
   int first = 0;  // layout entry of the first block
   std::vector<char> fused_param, fused_grad;
 
-  FusedTwins(DType dtype, DType grad_dtype, const FusedGeometry& g = kSmall)
-      : Twins(grad_dtype, fused_manifest(g, dtype)), geometry(g) {
+  FusedTwins(DType dtype, DType grad_dtype, const FusedGeometry& g = kSmall, Which which = Which::fast)
+      : Twins(grad_dtype, fused_manifest(g, dtype), which), geometry(g) {
     first = static_cast<int>(layout.entries.size()) - 3;
     const size_t pb = dtype_bytes(dtype), gb = dtype_bytes(grad_dtype);
     const int64_t fused_numel = g.groups * g.group_rows() * g.cols;
@@ -343,8 +376,8 @@ struct FusedTwins : Twins {
     }
     StepResult a, r;
     std::string a_error, r_error;  // nonfinite=error: both modes raise the same message
-    try { a = flat_backend.step(flat, opts); } catch (const std::runtime_error& x) { a_error = x.what(); }
-    try { r = table_backend.step(table_state, caller.table, opts); } catch (const std::runtime_error& x) { r_error = x.what(); }
+    try { a = flat_backend->step(flat, opts); } catch (const std::runtime_error& x) { a_error = x.what(); }
+    try { r = table_step(caller.table); } catch (const std::runtime_error& x) { r_error = x.what(); }
     BOOST_TEST(a_error == r_error);
     if (!r_error.empty()) throw std::runtime_error(r_error);
     BOOST_TEST(a.skipped == r.skipped);
@@ -378,9 +411,10 @@ const std::vector<DTypes> kEveryDTypePair = {
 
 // Three steps of blocks of `geometry` in each pair of parameter and gradient dtypes: bit for bit the
 // dense matrices' flat step, and the state crosses to a FlatState and back through the runs.
-void check_blocks_step_as_dense_matrices(const FusedGeometry& geometry, const std::vector<DTypes>& pairs) {
+void check_blocks_step_as_dense_matrices(const FusedGeometry& geometry, const std::vector<DTypes>& pairs,
+                                         Which which = Which::fast) {
   for (const auto [dtype, grad_dtype] : pairs) {
-    FusedTwins twins(dtype, grad_dtype, geometry);
+    FusedTwins twins(dtype, grad_dtype, geometry, which);
     for (int64_t s = 1; s <= 3; ++s) {
       BOOST_TEST(!twins.step(s).skipped);
       BOOST_TEST(twins.difference() == "", to_string(dtype) << " parameters, " << to_string(grad_dtype)
@@ -473,3 +507,49 @@ BOOST_AUTO_TEST_CASE(rounding_is_torchs) {
   BOOST_TEST(h == 0x3c02);
   BOOST_TEST(widen_one(&h, DType::f16, 0) == 1.0f + 2.0f / 1024);
 }
+
+#ifdef NORMUON_TEST_HAVE_REFERENCE
+// The reference over the caller's tensors (what normuon._C's backend='reference' runs) is the reference's
+// flat step, bit for bit: every gradient dtype, parameters without gradients, blocks of rows, NaN/Inf.
+BOOST_AUTO_TEST_CASE(the_reference_table_step_is_the_reference_flat_step_bit_for_bit) {
+  for (DType g : {DType::f32, DType::bf16, DType::f16}) {
+    Twins twins(g, mixed_manifest(), Which::reference);
+    BOOST_TEST(twins.table_backend->name() == "reference-cpu");
+    for (int64_t s = 1; s <= 3; ++s) {
+      BOOST_TEST(!twins.step(s).skipped);
+      BOOST_TEST(twins.difference() == "", "gradients " << to_string(g) << ", step " << s);
+    }
+  }
+  check_blocks_step_as_dense_matrices(kSmall, kEveryDTypePair, Which::reference);
+  FusedTwins twins(DType::bf16, DType::f32, kSmall, Which::reference);
+  const int e = twins.first + 2;
+  std::string message;
+  try {
+    twins.step(1, [&](FlatState& flat) {
+      flat.has_grad.assign(flat.has_grad.size(), 1);
+      flat.grad(e)[7] = std::numeric_limits<float>::infinity();
+    });
+  } catch (const std::runtime_error& x) {
+    message = x.what();
+  }
+  BOOST_TEST(message.find("'qkv.v'") != std::string::npos, message);
+  BOOST_TEST(twins.difference() == "");  // nothing changed on either side
+}
+
+// A gradient scaler's scale divides each gradient as it is read: scaled gradients step as the unscaled ones.
+BOOST_AUTO_TEST_CASE(the_reference_table_step_divides_by_the_gradient_scale) {
+  Twins twins(DType::f32, mixed_manifest(), Which::reference);
+  for (int64_t s = 1; s <= 2; ++s) {
+    twins.gen.fill_gradients(twins.flat, s);
+    twins.caller.take_grads(twins.flat, false);
+    for (size_t e = 0; e < twins.layout.entries.size(); ++e) {
+      auto* g = reinterpret_cast<float*>(twins.caller.grads[e].data());
+      for (int64_t k = 0; k < twins.layout.entries[e].numel; ++k) g[k] *= 1024.0f;  // exact: a power of two
+    }
+    const float scale = 1024.0f;
+    BOOST_TEST(!twins.flat_backend->step(twins.flat, twins.opts).skipped);
+    BOOST_TEST(!twins.table_step(twins.caller.table, &scale).skipped);
+    BOOST_TEST(twins.difference() == "", "step " << s);
+  }
+}
+#endif

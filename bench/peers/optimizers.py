@@ -221,8 +221,8 @@ PEERS = [
          "matrices + torch.optim.AdamW(fused=True) on the rest", _prepare_emerging, slow=True, fp32_only=True),
     Peer("dion-normuon", "microsoft/dion's NorMuon (megabatched by shape, torch.compile'd) with its own AdamW "
          "groups (--dion-src)", _prepare_dion),
-    Peer("reference-py", "this project's pure-torch per-parameter reference: "
-         "normuon.NorMuonAdamW(backend='reference')", _prepare_normuon("reference"), slow=True),
+    Peer("reference", "this project's per-parameter reference, the spec's steps one parameter after another in C++: "
+         "normuon.NorMuonAdamW(backend='reference'), CPU tensors only", _prepare_normuon("reference"), slow=True),
     Peer("fused-py", "this project's normuon.NorMuonAdamW(backend='fast'): the fused CPU or CUDA backend",
          _prepare_normuon("fast")),
     Peer("fused-py-2d", "normuon.NorMuonAdamW(backend='fast') over the expert banks' experts as 2-D parameters "

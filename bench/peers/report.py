@@ -16,7 +16,7 @@ DEFINITIONS = """\
   (no wait per step), `fused-cpp (wait)` = one step at a time, the sum of its phase times (CUDA events
   between the phases), `fused-cpp (graph)` = CUDA-graph replays back to back; on the CPU the fast
   backend's whole step (wall clock) in `normuon bench`.
-* **x official**, **x reference**: official's (reference-py's) median step time / this row's.
+* **x official**, **x reference**: official's (reference's) median step time / this row's.
 * Counts are per step, from `torch.profiler` (CPU + CUDA activities) over the profiled steps, each
   `opt.step()` inside a `record_function` range:
   * **kernels**, **memcpy**, **memset**: device activities CUPTI reports during the session (any library
@@ -78,7 +78,7 @@ def add_speedups(rows):
         for r in rows:
             if r.preset == preset and r.status == "ok" and r.step_ms:
                 r.vs_official = base["official"] / r.step_ms.median if "official" in base else None
-                r.vs_reference = base["reference-py"] / r.step_ms.median if "reference-py" in base else None
+                r.vs_reference = base["reference"] / r.step_ms.median if "reference" in base else None
 
 
 def _num(x, digits=1):
@@ -152,7 +152,7 @@ def markdown_table(rows):
 
 CSV_FIELDS = ["preset", "device", "torch", "param_dtype", "peer", "variant", "status", "reason", "warmup", "steps",
               "step_ms_median", "step_ms_min", "step_ms_max", "wall_ms_median", "wall_ms_min", "wall_ms_max",
-              "speedup_vs_official", "speedup_vs_reference_py", *[f"{k}_per_step" for k in COUNT_KEYS],
+              "speedup_vs_official", "speedup_vs_reference", *[f"{k}_per_step" for k in COUNT_KEYS],
               "torch_peak_mib", "outside_torch_mib", "extra_mib", "notes"]
 
 

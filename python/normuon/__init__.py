@@ -4,7 +4,6 @@
     opt = normuon.NorMuonAdamW(model, lr=0.02, adamw_lr=3e-4)
     opt.print_routing()   # which parameter got NorMuon, which AdamW, and why
 """
-from . import reference
 from .distributed import DistributedNorMuonAdamW  # docs/distributed.md
 from .native import StateFileError, native_error
 from .optim import NorMuonAdamW
@@ -19,5 +18,5 @@ def native_available():
     return native_error() is None
 
 
-__all__ = ["NorMuonAdamW", "StateFileError", "infer_role", "route", "reference", "native_available",
+__all__ = ["NorMuonAdamW", "StateFileError", "infer_role", "route", "native_available",
            "native_error", "__version__"]

@@ -3,8 +3,8 @@
 NorMuonAdamW, MegatronNorMuon and MegatronAdamW each own one Engine, and build a new one when their
 parameters change (a group added, a layer unfrozen, Megatron's tensor swaps); `carry_from` moves over what
 the parameters kept had. An Engine holds the native engine (normuon._C.Engine: layout, checked values,
-state, every counter and the backend, on the CPU or a CUDA device) or, for backend='reference', the Python
-reference with counters of its own, and per-parameter views of the buffers (entry.state, entry.master).
+state, every counter and the backend: fast on the CPU or a CUDA device, or the reference on the CPU) and
+per-parameter views of its buffers (entry.state, entry.master).
 It knows parameters and group indices only: param_groups, state dicts and their forms are its clients'.
 """
 import contextlib
@@ -12,7 +12,6 @@ import copy
 
 import torch
 
-from . import reference
 from .native import _C, cuda_module, require
 from .plan import DTYPES, is_bank
 from .routing import strip_wrappers
@@ -40,22 +39,14 @@ class Engine:
         self.group_names = [name for name, _, _ in groups]
         self.values = [dict(values) for _, _, values in groups]  # as the backend has them
         self._choice, self._threads, self._device_backend = choice, threads, device_backend
-        self.nonfinite, self._verdict = nonfinite, verdict
-        self._native = None     # normuon._C.Engine (fast-cpu, fast-cuda)
-        self._reference = None  # the per-parameter Python reference, with its own counters
-        self._steps, self._entry_steps = [0] * len(groups), [0] * len(self.entries)
+        self.nonfinite = nonfinite
         self.options = _C.Options([(name, algorithm) for name, algorithm, _ in groups])
         for i, values in enumerate(self.values):
             self.options.set_group(i, values)
         self.options.set("nonfinite", nonfinite)
         self.manifest = _C.Manifest(self.specs())
-        if choice == "reference":
-            self.layout = _C.Layout.build(self.manifest, self.options)
-            buffers = {k: torch.zeros(n, device=device) for k, n in self._buffer_sizes().items()}
-            self._reference = reference.ReferenceBackend()
-        else:
-            buffers = self._allocate_native(verdict)
-        self.fixed_keys = tuple(self._native.fixed_fields if self._native is not None else _C.layout_fields())
+        buffers = self._allocate_native(verdict)
+        self.fixed_keys = tuple(self._native.fixed_fields)
         self.fixed = [{k: v[k] for k in self.fixed_keys if k in v} for v in self.values]
         for e, le in zip(self.entries, self.layout.entries):  # the second-moment axis, as the layout has it
             e.stats_per_row, e.stat_len = le.stats_per_row, le.stat_len
@@ -63,10 +54,7 @@ class Engine:
         for es in by_parameter(self.entries).values():  # a split matrix's state must read back whole: else refused
             if is_piece(es[0]) and es[0].block.parts > 1:
                 param_state(es)
-        for e in self.entries:  # the fp32 masters of bf16/fp16 parameters: the only copy made of the model
-            if e.master is not None:
-                e.read_into(e.master)
-        self.mark_current()
+        self.refresh_masters()  # the fp32 masters of bf16/fp16 parameters: the only copy made of the model
 
     # --------------------------------------------------------------------------------------- building
 
@@ -80,12 +68,18 @@ class Engine:
                     exp_avg=l.adam_floats, exp_avg_sq=l.adam_floats)
 
     def _allocate_native(self, verdict):
-        """The native engine over the model's own tensors (table mode): the fast CPU backend, or the fast
-        CUDA one on the parameters' device, its buffers in device memory viewed zero-copy."""
+        """The native engine over the model's own tensors (table mode): the fast CPU backend, the fast CUDA
+        one on the parameters' device (its buffers in device memory viewed zero-copy), or the reference."""
         where = f"backend '{self._choice}' on {self.device}"
         no_fallback = "no fallback to another device or the reference; ask for backend='reference' explicitly"
         index = -1 if self.device.type == "cpu" else self.device.index
-        if self._device_backend is not None:
+        if self._choice == "reference":
+            if index >= 0:
+                raise ValueError(f"{where}: the reference steps CPU tensors here (reference-cpu; its bits are the "
+                                 "spec's on every device, docs/reference.md): move the model to the CPU to compare "
+                                 "against it, or choose backend='fast'")
+            backend = None
+        elif self._device_backend is not None:
             backend = (self._device_backend, index)
         elif self.device.type == "cpu":
             if not _C.has_fast_cpu:  # _C built without oneDNN (-DNORMUON_BUILD_FAST_CPU=OFF)
@@ -101,7 +95,8 @@ class Engine:
             backend = (cuda.engine_backend(index, self.stream()), index)
         try:
             with (torch.cuda.device(self.device) if index >= 0 else contextlib.nullcontext()):
-                native = _C.Engine(self.manifest, self.options, *backend)
+                native = (_C.Engine.reference(self.manifest, self.options) if backend is None else
+                          _C.Engine(self.manifest, self.options, *backend))
         except ValueError as error:
             raise ValueError(f"{where} cannot serve this request: {error} ({no_fallback})") from None
         native.verdict = verdict
@@ -128,8 +123,6 @@ class Engine:
                 e.state = (buffers["exp_avg"][adam].view(e.shape), buffers["exp_avg_sq"][adam].view(e.shape))
             e.master = (buffers["masters"][le.master_offset:le.master_offset + le.numel].view(e.shape)
                         if e.low_precision else None)
-            if e.block is not None and e.master is None and self._reference is not None:
-                e.master = torch.empty(e.shape, device=self.device)  # the reference's working copy
 
     def carry_from(self, old, steps):
         """The re-layout path: the parameters `old` also laid out (the same tensor, the same block of rows)
@@ -156,43 +149,29 @@ class Engine:
         """Each group's checked values, where they changed since the last call; a field the layout or the
         backend's plan was built from (fixed_keys) may not change (ValueError, nothing changed)."""
         for i, v in enumerate(values):
-            for k in self.fixed_keys if self._native is None else ():  # the native engine refuses these itself
-                if k in v and v[k] != self.fixed[i][k]:
-                    raise ValueError(f"option '{self.group_names[i]}.{k}' was {self.fixed[i][k]!r} when the optimizer "
-                                     f"was built and decides its layout; it cannot become {v[k]!r}")
-        for i, v in enumerate(values):
             if self.values[i] != v:
-                (self._native if self._native is not None else self.options).set_group(i, v)
+                self._native.set_group(i, v)
                 self.values[i] = dict(v)
 
     def set_nonfinite(self, policy):
         resolve_modes("reference", policy, "sync")  # checked by the core, before anything changes
         self.nonfinite = policy
-        if self._native is not None:
-            self._native.set_nonfinite(policy)
-        else:
-            self.options.set("nonfinite", policy)
+        self._native.set_nonfinite(policy)
 
     @property
     def steps(self):
-        """The group counters: the native engine's (read, never copied), or the reference's."""
-        return self._native.group_steps if self._native is not None else self._steps
+        """The group counters: the native engine's (read, never copied)."""
+        return self._native.group_steps
 
     @property
     def entry_steps(self):
         """Each parameter's own count (the steps it had a gradient in)."""
-        return self._native.entry_steps if self._native is not None else self._entry_steps
+        return self._native.entry_steps
 
     def set_steps(self, steps, entry_steps=None):
         """Group counters and the parameters' own counts (None: each at its group's counter, what state of
         format version 1 means), checked first; a device's copy follows. Callers settle first."""
-        steps = [int(t) for t in steps]
-        entry_steps = None if entry_steps is None else [int(t) for t in entry_steps]
-        if self._native is not None:
-            self._native.set_steps(steps, entry_steps)
-        else:
-            self._steps = steps
-            self._entry_steps = [steps[e.group] for e in self.entries] if entry_steps is None else entry_steps
+        self._native.set_steps([int(t) for t in steps], None if entry_steps is None else [int(t) for t in entry_steps])
 
     # ------------------------------------------------------------------------------------------- steps
 
@@ -206,11 +185,6 @@ class Engine:
         the device, or None. Returns why the step was skipped (verdict='deferred': why the previous one
         was), or None; raises RuntimeError for a NaN/Inf gradient under nonfinite='error'. A skipped step
         changed nothing, its counters included."""
-        if self._native is None:
-            if scaler is not None and float(scaler[1]) != 0:
-                return FOUND_INF_REASON
-            self.refresh_masters()
-            return self._reference_step(None if scaler is None or scaler[0] is None else scaler[0].to("cpu"))
         if self._threads is None and self._native.threads not in (0, torch.get_num_threads()):
             self._native.set_threads(torch.get_num_threads())  # torch's count changed: follow it (0: no CPU threads)
         scale, found = (0, 0) if scaler is None else (0 if scaler[0] is None else scaler[0].data_ptr(),
@@ -223,31 +197,9 @@ class Engine:
         result = self._native.step(scale, found, self.stream())
         return result.reason if result.skipped else None
 
-    def _reference_step(self, grad_scale):
-        """The per-parameter Python reference: fp32 gradients, the spec's ops, rounded parameters copied back."""
-        for e in self.entries:
-            g = e.source.grad if e.grad_of is None else e.grad_of.grad
-            if g is not None and e.grad_of is not None:
-                g = g._local_tensor  # a sharded parameter's gradient: its local shard
-            if g is not None and g.is_sparse:
-                raise RuntimeError(f"parameter '{e.name}' has a sparse gradient, which normuon does not support")
-            e.has_grad = g is not None
-            if g is not None:
-                g = g.detach() if e.block is None else e.block.values(g.detach())
-                e.grad = g.to(torch.float32) if grad_scale is None else g.to(torch.float32) / grad_scale.to(g.device)
-        skipped, steps, entry_steps = self._reference.step(self.layout, self.entries, self.values, self._steps,
-                                                           self._entry_steps, self.nonfinite)
-        if skipped is None:
-            self._steps, self._entry_steps = list(steps), list(entry_steps)
-            for e in self.entries:
-                if e.has_grad and e.master is not None:
-                    e.write(e.master)  # rounds to the parameter's dtype
-                e.version = _seen(e)
-        return skipped
-
     @property
     def pending(self):
-        return self._native is not None and self._native.pending
+        return self._native.pending
 
     def settle(self):
         """verdict='deferred': the pending step's verdict now, so that the counters are final. Returns why
@@ -260,44 +212,22 @@ class Engine:
 
     def frozen_with_grad(self):
         """Indices into `frozen` of the parameters that have a gradient now (one native call)."""
-        if self._native is not None:
-            return self._native.frozen_with_grad()
-        return [i for i, e in enumerate(self.frozen) if e.tensor.grad is not None]
+        return self._native.frozen_with_grad()
 
     # ----------------------------------------------------------------------------------------- masters
 
     def mark_current(self):
         """The caller just wrote masters (and parameters): the tensors count as they are now, so the next
         step reads no master again (a loaded master keeps its low bits)."""
-        if self._native is not None:
-            self._native.mark_current()
-            return
-        for e in self.entries:  # the reference's own record (refresh_masters)
-            e.version = _seen(e)
+        self._native.mark_current()
 
     def refresh_masters(self):
         """Outside writes to the model's parameters (load_state_dict, an in-place op under no_grad, p.data = t):
         a bf16/fp16 parameter whose version counter moved or whose storage is new gets its master from it,
         unless it still holds the rounded master (a model reloaded after the optimizer: the master keeps its
         low bits). An fp32 parameter is its own master. Writes through .data bypass the counter and are not
-        seen. The native engine applies its own rule (Engine::refresh_master); the reference's is here."""
-        if self._native is not None:
-            self._native.refresh_masters(self.stream())
-            return
-        for e in self.entries:
-            t = e.source
-            shape = e.shape if e.block is None else e.block.param_shape
-            if tuple(t.shape) != shape or t.dtype != e.dtype or t.device != self.device:
-                raise RuntimeError(f"parameter '{e.name}' is now {t.dtype} {list(t.shape)} on {t.device}; it was "
-                                   f"{e.dtype} {list(shape)} on {self.device} when the optimizer was built")
-            version = _seen(e)
-            if e.block is not None and e.master is not None and not e.low_precision:
-                e.read_into(e.master)  # the reference's working copy of a block: writes through .data too
-            elif version != e.version and e.master is not None:
-                values = e.values()
-                if not (e.low_precision and torch.equal(values, e.master.to(e.dtype))):
-                    e.master.copy_(values)
-            e.version = version
+        seen (Engine::refresh_master's rule)."""
+        self._native.refresh_masters(self.stream())
 
     # ------------------------------------------------------------------------------------- state files
 
@@ -377,37 +307,30 @@ class Engine:
         return layout if same_places and layout.fingerprint == header["layout_fingerprint"] else self.layout
 
     def save(self, path, backend_name=None):
-        _C.save_state(path, self.to_flat(), self._native.options if self._native is not None else self.options,
+        _C.save_state(path, self.to_flat(), self._native.options,
                       backend_name or self.backend)
 
     # -------------------------------------------------------------------------------------- inspection
 
     @property
     def backend(self):
-        """'fast-cpu', 'fast-cuda' or 'reference-python'."""
-        return self._native.backend if self._native is not None else self._reference.name
+        """'fast-cpu', 'fast-cuda' or 'reference-cpu'."""
+        return self._native.backend
 
     @property
     def verdict(self):
         """When a CUDA step's verdict reaches the host: 'sync' | 'deferred'."""
-        return self._native.verdict if self._native is not None else self._verdict
+        return self._native.verdict
 
     @property
     def native(self):
-        """normuon._C.Engine, or None for the reference."""
+        """normuon._C.Engine."""
         return self._native
 
     def memory_report(self):
         """Bytes held beyond the model's tensors: state_bytes, master_bytes (fp32 masters of bf16/fp16
-        parameters), workspace_bytes (the backend's Newton-Schulz buffers and scratch; for the reference,
-        only its working copies of blocks of rows)."""
-        if self._native is not None:
-            return self._native.memory_report()
-        sizes = self._buffer_sizes()
-        masters = 4 * sizes.pop("masters")
-        working = 4 * sum(e.master.numel() for e in self.entries
-                          if e.block is not None and not e.low_precision and e.master is not None)
-        return dict(state_bytes=4 * sum(sizes.values()), master_bytes=masters, workspace_bytes=working)
+        parameters), workspace_bytes (the backend's Newton-Schulz buffers and scratch)."""
+        return self._native.memory_report()
 
 
 def resolve_modes(backend, nonfinite, verdict):
@@ -536,12 +459,6 @@ def _key(e):
     """What tells the same parameter in two layouts: its tensor, and which matrix inside it (a block of rows,
     an expert)."""
     return id(e.source), None if e.block is None else e.block.geometry
-
-
-def _seen(e):
-    """What tells an outside write to a parameter: its storage and its version counter."""
-    t = e.source
-    return t.data_ptr(), t._version
 
 
 class _CudaArray:

@@ -541,7 +541,7 @@ class _MegatronFlat(NotCopyable, torch.optim.Optimizer):
 
     @property
     def backend(self):
-        """'fast-cpu', 'fast-cuda' or 'reference-python' once built; before that the choice."""
+        """'fast-cpu', 'fast-cuda' or 'reference-cpu' once built; before that the choice."""
         return self.engine.backend if self.engine is not None else self._choice
 
     # ------------------------------------------------------------------------------- state dicts

@@ -394,7 +394,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
 
     @property
     def backend(self):
-        """Which backend runs the steps: 'fast-cpu', 'fast-cuda' or 'reference-python'."""
+        """Which backend runs the steps: 'fast-cpu', 'fast-cuda' or 'reference-cpu'."""
         return self.engine.backend
 
     def memory_report(self):

@@ -35,8 +35,7 @@ class _Entry:
     bf16/fp16, its fp32 master."""
 
     __slots__ = ("index", "name", "tensor", "shape", "dtype", "role", "evidence", "algorithm", "why", "group",
-                 "override", "master", "version", "grad", "state", "stats_per_row", "stat_len", "has_grad", "block",
-                 "grad_of", "parts", "transposed")
+                 "override", "master", "state", "stats_per_row", "stat_len", "block", "grad_of", "parts", "transposed")
 
     @property
     def low_precision(self):
@@ -54,22 +53,13 @@ class _Entry:
 
     @property
     def param(self):
-        """The fp32 values a step reads and writes: the parameter itself, or the master of a bf16/fp16 one
-        (and, for the Python reference, of a block of rows)."""
+        """The fp32 values a step reads and writes: the parameter itself, or the master of a bf16/fp16 one."""
         return self.master if self.master is not None else self.tensor.detach()
 
     def values(self):
         """The parameter's values as they are now, shape self.shape (a block's: a copy)."""
         t = self.source.detach()
         return t if self.block is None else self.block.values(t)
-
-    def read_into(self, out):
-        """Copies the parameter's values as they are now into `out` (self.shape, any dtype): one copy."""
-        t = self.source.detach()
-        if self.block is None:
-            out.copy_(t)
-        else:
-            self.block.read_into(t, out)
 
     def write(self, values):
         """Writes `values` (self.shape) into the parameter, rounded to its dtype."""
@@ -401,7 +391,6 @@ def _make_entry(index, name, tensor, role, block=None):
     if e.role not in ("matrix", "embedding", "head", "norm", "bias", "other", "router", "experts"):
         raise ValueError(f"parameter '{name}': unknown role {e.role!r} (matrix | embedding | head | norm | bias | "
                          "other | router | experts)")
-    e.has_grad = False
     e.grad_of = None  # a sharded parameter's DTensor, whose .grad holds this entry's gradient (sharded.py)
     e.parts = 1  # blocks of rows the matrix (each expert of a bank) is stepped as (split_rows=)
     e.stats_per_row, e.stat_len = True, 0

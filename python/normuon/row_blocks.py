@@ -36,10 +36,6 @@ class RowBlock:
         """The block of `t` as a new contiguous (rows, cols) tensor."""
         return self.view(t).reshape(self.shape)
 
-    def read_into(self, t, out):
-        """Copies the block of `t` into the contiguous (rows, cols) tensor `out` (one copy, no temporary)."""
-        out.view(self.groups, self.run, self.cols).copy_(self.view(t))
-
     def write(self, t, values):
         """Writes (rows, cols) `values` into the block's rows of `t`."""
         self.view(t).copy_(values.reshape(self.groups, self.run, self.cols))
@@ -87,9 +83,6 @@ class Piece:
 
     def values(self, t):
         return self.view(t).clone()
-
-    def read_into(self, t, out):
-        out.copy_(self.view(t))
 
     def write(self, t, values):
         self.view(t).copy_(values)

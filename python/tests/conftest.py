@@ -42,11 +42,11 @@ def torch_addcmul_fuses():
     """Whether torch's v.mul_(beta2).addcmul_(g, g, value=1 - beta2) rounds as the spec does, with one fma
     (its vectorised kernels); with ATEN_CPU_CAPABILITY=default it rounds twice. Only then can a state be
     compared bit for bit with torch.optim.AdamW's own."""
-    from normuon import reference
+    import spec_oracle as spec
 
     g = torch.Generator().manual_seed(11)
     v, grad = torch.rand(1 << 12, generator=g), torch.randn(1 << 12, generator=g)
-    ours = reference.fma(grad * reference.fp32(1 - 0.95), grad, v * reference.fp32(0.95))
+    ours = spec.fma(grad * spec.fp32(1 - 0.95), grad, v * spec.fp32(0.95))
     return torch.equal(v.clone().mul_(0.95).addcmul_(grad, grad, value=1 - 0.95), ours)
 
 

@@ -1,5 +1,5 @@
-"""Numbers: the AdamW part against torch.optim.AdamW, the fast backend against reference.py (the plain
-per-parameter torch transcription of the spec), and the optimizer against reference.py called directly."""
+"""Numbers: the AdamW part against torch.optim.AdamW, the fast backend against the reference (the spec's
+per-parameter steps, reference/), and the optimizer against the spec applied per matrix (spec_oracle)."""
 import math
 
 import pytest
@@ -7,7 +7,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Python tests need it")
 
 import normuon  # noqa: E402
-from normuon import native, reference  # noqa: E402
+from normuon import native  # noqa: E402
+import spec_oracle as spec  # noqa: E402
 from conftest import fill_grads, make_model, params_of  # noqa: E402
 from conftest import require_exact_torch_sqrt, torch_addcmul_fuses, torch_sqrt_rounding_errors  # noqa: E402
 from torch import nn  # noqa: E402
@@ -101,9 +102,9 @@ def compare(a, b, exact=True, rtol=0.0, atol=0.0):
 
 
 def compare_bf16_ns(a, b, start, update_bound=0.1, row_var_bound=0.05):
-    """The fast backend against reference.py with bf16 Newton-Schulz. Their GEMMs sum in different orders (the
+    """The fast backend against the reference with bf16 Newton-Schulz. Their GEMMs sum in different orders (the
     fast backend's oneDNN kernels, or fp32 GEMMs of the bf16 values where the processor has no bf16 dot
-    product; torch's mm), so single bf16 roundings of Newton-Schulz flip, as on any other platform. AdamW
+    product; the reference's spec GEMM), so single bf16 roundings of Newton-Schulz flip, as on any other platform. AdamW
     tensors, NorMuon momenta and the step counts stay bit for bit; NorMuon matrices and second moments are
     held to the comparator's bf16 bounds (docs/compare.md): the update's error relative to the distance it
     travelled, and row_var normwise."""
@@ -149,7 +150,7 @@ def test_fast_matches_reference_in_bf16(knobs, native):
 
 
 def test_fast_matches_reference_in_fp32_precision(native):
-    """fp32 Newton-Schulz: the GEMMs differ (oneDNN sgemm in fast, the BLAS behind torch.mm in the reference)
+    """fp32 Newton-Schulz: the GEMMs differ (oneDNN sgemm in fast, the spec GEMM in the reference)
     in accumulation order only; measured max difference ~1e-8 absolute after 4 steps."""
     compare(run_model("fast", ns_precision="fp32"), run_model("reference", ns_precision="fp32"),
             exact=False, rtol=1e-5, atol=1e-7)
@@ -164,7 +165,7 @@ def test_bf16_parameters_fast_matches_reference(native):
 
 def test_optimizer_equals_reference_functions_called_directly():
     """The optimizer's bookkeeping (views, groups, per-parameter step counts, missing gradients) around
-    reference.py equals a plain per-parameter loop over cloned fp32 tensors."""
+    the reference backend equals the spec's steps applied per parameter to cloned fp32 tensors."""
     model = make_model()
     names = [n for n, _ in model.named_parameters()]
     plain = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -185,23 +186,23 @@ def test_optimizer_equals_reference_functions_called_directly():
             own[n] += 1
             g = dict(model.named_parameters())[n].grad.float()
             if algo[n] == "normuon":
-                reference.normuon_update(plain[n], g, *state[n], nm, True)
+                spec.normuon_update(plain[n], g, *state[n], nm, True)
             else:
-                reference.adamw_update(plain[n], g, *state[n], aw, own[n])
+                spec.adamw_update(plain[n], g, *state[n], aw, own[n])
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), plain[n]), n
 
 
 def test_reference_invariants():
-    """Spec section 3.4 on reference.py: the update norm is lr*kappa*||O||_F; at step 1 every row of the
+    """Spec section 3.4 on the reference's arithmetic: the update norm is lr*kappa*||O||_F; at step 1 every row of the
     normalised update has the same RMS (fp32 Newton-Schulz, no decay)."""
     torch.manual_seed(3)
     g = torch.randn(24, 40) * torch.logspace(-3, 3, 24, base=2.0).unsqueeze(1)
     h = dict(native.defaults("normuon"), ns_precision="fp32", lr=0.5)
     p = torch.zeros(24, 40)
     M, v = torch.zeros(24, 40), torch.zeros(24)
-    reference.normuon_update(p, g, M, v, h, True)
-    O = reference.newton_schulz(g.lerp(torch.lerp(torch.zeros(24, 40), g, 0.05), 0.95), h)
+    spec.normuon_update(p, g, M, v, h, True)
+    O = spec.newton_schulz(g.lerp(torch.lerp(torch.zeros(24, 40), g, 0.05), 0.95), h)
     update = -p / h["lr"]
     assert math.isclose(update.norm().item(), O.norm().item(), rel_tol=1e-5)
     row_rms = update.pow(2).mean(1).sqrt()

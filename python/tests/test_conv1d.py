@@ -14,7 +14,7 @@ SHAPES = {"h.0.mlp.c_fc.weight": (16, 24), "h.0.mlp.c_proj.weight": (24, 16), "h
 
 
 def path_kwargs(path):
-    """The optimizer's keywords for the fast CPU backend, the Python reference or the CUDA engine on the emulator."""
+    """The optimizer's keywords for the fast CPU backend, the reference or the CUDA engine on the emulator."""
     require_native()
     if path == "cuda-emulated":
         return dict(_device_backend=emulated_cuda_backend())
@@ -58,10 +58,9 @@ def test_a_transposed_matrix_steps_as_its_linear_twin(path, axis, precision):
             torch.testing.assert_close(p.detach().transpose(-2, -1), twin, rtol=0, atol=3e-3, msg=n)
             continue
         # Newton-Schulz iterates on the wide orientation, so on the fused backends a non-square matrix gets its
-        # twin's bits (the whole-matrix norms add the stored rows' sums: a last bit could differ, none does). The
-        # Python reference multiplies a transposed view, which rounds its products a little apart; a square matrix
-        # iterates on its stored orientation, in fp32 a few ulp apart.
-        exact = path != "reference" and not square
+        # twin's bits on every backend (the whole-matrix norms add the stored rows' sums: a last bit could differ,
+        # none does); a square matrix iterates on its stored orientation, in fp32 a few ulp apart.
+        exact = not square
         torch.testing.assert_close(p.detach().transpose(-2, -1), twin, rtol=0 if exact else 1e-6,
                                    atol=0 if exact else 1e-7, msg=n)
         torch.testing.assert_close(mine["momentum_buffer"].transpose(-2, -1), theirs["momentum_buffer"], rtol=0, atol=0,

@@ -63,7 +63,7 @@ def assert_same(banks, experts, opt_b, opt_e):
 
 
 def path_kwargs(path):
-    """The optimizer's keywords for one of the three paths: the fast CPU backend, the Python reference, the CUDA
+    """The optimizer's keywords for one of the three paths: the fast CPU backend, the reference, the CUDA
     engine on the emulator."""
     require_native()
     if path == "cuda-emulated":

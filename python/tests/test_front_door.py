@@ -23,18 +23,36 @@ def ops_per_step(n_layer, dtype, backend):
     return count.ops
 
 
+@pytest.mark.parametrize("backend", ["fast", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_ops_per_step_do_not_grow_with_the_model(dtype):
-    small, large = ops_per_step(2, dtype, "fast"), ops_per_step(24, dtype, "fast")
+def test_ops_per_step_do_not_grow_with_the_model(dtype, backend):
+    small, large = ops_per_step(2, dtype, backend), ops_per_step(24, dtype, backend)
     assert len(small) == len(large), (small, large)
     # The step itself dispatches none: what is left is torch.optim's record_function around step()
     # (torch 1.13: aten.zeros and profiler._record_function_enter).
     assert len(small) <= 2, small
 
 
+def _torch_adamw_step(n_layer, measure):
+    """measure(step) around the second step of torch.optim.AdamW's single-tensor path: per-parameter ops."""
+    model = make_model(n_layer=n_layer)
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    fill_grads(model, 1)
+    opt.step()
+    fill_grads(model, 2)
+    return measure(opt.step)
+
+
 def test_the_old_path_dispatches_ops_per_parameter():
-    """The measure can tell: the per-parameter reference grows with the layer count."""
-    assert len(ops_per_step(4, torch.float32, "reference")) > len(ops_per_step(2, torch.float32, "reference"))
+    """The measure can tell: a per-parameter optimizer's ops grow with the layer count."""
+    def ops(n_layer):
+        def measure(step):
+            with count_ops() as count:
+                step()
+            return len(count.ops)
+        return _torch_adamw_step(n_layer, measure)
+
+    assert ops(4) > ops(2)
 
 
 def _padded(n):
@@ -160,28 +178,26 @@ def test_python_does_no_per_parameter_work_in_a_step(dtype, path):
 
 
 def test_the_call_count_can_tell():
-    """The measure sees per-parameter work: the reference's step grows with the model."""
-    def reference_calls(n):
-        model = torch.nn.ModuleDict({f"m{i}": torch.nn.Linear(8, 8, bias=False) for i in range(n)})
-        opt = normuon.NorMuonAdamW(model.named_parameters(), backend="reference")
-        for p in model.parameters():
-            p.grad = torch.ones_like(p)
-        import sys
-        calls = []
-        sys.setprofile(lambda frame, event, arg: calls.append(event) if event in ("call", "c_call") else None)
-        try:
-            opt.step()
-        finally:
-            sys.setprofile(None)
-        return len(calls)
+    """The measure sees per-parameter work: a per-parameter optimizer's step grows with the model."""
+    def calls(n_layer):
+        def measure(step):
+            import sys
+            seen = []
+            sys.setprofile(lambda frame, event, arg: seen.append(event) if event in ("call", "c_call") else None)
+            try:
+                step()
+            finally:
+                sys.setprofile(None)
+            return len(seen)
+        return _torch_adamw_step(n_layer, measure)
 
-    assert reference_calls(20) > reference_calls(10)
+    assert calls(4) > calls(2)
 
 
 @pytest.mark.parametrize("backend", ["fast", "reference"])
 def test_a_bf16_parameter_given_new_data_gets_its_master_from_it(backend):
     """p.data = t on a bf16 parameter: the next step reads its master from t (it kept the old master, and
-    the step wrote the old values back; the reference and CUDA paths follow the same rule in Python)."""
+    the step wrote the old values back; every backend follows the engine's rule)."""
     model = make_model(dtype=torch.bfloat16)
     opt = normuon.NorMuonAdamW(model.named_parameters(), lr=0.0, adamw_lr=0.0, backend=backend)
     fill_grads(model, 1)

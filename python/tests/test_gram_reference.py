@@ -1,11 +1,12 @@
-"""Gram Newton-Schulz in the pure-torch reference (reference.py, docs/spec.md section 3.2): the standard
+"""Gram Newton-Schulz in the reference (spec_oracle: reference/'s arithmetic, docs/spec.md section 3.2): the standard
 iteration's polynomial evaluated on the Gram matrix, so in fp32 it agrees with the standard iteration to
 rounding; square matrices take the standard iteration; every m x m product is exactly symmetric."""
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Python tests need it")
 
-from normuon import native, reference  # noqa: E402
+from normuon import native  # noqa: E402
+import spec_oracle as spec  # noqa: E402
 
 
 def hyper(**changes):
@@ -21,9 +22,8 @@ def relative(a, b):
 def test_gram_agrees_with_the_standard_iteration_in_fp32(shape, coefficients):
     torch.manual_seed(0)
     u = torch.randn(shape)
-    standard = reference.newton_schulz(u, hyper(ns_precision="fp32", ns_coefficients=coefficients))
-    gram = reference.newton_schulz(u, hyper(ns_precision="fp32", ns_coefficients=coefficients,
-                                            ns_algorithm="gram"))
+    standard = spec.newton_schulz(u, hyper(ns_precision="fp32", ns_coefficients=coefficients))
+    gram = spec.newton_schulz(u, hyper(ns_precision="fp32", ns_coefficients=coefficients, ns_algorithm="gram"))
     assert gram.shape == u.shape
     assert relative(gram, standard) < 1e-3
 
@@ -31,21 +31,16 @@ def test_gram_agrees_with_the_standard_iteration_in_fp32(shape, coefficients):
 def test_gram_in_bf16_stays_within_twice_the_standard_bf16_error():
     torch.manual_seed(1)
     u = torch.randn(128, 320)
-    truth = reference.newton_schulz(u, hyper(ns_precision="fp32"))
-    own = relative(reference.newton_schulz(u, hyper()), truth)
-    gram = relative(reference.newton_schulz(u, hyper(ns_algorithm="gram")), truth)
+    truth = spec.newton_schulz(u, hyper(ns_precision="fp32"))
+    own = relative(spec.newton_schulz(u, hyper()), truth)
+    gram = relative(spec.newton_schulz(u, hyper(ns_algorithm="gram")), truth)
     assert gram <= 2 * own, (gram, own)
 
 
 def test_square_matrices_take_the_standard_iteration():
     torch.manual_seed(2)
     u = torch.randn(64, 64)
-    assert torch.equal(reference.newton_schulz(u, hyper(ns_algorithm="gram")), reference.newton_schulz(u, hyper()))
-
-
-def test_restarts():
-    # A bad ns_algorithm is the core's to refuse (test_the_optimizer_takes_gram_on_both_backends).
-    assert [k for k in range(12) if reference.gram_restarts_before(k)] == [2, 5, 8, 11]
+    assert torch.equal(spec.newton_schulz(u, hyper(ns_algorithm="gram")), spec.newton_schulz(u, hyper()))
 
 
 @pytest.mark.parametrize("steps", [1, 2, 3, 7])
@@ -53,7 +48,7 @@ def test_every_schedule_length_runs_and_differs_from_standard_only_by_rounding(s
     torch.manual_seed(3)
     u = torch.randn(40, 100)
     h = hyper(ns_precision="fp32", ns_steps=steps)
-    assert relative(reference.newton_schulz(u, dict(h, ns_algorithm="gram")), reference.newton_schulz(u, h)) < 1e-3
+    assert relative(spec.newton_schulz(u, dict(h, ns_algorithm="gram")), spec.newton_schulz(u, h)) < 1e-3
 
 
 def test_the_optimizer_takes_gram_on_both_backends(native):

@@ -2,14 +2,14 @@
 Numbers as in test_megatron_contract.py: 1 Megatron-shaped groups and the scheduler,
 2 the Float16 wrapper's swap, 3 the DistributedOptimizer's 1-D shards, 4 the DistributedOptimizer's load
 (group step, or one shared per-parameter step tensor), 5 LayerWise narrowing, 6 parameter-shaped checkpoint
-state, 7 step counters. The oracle is reference.adamw_update (the spec's AdamW, what torch >= 2.0 computes)
+state, 7 step counters. The oracle is spec.adamw_update (the spec's AdamW, what torch >= 2.0 computes)
 at TE FusedAdam's step t = group['step']; agreement with torch.optim.AdamW is checked at the tolerance
 docs/python.md states."""
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Python tests need it")
 
-from normuon import reference  # noqa: E402
+import spec_oracle as spec  # noqa: E402
 from normuon.megatron import MegatronAdamW, MegatronNorMuon  # noqa: E402
 from megatron_helpers import megatron_groups, random_params, scheduler_step, set_grads  # noqa: E402
 from conftest import require_exact_torch_sqrt, torch_addcmul_fuses, torch_sqrt_rounding_errors  # noqa: E402
@@ -39,7 +39,7 @@ def hyper(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
 
 
 class Oracle:
-    """reference.adamw_update per parameter on fp32 copies, at the step t the caller gives (TE's rule: the
+    """spec.adamw_update per parameter on fp32 copies, at the step t the caller gives (TE's rule: the
     group's step, whether or not this parameter had a gradient before)."""
 
     def __init__(self, params):
@@ -50,7 +50,7 @@ class Oracle:
     def step(self, grads, hypers, t):
         for k, grad in enumerate(grads):
             if grad is not None:
-                reference.adamw_update(self.p[k], grad.float(), self.m[k], self.v[k], hypers[k], t)
+                spec.adamw_update(self.p[k], grad.float(), self.m[k], self.v[k], hypers[k], t)
 
 
 def assert_matches(opt, params, oracle, indices=None):

@@ -18,7 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Python tests need it")
 
-from normuon import native, reference  # noqa: E402
+from normuon import native  # noqa: E402
+import spec_oracle as spec  # noqa: E402
 from normuon.megatron import MegatronNorMuon, init_state_fn  # noqa: E402
 import normuon.megatron as nm  # noqa: E402
 from megatron_helpers import random_params, scheduler_step, set_grads  # noqa: E402
@@ -58,9 +59,9 @@ def spec_hypers(lr, wd, momentum=0.95, beta2=0.95, eps=1e-8, nesterov=True, lr_s
 
 
 class Oracle:
-    """reference.normuon_update per parameter on fp32 copies: the spec, applied one matrix at a time.
+    """spec.normuon_update per parameter on fp32 copies: the spec, applied one matrix at a time.
 
-    Against the reference backend the comparison is exact. The fast backend agrees with reference.py bit for
+    Against the reference backend the comparison is exact. The fast backend agrees with the reference bit for
     bit on the elementwise parts, but its bf16 Newton-Schulz GEMMs may round differently (bf16 resolution,
     data-dependent); so with it the tests run fp32 Newton-Schulz ('highest') and compare at the tolerance
     test_agreement.py sets for that mode."""
@@ -76,7 +77,7 @@ class Oracle:
             if grad is not None:
                 p = self.p[k]
                 h = dict(hypers[k], ns_precision=NS_PRECISION[self.backend])
-                reference.normuon_update(p, grad.float(), self.M[k], self.v[k], h, p.shape[0] >= p.shape[1])
+                spec.normuon_update(p, grad.float(), self.M[k], self.v[k], h, p.shape[0] >= p.shape[1])
 
 
 MATMUL_PREC = {"reference": "medium", "fast": "highest"}  # Megatron's names: bf16 and fp32 Newton-Schulz
@@ -713,7 +714,7 @@ def test_10_register_into_a_stub_megatron_and_build_like_megatron(monkeypatch, b
     oracle = Oracle(params, backend)
     set_grads(params, grads_for(params, 1))
     opt.step()
-    assert opt.backend == ("fast-cpu" if backend == "fast" else "reference-python")
+    assert opt.backend == ("fast-cpu" if backend == "fast" else "reference-cpu")
     # spectral * 0.2 is the spec's rms_matching: no folded constant, so the spec oracle applies as is.
     oracle.step(grads_for(params, 1), [spec_hypers(1e-3, 0.01, momentum=0.9, beta2=0.9,
                                                    lr_scale="rms_matching")] * 4)
@@ -772,7 +773,7 @@ def test_10_register_with_replace_adam(monkeypatch, backend):
     for p in vectors:
         p.grad = torch.ones_like(p)
     adam.step()
-    assert adam.backend == ("fast-cpu" if backend == "fast" else "reference-python")
+    assert adam.backend == ("fast-cpu" if backend == "fast" else "reference-cpu")
     assert [g.get("step") for g in adam.param_groups] == [1, None, 1]
     with pytest.raises(ValueError, match="adam_w_mode=False: only decoupled weight decay"):
         megatron_builds_adam(mopt, megatron_config(decoupled_weight_decay=False), [{"params": vectors}])

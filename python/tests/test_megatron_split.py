@@ -1,6 +1,6 @@
 """MegatronNorMuon on Megatron's attention and tensor-parallel metadata (Megatron's TensorParallelMuon
 in megatron/core/optimizer/emerging_optimizers.py; contract 9): per-block QKV (split_qkv with is_qkv / qkv_split_shapes), checked block by block against
-reference.normuon_update, and tensor-parallel shards (tensor_model_parallel / partition_dim): run per shard
+spec_oracle.normuon_update, and tensor-parallel shards (tensor_model_parallel / partition_dim): run per shard
 under tp_mode 'blockwise', refused with the parameter's name under 'duplicated' / 'distributed' (the whole
 matrix would need a gather over the TP group, which the adapter does not do)."""
 import io
@@ -10,7 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not importable: the Python tests need it")
 
-from normuon import native, reference  # noqa: E402
+from normuon import native  # noqa: E402
+import spec_oracle as oracle  # noqa: E402
 from normuon.megatron import MegatronNorMuon, init_state_fn  # noqa: E402
 from megatron_helpers import set_grads  # noqa: E402
 
@@ -72,7 +73,7 @@ class BlockOracle:
             rows = self.blocks[k] if self.blocks[k] is not None else [torch.arange(self.p[k].shape[0])]
             for j, r in enumerate(rows):
                 p, g, M = self.p[k][r], grad.float()[r], self.M[k][r]
-                reference.normuon_update(p, g, M, self.v[k][j], self.h, p.shape[0] >= p.shape[1])
+                oracle.normuon_update(p, g, M, self.v[k][j], self.h, p.shape[0] >= p.shape[1])
                 self.p[k][r], self.M[k][r] = p, M
 
 
@@ -154,7 +155,7 @@ def test_qkv_state_is_parameter_shaped_round_trips_and_adopts_edits(backend):
         o.state[ps[0]]["momentum_buffer"].mul_(0.5)  # in place, on the copy
         o.state[ps[1]] = {k: v * 2 for k, v in o.state[ps[1]].items()}  # replaced
         grads = grads_for(ps, 3)
-        expected = [reference.lerp(o.state[p]["momentum_buffer"], g, 1 - HYPERS["momentum"])  # the spec's rounding
+        expected = [oracle.lerp(o.state[p]["momentum_buffer"], g, 1 - HYPERS["momentum"])  # the spec's rounding
                     for p, g in zip(ps[:2], grads)]
         set_grads(ps, grads)
         o.step()

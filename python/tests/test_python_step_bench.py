@@ -20,7 +20,7 @@ def test_tiny_run_writes_both_reports(tmp_path):
         rows = {r["contender"]: r for r in csv.DictReader(f)}
     assert set(rows) == {"python", "cpp", "reference", "adamw"}
     assert int(rows["cpp"]["ops"]) == 0  # the native call dispatches no torch operator
-    assert int(rows["reference"]["ops"]) > int(rows["python"]["ops"])
+    assert int(rows["reference"]["ops"]) == int(rows["python"]["ops"])  # one native call too, whatever the backend
     assert "Python step vs C++ step" in (tmp_path / "python-step-tiny.md").read_text()
     assert not list(tmp_path.glob("*.tmp"))
 

@@ -187,9 +187,9 @@ def test_backend_selector(monkeypatch, native):
     monkeypatch.delenv("NORMUON_BACKEND", raising=False)
     assert normuon.NorMuonAdamW(model.named_parameters()).backend == "fast-cpu"
     assert normuon.NorMuonAdamW(model.named_parameters(), backend="fast").backend == "fast-cpu"
-    assert normuon.NorMuonAdamW(model.named_parameters(), backend="reference").backend == "reference-python"
+    assert normuon.NorMuonAdamW(model.named_parameters(), backend="reference").backend == "reference-cpu"
     monkeypatch.setenv("NORMUON_BACKEND", "reference")
-    assert normuon.NorMuonAdamW(model.named_parameters()).backend == "reference-python"
+    assert normuon.NorMuonAdamW(model.named_parameters()).backend == "reference-cpu"
     assert normuon.NorMuonAdamW(model.named_parameters(), backend="fast").backend == "fast-cpu"  # argument wins
     monkeypatch.setenv("NORMUON_BACKEND", "fastest")
     with pytest.raises(ValueError, match="environment variable NORMUON_BACKEND: unknown backend 'fastest'"):
