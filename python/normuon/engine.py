@@ -62,11 +62,6 @@ class Engine:
         """The C++ manifest's rows (ParamSpec), under other parameter names if given."""
         return param_specs(self.entries, self.group_names, names)
 
-    def _buffer_sizes(self):
-        l = self.layout
-        return dict(masters=l.master_floats, momentum=l.normuon_floats, row_var=l.stat_floats,
-                    exp_avg=l.adam_floats, exp_avg_sq=l.adam_floats)
-
     def _allocate_native(self, verdict):
         """The native engine over the model's own tensors (table mode): the fast CPU backend, the fast CUDA
         one on the parameters' device (its buffers in device memory viewed zero-copy), or the reference."""
@@ -113,7 +108,7 @@ class Engine:
     def _carve(self, buffers):
         """Per-entry views of the buffers (host or device): e.state (the two state tensors of its
         algorithm, in the layout's forms) and e.master."""
-        self.buffers = {k: buffers[k] for k in self._buffer_sizes()}
+        self.buffers = buffers  # masters, momentum, row_var, exp_avg, exp_avg_sq
         for e, le in zip(self.entries, self.layout.entries):
             if e.algorithm == "normuon":
                 e.state = (buffers["momentum"][le.offset:le.offset + le.numel].view(e.shape),

@@ -30,19 +30,10 @@ class NotCopyable:
     """The optimizers of this package refuse pickling and copying with a TypeError: a copy would share or
     lose the native buffers and the bindings to the model's tensors, and step wrongly."""
 
-    def _refuse(self):
+    def __reduce_ex__(self, protocol):  # pickle, and copy.copy / copy.deepcopy, which fall back on it
         raise TypeError(f"{type(self).__name__} cannot be pickled or copied: its state lives in native buffers "
                         "bound to the model's own tensors. Save opt.state_dict() (torch.save) or "
                         "opt.export_state(path), and build a new optimizer over the new model, then load it")
-
-    def __reduce_ex__(self, protocol):
-        self._refuse()
-
-    def __copy__(self):
-        self._refuse()
-
-    def __deepcopy__(self, memo):
-        self._refuse()
 
 
 class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
@@ -75,8 +66,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     process_group: plain parameters that every rank of this torch.distributed group holds whole, with the
         same gradients (DDP): Newton-Schulz spread over the ranks, one owner per matrix (sharded.py), as
         for DTensor parameters (FSDP2, FSDP x TP), which need no argument. step() is then collective.
-    verdict: on CUDA, when a step's NaN/Inf verdict reaches the host: "sync" (in step(), one host sync) or
-        "deferred" (at the next step(), no sync; a bad step changes nothing on the device either way).
+    verdict: on CUDA, when a step's NaN/Inf verdict reaches the host: "deferred" (the default: at the next step(),
+        no host sync) or "sync" (in step(), one host sync); a bad step changes nothing on the device either way.
     _device_backend: (tests) a device backend from another native module (normuon_emulated's, the CUDA
         engine on the SIMT emulator), driving the parameters where they are.
 
@@ -91,7 +82,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     def __init__(self, params=None, lr=None, beta1=None, beta2=None, weight_decay=None, nesterov=None, ns_steps=None,
                  *, momentum=None, adamw_lr=None, adamw_betas=None, adamw_eps=None, adamw_weight_decay=None,
                  normuon_params=None, adamw_params=None, model=None, overrides=None, roles=None, backend=None,
-                 threads=None, nonfinite="error", verdict="sync", process_group=None, split_rows=None, transposed=None,
+                 threads=None, nonfinite="error", verdict="deferred", process_group=None, split_rows=None, transposed=None,
                  _row_blocks=(),
                  _state_for_frozen=False, _device_backend=None, **knobs):
         require("NorMuonAdamW")

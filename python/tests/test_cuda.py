@@ -101,7 +101,7 @@ def test_state_is_on_the_device_and_files_cross_to_the_cpu(tmp_path):
 @needs_gpu
 def test_nan_gradient_raises_and_changes_nothing():
     gpu = _model("cuda")
-    opt = normuon.NorMuonAdamW(gpu.named_parameters())
+    opt = normuon.NorMuonAdamW(gpu.named_parameters(), verdict="sync")  # raised in the bad step itself
     _grads(gpu, 1)
     opt.step()
     before = [p.detach().clone() for p in gpu.parameters()]
@@ -120,7 +120,7 @@ def test_nan_gradient_raises_and_changes_nothing():
 def test_skip_step_and_missing_gradients_match_the_cpu():
     cpu, gpu = _model("cpu"), _model("cuda")
     opt_cpu = normuon.NorMuonAdamW(cpu.named_parameters(), nonfinite="skip_step", backend=CPU_BACKEND)
-    opt_gpu = normuon.NorMuonAdamW(gpu.named_parameters(), nonfinite="skip_step")
+    opt_gpu = normuon.NorMuonAdamW(gpu.named_parameters(), nonfinite="skip_step", verdict="sync")  # step by step
     for step in range(1, 5):
         for model in (cpu, gpu):
             _grads(model, step)

@@ -65,7 +65,7 @@ def test_a_nan_step_changes_nothing_and_its_counters_roll_back(verdict):
 
 def test_a_deferred_error_is_raised_at_the_next_step_and_nothing_moves():
     model = make_model()
-    opt = _opt(model, verdict="deferred")  # nonfinite='error'
+    opt = _opt(model)  # the default verdict is deferred; nonfinite='error'
     fill_grads(model, 1)
     opt.step()
     fill_grads(model, 2)
