@@ -324,3 +324,17 @@ def test_loaded_masters_win_over_the_parameters_as_they_are():
     opt.step()  # lr 0, no decay: every parameter is its loaded master, rounded
     for k, p in enumerate(t for g in opt.param_groups for t in g["params"]):  # the state dict's numbering
         assert torch.equal(p.detach(), sd["state"][k]["master_param"].to(torch.bfloat16)), k
+
+
+def test_the_step_shows_in_the_torch_profiler_by_name():
+    """torch.profiler shows each optimizer's step as a range of its own (on CUDA the backend's NVTX ranges
+    name its phases inside it): NorMuonAdamW and both Megatron halves."""
+    from normuon.megatron import MegatronAdamW, MegatronNorMuon
+
+    w, b = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(8))
+    for opt, p in ((normuon.NorMuonAdamW([("w", w)]), w), (MegatronNorMuon([w], lr=0.01), w),
+                   (MegatronAdamW([b], lr=0.01), b)):
+        p.grad = torch.ones_like(p)
+        with torch.profiler.profile() as prof:
+            opt.step()
+        assert f"Optimizer.step#{type(opt).__name__}.step" in {e.name for e in prof.events()}
