@@ -103,10 +103,8 @@ StepResult FastCpuBackend::step(FlatState& state, const Options& options) {
 StepResult FastCpuBackend::step(TableState& state, const ParamTable& table, const Options& options,
                                 const float* grad_scale) {
   if (state.layout != &layout_) throw std::invalid_argument("fast-cpu backend: the state has another layout");
-  if (grad_scale && !(std::isfinite(*grad_scale) && *grad_scale > 0))
-    throw std::invalid_argument("fast-cpu backend: the gradient scale must be finite and > 0");
   operands_.bind(state, table);
-  operands_.grad_scale = grad_scale;
+  operands_.set_grad_scale(grad_scale, "fast-cpu backend");
   return run(options);
 }
 

@@ -367,8 +367,8 @@ void bind_engine(py::module_& m) {
       .def_static(
           "reference",
           [](const Manifest& manifest, const Options& options) {
-            return std::make_unique<TorchEngine>(manifest, options, [](const Layout&, const Options&) {
-              return std::make_unique<ReferenceTableBackend>();
+            return std::make_unique<TorchEngine>(manifest, options, [](const Layout& layout, const Options&) {
+              return std::make_unique<ReferenceTableBackend>(layout);
             }, -1);
           },
           py::arg("manifest"), py::arg("options"),

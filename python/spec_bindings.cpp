@@ -4,7 +4,10 @@
 // engine (backend='reference': ReferenceTableBackend).
 #include "engine_bindings.h"
 
+#include <initializer_list>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cpu_ops.h"
 #include "spec_steps.h"
@@ -41,6 +44,14 @@ std::pair<int64_t, int64_t> matrix_shape(const py::handle& t, const char* what) 
   return {shape[0], shape[1]};
 }
 
+// The tensors beside p must have its shape (a transposed one would be read row-major, silently).
+void same_shape(const py::handle& p, std::initializer_list<std::pair<const py::handle*, const char*>> others) {
+  const auto shape = p.attr("shape").cast<std::vector<int64_t>>();
+  for (const auto& [t, what] : others)
+    if (t->attr("shape").cast<std::vector<int64_t>>() != shape)
+      throw py::value_error(std::string(what) + " must have p's shape");
+}
+
 struct NoClock {
   void lap(double PhaseTimes::*) {}
 };
@@ -52,6 +63,7 @@ void bind_spec(py::module_& m) {
       "spec_newton_schulz",
       [](const py::handle& update, const py::handle& out, const py::dict& values) {
         const auto [rows, cols] = matrix_shape(update, "update");
+        same_shape(update, {{&out, "out"}});
         const NorMuonHyper h = spec_group(Algorithm::normuon, values).normuon;
         spec::CpuOps ops;
         spec::newton_schulz(ops, cpu_floats(update, rows * cols, "update"), cpu_floats(out, rows * cols, "out"),
@@ -64,6 +76,7 @@ void bind_spec(py::module_& m) {
       [](const py::handle& p, const py::handle& g, const py::handle& M, const py::handle& v, const py::dict& values,
          bool per_row, bool transposed) {
         const auto [rows, cols] = matrix_shape(p, "p");
+        same_shape(p, {{&g, "g"}, {&M, "M"}});
         const NorMuonHyper h = spec_group(Algorithm::normuon, values).normuon;
         spec::CpuOps ops;
         NoClock clock;
@@ -81,6 +94,7 @@ void bind_spec(py::module_& m) {
       [](const py::handle& p, const py::handle& g, const py::handle& m_, const py::handle& v, const py::dict& values,
          int64_t t) {
         if (t < 1) throw py::value_error("t must be >= 1");
+        same_shape(p, {{&g, "g"}, {&m_, "m"}, {&v, "v"}});
         const AdamWHyper h = spec_group(Algorithm::adamw, values).adamw;
         const int64_t n = p.attr("numel")().cast<int64_t>();
         spec::CpuOps ops;

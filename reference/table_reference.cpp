@@ -5,6 +5,8 @@
 #include "normuon/step_prologue.h"
 #include "spec_steps.h"
 
+#include <algorithm>
+
 namespace normuon {
 namespace {
 
@@ -12,35 +14,34 @@ struct NoClock {  // the phases are not timed here
   void lap(double PhaseTimes::*) {}
 };
 
-// Room for n floats in `v`, kept between steps.
-float* room(std::vector<float>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
-  return v.data();
-}
-
 }  // namespace
 
-ReferenceTableBackend::ReferenceTableBackend() : ops_(std::make_unique<spec::CpuOps>()) {}
+ReferenceTableBackend::ReferenceTableBackend(const Layout& layout) : ops_(std::make_unique<spec::CpuOps>()) {
+  int64_t largest = 0;  // the gradient and gathered-parameter copies are sized once, not in a step
+  for (const LayoutEntry& e : layout.entries) largest = std::max(largest, e.numel);
+  grad_.resize(static_cast<size_t>(largest));
+  param_.resize(static_cast<size_t>(largest));
+}
 ReferenceTableBackend::~ReferenceTableBackend() = default;
 
 StepResult ReferenceTableBackend::step(TableState& state, const ParamTable& table, const Options& options,
                                        const float* grad_scale) {
   operands_.bind(state, table);
-  operands_.grad_scale = grad_scale;
+  operands_.set_grad_scale(grad_scale, "reference-cpu backend");
   if (auto skipped = begin_step(operands_, options)) return *skipped;
   const Layout& layout = *state.layout;
   for (size_t i = 0; i < layout.entries.size(); ++i) {
     const LayoutEntry& e = layout.entries[i];
     const ParamOperand& op = operands_.params[i];
     if (!op.grad || e.numel == 0) continue;  // untouched, state not advanced
-    float* g = room(grad_, e.numel);
+    float* g = grad_.data();
     widen_rows(op.grad, op.grad_dtype, op.grad_runs, 0, g, e.numel);
     if (grad_scale)
       for (int64_t k = 0; k < e.numel; ++k) g[k] /= *grad_scale;
     // The fp32 values stepped: the master (or the fp32 tensor) in place when dense, else a dense copy.
     float* p = op.master;
     if (!op.master_runs.dense()) {
-      p = room(param_, e.numel);
+      p = param_.data();
       widen_rows(op.master, DType::f32, op.master_runs, 0, p, e.numel);
     }
     const GroupOptions& group = options.groups[e.group];

@@ -20,19 +20,20 @@ class CpuOps;
 
 class ReferenceTableBackend : public TableBackend {
  public:
-  ReferenceTableBackend();
+  explicit ReferenceTableBackend(const Layout& layout);
   ~ReferenceTableBackend() override;
   std::string name() const override { return "reference-cpu"; }
   // The NaN/Inf check and the counters of begin_step, then the spec's step of every parameter with a
   // gradient; gradients are divided by *grad_scale (when given) as they are read.
   StepResult step(TableState& state, const ParamTable& table, const Options& options,
                   const float* grad_scale) override;
-  int64_t workspace_bytes() const override;  // the scratch held now (it grows to the largest matrix)
+  int64_t workspace_bytes() const override;  // the copies and the spec's scratch held now
 
  private:
   std::unique_ptr<spec::CpuOps> ops_;
   StepOperands operands_;
   std::vector<float> grad_, param_;  // a parameter's fp32 gradient, and its values where they are not dense
+  // (the spec's own scratch, in ops_, grows to the largest matrix in the first steps)
 };
 
 }  // namespace normuon

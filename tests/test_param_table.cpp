@@ -97,7 +97,7 @@ std::unique_ptr<Backend> flat_backend_of(Which which, const Layout& layout, cons
 
 std::unique_ptr<TableBackend> table_backend_of(Which which, const Layout& layout, const Options& opts) {
 #ifdef NORMUON_TEST_HAVE_REFERENCE
-  if (which == Which::reference) return std::make_unique<ReferenceTableBackend>();
+  if (which == Which::reference) return std::make_unique<ReferenceTableBackend>(layout);
 #endif
   return std::make_unique<FastCpuBackend>(layout, opts, 2);
 }
@@ -511,9 +511,19 @@ BOOST_AUTO_TEST_CASE(rounding_is_torchs) {
 #ifdef NORMUON_TEST_HAVE_REFERENCE
 // The reference over the caller's tensors (what normuon._C's backend='reference' runs) is the reference's
 // flat step, bit for bit: every gradient dtype, parameters without gradients, blocks of rows, NaN/Inf.
+// The mixed manifest with a matrix stored [in, out] (its statistics and kappa follow its columns) and an
+// empty matrix (a step of it does nothing).
+Manifest reference_manifest() {
+  Manifest m = mixed_manifest();
+  m.params.push_back(ParamSpec{"conv1d.weight", {24, 40}, DType::bf16, Role::matrix, "", std::nullopt, true});
+  m.params.push_back(ParamSpec{"empty.weight", {0, 8}, DType::f32, Role::matrix, "", std::nullopt});
+  return m;
+}
+
 BOOST_AUTO_TEST_CASE(the_reference_table_step_is_the_reference_flat_step_bit_for_bit) {
   for (DType g : {DType::f32, DType::bf16, DType::f16}) {
-    Twins twins(g, mixed_manifest(), Which::reference);
+    Twins twins(g, reference_manifest(), Which::reference);
+    BOOST_REQUIRE(twins.layout.entries[twins.layout.entries.size() - 2].transposed);
     BOOST_TEST(twins.table_backend->name() == "reference-cpu");
     for (int64_t s = 1; s <= 3; ++s) {
       BOOST_TEST(!twins.step(s).skipped);
@@ -536,20 +546,31 @@ BOOST_AUTO_TEST_CASE(the_reference_table_step_is_the_reference_flat_step_bit_for
   BOOST_TEST(twins.difference() == "");  // nothing changed on either side
 }
 
-// A gradient scaler's scale divides each gradient as it is read: scaled gradients step as the unscaled ones.
+// A gradient scaler's scale divides each gradient as it is read (a division, not a multiplication by the
+// reciprocal: with 3 they differ): the table's scaled gradients step as the flat twin's g * 3 / 3. A scale
+// that is not finite and > 0 is refused before anything changes.
 BOOST_AUTO_TEST_CASE(the_reference_table_step_divides_by_the_gradient_scale) {
   Twins twins(DType::f32, mixed_manifest(), Which::reference);
+  const float scale = 3.0f;
   for (int64_t s = 1; s <= 2; ++s) {
     twins.gen.fill_gradients(twins.flat, s);
     twins.caller.take_grads(twins.flat, false);
     for (size_t e = 0; e < twins.layout.entries.size(); ++e) {
       auto* g = reinterpret_cast<float*>(twins.caller.grads[e].data());
-      for (int64_t k = 0; k < twins.layout.entries[e].numel; ++k) g[k] *= 1024.0f;  // exact: a power of two
+      float* flat = twins.flat.grad(static_cast<int>(e));
+      for (int64_t k = 0; k < twins.layout.entries[e].numel; ++k) {
+        g[k] *= scale;
+        flat[k] = g[k] / scale;
+      }
     }
-    const float scale = 1024.0f;
     BOOST_TEST(!twins.flat_backend->step(twins.flat, twins.opts).skipped);
     BOOST_TEST(!twins.table_step(twins.caller.table, &scale).skipped);
     BOOST_TEST(twins.difference() == "", "step " << s);
   }
+  const std::vector<std::vector<char>> before = twins.caller.params;
+  for (const float bad : {0.0f, -1.0f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()})
+    BOOST_CHECK_THROW(twins.table_step(twins.caller.table, &bad), std::invalid_argument);
+  BOOST_TEST(twins.caller.params == before);
+  BOOST_TEST((twins.table_state.group_steps == std::vector<int64_t>{2, 2}));
 }
 #endif

@@ -173,8 +173,10 @@ def _normuon_kwargs(model, backend, threads=0):
 
 def _prepare_normuon(backend, verdict="sync"):
     def prepare(ctx):
-        if backend != "reference" and not normuon.native_available():
+        if not normuon.native_available():
             raise Skip(f"normuon._C does not import ({normuon.native_error()}); build it and set PYTHONPATH")
+        if backend == "reference" and ctx.device.type != "cpu":
+            raise Skip("the reference steps CPU tensors (its bits are the same on every device): --device cpu")
 
         def make(model):
             opt = normuon.NorMuonAdamW(model.named(), verdict=verdict, **_normuon_kwargs(model, backend, ctx.threads))

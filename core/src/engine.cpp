@@ -1,6 +1,7 @@
 #include "normuon/engine.h"
 
 #include <algorithm>
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
 
@@ -80,7 +81,10 @@ void Engine::refresh_master(int e) {
     const int64_t n = std::min(kChunk, le.numel - begin);
     widen_rows(p.data, le.dtype, p.runs, begin, now, n);
     narrow(master + begin, low, le.dtype, n);
-    for (int64_t i = 0; i < n && rounded_master; ++i) rounded_master = widen_one(low, le.dtype, i) == now[i];
+    for (int64_t i = 0; i < n && rounded_master; ++i) {  // bit for bit: -0 is not the master +0
+      const float held = widen_one(low, le.dtype, i);
+      rounded_master = std::memcmp(&held, &now[i], sizeof held) == 0;
+    }
   }
   if (!rounded_master) widen_rows(p.data, le.dtype, p.runs, 0, master, le.numel);
 }

@@ -76,6 +76,12 @@ void TableState::refresh_master(int e, const ParamTable& table) {
   widen_rows(table.params[e].data, le.dtype, table.params[e].runs, 0, master(e), le.numel);
 }
 
+void StepOperands::set_grad_scale(const float* scale, const std::string& backend) {
+  if (scale && !(std::isfinite(*scale) && *scale > 0))
+    throw std::invalid_argument(backend + ": the gradient scale must be finite and > 0");
+  grad_scale = scale;
+}
+
 ParamOperand table_operand(const ParamTable& table, int e, float* masters) {
   const LayoutEntry& le = table.layout->entries[e];
   ParamOperand op;

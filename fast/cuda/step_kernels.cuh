@@ -567,9 +567,12 @@ __global__ void master_rounded_kernel(EntryOperands op, int64_t n, unsigned long
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float m = op.master[at(op.master_runs, i)];
     const int64_t j = at(op.low_runs, i);
-    rounded = op.low_type == ElemType::bf16
-                  ? __bfloat162float(__float2bfloat16_rn(m)) == __bfloat162float(static_cast<const __nv_bfloat16*>(op.low)[j])
-                  : __half2float(__float2half_rn(m)) == __half2float(static_cast<const __half*>(op.low)[j]);
+    // Bit for bit, as the host's rule: a parameter of -0 does not hold a master of +0.
+    if (op.low_type == ElemType::bf16)
+      rounded = __bfloat16_as_ushort(__float2bfloat16_rn(m)) ==
+                __bfloat16_as_ushort(static_cast<const __nv_bfloat16*>(op.low)[j]);
+    else
+      rounded = __half_as_ushort(__float2half_rn(m)) == __half_as_ushort(static_cast<const __half*>(op.low)[j]);
   }
   if (!rounded) atomicMin(all_rounded, 0ull);
 }

@@ -211,6 +211,16 @@ def test_a_bf16_parameter_given_new_data_gets_its_master_from_it(backend):
     assert torch.equal(opt.state_dict()["state"][0]["master_param"], fresh.float())
 
 
+@pytest.mark.parametrize("path", ["fast", "reference", "cuda-emulated"])
+def test_a_bf16_master_keeps_the_sign_of_zero(path):
+    """The masters are read from the parameters bit for bit: a bf16 parameter of -0.0 gets masters of -0.0, not
+    the +0.0 the buffers start at (-0 and +0 compare equal, which made the 'already rounded' rule keep +0)."""
+    w = torch.nn.Parameter(torch.full((8, 8), -0.0, dtype=torch.bfloat16))
+    kw = dict(_device_backend=emulated_cuda_backend()) if path == "cuda-emulated" else dict(backend=path)
+    opt = normuon.NorMuonAdamW([("w", w)], **kw)
+    assert torch.signbit(opt.state_dict()["state"][0]["master_param"]).all()
+
+
 def test_threads_follow_torch_unless_given():
     a, b = make_model(), make_model()
     before = torch.get_num_threads()

@@ -117,7 +117,7 @@ class Engine {
   // outside since the last step get their masters again through refresh_master().
   ParamTable& table() { return table_; }
   // Entry e's parameter was written from outside: a bf16 / fp16 one's master is read from it again, unless
-  // the parameter still holds the master rounded (a model reloaded after the optimizer: the master keeps
+  // the parameter still holds the master rounded, bit for bit (a model reloaded after the optimizer: the master keeps
   // its low bits). Nothing for fp32 parameters, which are their own masters.
   void refresh_master(int e);
 

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "normuon/backend.h"
@@ -81,6 +82,9 @@ struct StepOperands {
 
   void bind(FlatState& state);                              // the flat buffers; has_grad picks gradients
   void bind(TableState& state, const ParamTable& table);    // throws std::invalid_argument on a bad table
+  // After bind: a host backend's gradient scale (nullptr: none); std::invalid_argument, naming `backend`,
+  // unless it is finite and > 0, so that a step never divides by it into Inf/NaN.
+  void set_grad_scale(const float* scale, const std::string& backend);
   bool has_grad(int e) const { return params[e].grad != nullptr; }
 };
 
