@@ -225,12 +225,12 @@ PEERS = [
          "groups (--dion-src)", _prepare_dion),
     Peer("reference", "this project's per-parameter reference, the spec's steps one parameter after another in C++: "
          "normuon.NorMuonAdamW(backend='reference'), CPU tensors only", _prepare_normuon("reference"), slow=True),
-    Peer("fused-py", "this project's normuon.NorMuonAdamW(backend='fast'): the fused CPU or CUDA backend",
-         _prepare_normuon("fast")),
+    Peer("fused-py", "this project's normuon.NorMuonAdamW(backend='fast', verdict='sync'): the fused CPU or CUDA "
+         "backend, on CUDA one host sync per step for the NaN/Inf verdict", _prepare_normuon("fast")),
     Peer("fused-py-2d", "normuon.NorMuonAdamW(backend='fast') over the expert banks' experts as 2-D parameters "
          "of their own (views of the banks; with --banks only)", _prepare_normuon_2d),
-    Peer("fused-py-deferred", "the same with verdict='deferred': on CUDA, a step's NaN/Inf verdict read at the next "
-         "step, so no host sync per step", _prepare_normuon("fast", "deferred")),
+    Peer("fused-py-deferred", "the same with verdict='deferred' (the default): on CUDA, a step's NaN/Inf verdict "
+         "read at the next step, so no host sync per step", _prepare_normuon("fast", "deferred")),
     Peer("fused-cpp", "the C++ fused step through the tool: `normuon bench-cuda` (CUDA) or `normuon bench` (CPU)",
          None, external=True),
 ]
