@@ -12,8 +12,8 @@ Times, side by side in this one process (python and cpp in turns, each on the sa
 
 For each: median ms per step, ATen operators dispatched per step (TorchDispatchMode), optimizer bytes
 per parameter element beyond the model's tensors, and, for this layout on the fast CUDA backend, the
-launches per step from its plan and the host syncs per step of NorMuonAdamW (1, or 0 with
-verdict="deferred"). Writes <out>/python-step-<preset>.md and .csv.
+launches per step from its plan and the host syncs per step of NorMuonAdamW (0 with the default
+verdict="deferred", 1 with verdict="sync"). Writes <out>/python-step-<preset>.md and .csv.
 
   python3 bench/python_step.py                     # gpt2-124m, all processors
   python3 bench/python_step.py --preset moe-8x64 --skip-reference   # 1,595 parameters, bf16 (about 15 GB)
@@ -162,7 +162,7 @@ def main(argv=None):
         opt.step()
         empty.append((time.perf_counter() - t0) * 1e3)
     overhead = statistics.median(empty)
-    for name, syncs in (("python", "1 (0 deferred)"), ("cpp", "")):
+    for name, syncs in (("python", "0 (1 with verdict='sync')"), ("cpp", "")):
         rows.append(dict(contender=name, ms=pair[name][0], ops=pair[name][1], bytes_per_param=held / numel,
                          state_bytes_per_param=(mem["state_bytes"] + mem["master_bytes"]) / numel,
                          cuda_launches=launches, cuda_syncs=syncs))
