@@ -780,23 +780,24 @@ def megatron_core_version():
         return None
 
 
-def check_version(version, allow_untested_version=False):
-    """RuntimeError for a version outside KNOWN_GOOD_VERSIONS or unknown, unless allow_untested_version."""
+def check_version(version, allow_untested_version=False, caller="register"):
+    """RuntimeError for a version outside KNOWN_GOOD_VERSIONS or unknown, unless allow_untested_version; the
+    message names the caller (register, replace_adam)."""
     if allow_untested_version:
         return
     low, high = KNOWN_GOOD_VERSIONS
     known = f"{low[0]}.{low[1]} to {high[0]}.{high[1]}"
     match = re.match(r"\s*(\d+)\.(\d+)", version or "")
     if match is None:
-        raise RuntimeError(f"normuon.megatron.register: cannot tell the megatron-core version (found {version!r}); "
-                           f"the adapter knows megatron-core {known}. Pass allow_untested_version=True to register "
+        raise RuntimeError(f"normuon.megatron.{caller}: cannot tell the megatron-core version (found {version!r}); "
+                           f"the adapter knows megatron-core {known}. Pass allow_untested_version=True to go on "
                            "anyway")
     found = (int(match.group(1)), int(match.group(2)))
     if not low <= found <= high:
         why = ("before 0.18 Megatron has no emerging-optimizer registry" if found < low else
                "newer than any release it was checked against")
-        raise RuntimeError(f"normuon.megatron.register: megatron-core {version} is outside the known-good range "
-                           f"{known} ({why}). Pass allow_untested_version=True to register anyway")
+        raise RuntimeError(f"normuon.megatron.{caller}: megatron-core {version} is outside the known-good range "
+                           f"{known} ({why}). Pass allow_untested_version=True to go on anyway")
 
 
 def _megatron(caller, allow_untested_version, registry=False, adam=False):
@@ -808,7 +809,7 @@ def _megatron(caller, allow_untested_version, registry=False, adam=False):
     except ImportError as error:
         raise RuntimeError(f"normuon.megatron.{caller}: megatron-core is not importable ({error})") from None
     version = megatron_core_version()
-    check_version(version, allow_untested_version)
+    check_version(version, allow_untested_version, caller)
     missing = [a for a in ("_EMERGING_OPTIMIZERS", "EmergingOptimizerEntry") if not hasattr(eo, a)]
     if registry and (missing or not isinstance(getattr(eo, "_EMERGING_OPTIMIZERS", None), dict)):
         raise RuntimeError(f"normuon.megatron.{caller}: megatron-core {version}: megatron.core.optimizer."

@@ -795,6 +795,9 @@ def test_10_registration_fails_closed(monkeypatch):
         with pytest.raises(RuntimeError, match=message):
             nm.register()
         assert "normuon" not in eo._EMERGING_OPTIMIZERS  # nothing touched
+    install_stub_megatron(monkeypatch, version="0.17.3")  # the refusal names the call that made it
+    with pytest.raises(RuntimeError, match=r"^normuon\.megatron\.replace_adam: megatron-core 0\.17\.3 is outside"):
+        nm.replace_adam()
     _, eo = install_stub_megatron(monkeypatch, version="0.21.0")
     assert nm.register(allow_untested_version=True).optimizer_cls is MegatronNorMuon
 
