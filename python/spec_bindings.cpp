@@ -52,10 +52,6 @@ void same_shape(const py::handle& p, std::initializer_list<std::pair<const py::h
       throw py::value_error(std::string(what) + " must have p's shape");
 }
 
-struct NoClock {
-  void lap(double PhaseTimes::*) {}
-};
-
 }  // namespace
 
 void bind_spec(py::module_& m) {
@@ -79,11 +75,9 @@ void bind_spec(py::module_& m) {
         same_shape(p, {{&g, "g"}, {&M, "M"}});
         const NorMuonHyper h = spec_group(Algorithm::normuon, values).normuon;
         spec::CpuOps ops;
-        NoClock clock;
         const int64_t n = rows * cols;
         spec::normuon_update(ops, cpu_floats(p, n, "p"), cpu_floats(g, n, "g"), cpu_floats(M, n, "M"),
-                             cpu_floats(v, per_row ? rows : cols, "v"), rows, cols, h, per_row, transposed,
-                             ops.scratch(6, n), ops.scratch(7, n), clock);
+                             cpu_floats(v, per_row ? rows : cols, "v"), rows, cols, h, per_row, transposed);
       },
       py::arg("p"), py::arg("g"), py::arg("M"), py::arg("v"), py::arg("values"), py::arg("per_row"),
       py::arg("transposed") = false,

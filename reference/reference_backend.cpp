@@ -99,10 +99,8 @@ void normuon_on(ReferencePrimitives& primitives, at::Tensor& p, const at::Tensor
                                 std::to_string(rows) + "x" + std::to_string(cols) + " matrix");
   PhaseClock clock(times, p.device());
   primitives.with(p.device(), [&](auto& ops) {
-    float* U = ops.scratch(6, rows * cols);
-    float* O = ops.scratch(7, rows * cols);
     spec::normuon_update(ops, floats(p, "p"), floats(g, "g"), floats(M, "M"), floats(v, "v"), rows, cols, h,
-                         stats_per_row, transposed, U, O, clock);
+                         stats_per_row, transposed, clock);
   });
 }
 

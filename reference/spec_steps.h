@@ -168,6 +168,19 @@ void normuon_update(Ops& ops, float* p, const float* g, float* M, float* v, int6
   clock.lap(&PhaseTimes::update);
 }
 
+// A clock for steps whose phases are not timed.
+struct NoClock {
+  void lap(double PhaseTimes::*) {}
+};
+
+// normuon_update with U and O in the ops' scratch slots 6 and 7 (Newton-Schulz takes 0..5).
+template <class Ops, class Clock = NoClock>
+void normuon_update(Ops& ops, float* p, const float* g, float* M, float* v, int64_t rows, int64_t cols,
+                    const NorMuonHyper& h, bool per_row, bool transposed, Clock&& clock = Clock{}) {
+  normuon_update(ops, p, g, M, v, rows, cols, h, per_row, transposed, ops.scratch(6, rows * cols),
+                 ops.scratch(7, rows * cols), clock);
+}
+
 // The fp32 scalars of one AdamW step at the parameter's own step count t (section 4).
 inline AdamWScalars adamw_scalars(const AdamWHyper& h, int64_t t) {
   const double bc1 = 1 - std::pow(h.beta1, static_cast<double>(t));

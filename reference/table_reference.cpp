@@ -8,13 +8,6 @@
 #include <algorithm>
 
 namespace normuon {
-namespace {
-
-struct NoClock {  // the phases are not timed here
-  void lap(double PhaseTimes::*) {}
-};
-
-}  // namespace
 
 ReferenceTableBackend::ReferenceTableBackend(const Layout& layout) : ops_(std::make_unique<spec::CpuOps>()) {
   int64_t largest = 0;  // the gradient and gathered-parameter copies are sized once, not in a step
@@ -46,10 +39,8 @@ StepResult ReferenceTableBackend::step(TableState& state, const ParamTable& tabl
     }
     const GroupOptions& group = options.groups[e.group];
     if (e.algorithm == Algorithm::normuon) {
-      NoClock clock;
       spec::normuon_update(*ops_, p, g, operands_.momentum + e.offset, operands_.row_var + e.stat_offset, e.rows,
-                           e.cols, group.normuon, e.stats_per_row, e.transposed, ops_->scratch(6, e.numel),
-                           ops_->scratch(7, e.numel), clock);
+                           e.cols, group.normuon, e.stats_per_row, e.transposed);
     } else {
       ops_->adamw(p, g, operands_.exp_avg + e.adam_offset, operands_.exp_avg_sq + e.adam_offset, e.numel,
                   spec::adamw_scalars(group.adamw, operands_.entry_steps[i]));

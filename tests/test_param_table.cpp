@@ -452,18 +452,24 @@ BOOST_AUTO_TEST_CASE(a_block_larger_than_a_work_chunk_steps_as_the_dense_matrix)
                                                {DType::f16, DType::f16}});
 }
 
-BOOST_AUTO_TEST_CASE(a_nonfinite_gradient_in_a_block_is_reported_at_its_element_of_the_block) {
-  FusedTwins twins(DType::f32, DType::f32);
-  const int e = twins.first + 1;  // qkv.k; element 30: its row 1 (group 0's second key row), column 6
-  std::string message;
+// The error both modes raise (FusedTwins::step checks they agree) for a first step whose gradient of entry e
+// holds `value` at `element`; every other parameter has a gradient.
+std::string nonfinite_message(FusedTwins& twins, int e, int64_t element, float value) {
   try {
     twins.step(1, [&](FlatState& flat) {
       flat.has_grad.assign(flat.has_grad.size(), 1);
-      flat.grad(e)[30] = std::numeric_limits<float>::quiet_NaN();
+      flat.grad(e)[element] = value;
     });
   } catch (const std::runtime_error& x) {
-    message = x.what();
+    return x.what();
   }
+  return "";
+}
+
+BOOST_AUTO_TEST_CASE(a_nonfinite_gradient_in_a_block_is_reported_at_its_element_of_the_block) {
+  FusedTwins twins(DType::f32, DType::f32);
+  // qkv.k; element 30: its row 1 (group 0's second key row), column 6
+  const std::string message = nonfinite_message(twins, twins.first + 1, 30, std::numeric_limits<float>::quiet_NaN());
   BOOST_TEST(message.find("'qkv.k'") != std::string::npos, message);
   BOOST_TEST(message.find("element 30") != std::string::npos, message);
 }
@@ -532,16 +538,7 @@ BOOST_AUTO_TEST_CASE(the_reference_table_step_is_the_reference_flat_step_bit_for
   }
   check_blocks_step_as_dense_matrices(kSmall, kEveryDTypePair, Which::reference);
   FusedTwins twins(DType::bf16, DType::f32, kSmall, Which::reference);
-  const int e = twins.first + 2;
-  std::string message;
-  try {
-    twins.step(1, [&](FlatState& flat) {
-      flat.has_grad.assign(flat.has_grad.size(), 1);
-      flat.grad(e)[7] = std::numeric_limits<float>::infinity();
-    });
-  } catch (const std::runtime_error& x) {
-    message = x.what();
-  }
+  const std::string message = nonfinite_message(twins, twins.first + 2, 7, std::numeric_limits<float>::infinity());
   BOOST_TEST(message.find("'qkv.v'") != std::string::npos, message);
   BOOST_TEST(twins.difference() == "");  // nothing changed on either side
 }

@@ -37,10 +37,6 @@ std::vector<float> gaussian(int64_t n, uint64_t seed, float scale = 1.0f) {
   return x;
 }
 
-struct NoClock {
-  void lap(double PhaseTimes::*) {}
-};
-
 // One NorMuon step with each Ops from the same state; returns p, M, v of each.
 template <class Ops>
 std::vector<float> normuon_run(int64_t rows, int64_t cols, const NorMuonHyper& h, bool per_row) {
@@ -48,7 +44,7 @@ std::vector<float> normuon_run(int64_t rows, int64_t cols, const NorMuonHyper& h
   std::vector<float> p = gaussian(rows * cols, 1), g = gaussian(rows * cols, 2), M = gaussian(rows * cols, 3, 0.1f);
   std::vector<float> v(static_cast<size_t>(per_row ? rows : cols), 0.5f);
   std::vector<float> U(p.size()), O(p.size());
-  NoClock clock;
+  spec::NoClock clock;
   for (int step = 0; step < 2; ++step)
     spec::normuon_update(ops, p.data(), g.data(), M.data(), v.data(), rows, cols, h, per_row, false, U.data(),
                          O.data(), clock);
