@@ -20,8 +20,9 @@
 #include "reference_backend.h"
 #include "streaming_triad.h"
 
-#if __has_include("fast_cpu_backend.h")  // the fast backend's include directory exists only when it is built
-#define NORMUON_BENCH_HAVE_FAST 1
+// Defined by the build where the fast backend is built. (Not __has_include: the bench's include path holds
+// fast/ for multiversion.h whether or not the backend is built, so its header is always found.)
+#ifdef NORMUON_HAVE_FAST_CPU
 #include "fast_cpu_backend.h"
 #include "newton_schulz.h"
 #include "thread_budget.h"
@@ -37,7 +38,7 @@ double gflop_per_s(double flops, double ms) { return ms > 0 ? flops / (ms * 1e-3
 }  // namespace
 
 std::string cpu_bench_unavailable_reason() {
-#ifdef NORMUON_BENCH_HAVE_FAST
+#ifdef NORMUON_HAVE_FAST_CPU
   return "";
 #else
   return "this build has no fast backend (configured with -DNORMUON_BUILD_FAST_CPU=OFF): nothing to compare the "
@@ -47,7 +48,7 @@ std::string cpu_bench_unavailable_reason() {
 
 CpuBenchResult run_cpu_bench(const Layout& layout, const Options& options, const CpuBenchConfig& config,
                              Transcript& log) {
-#ifndef NORMUON_BENCH_HAVE_FAST
+#ifndef NORMUON_HAVE_FAST_CPU
   (void)layout, (void)options, (void)config, (void)log;
   throw std::runtime_error(cpu_bench_unavailable_reason());
 #else

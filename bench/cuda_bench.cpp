@@ -8,8 +8,7 @@
 #include "normuon/grad_gen.h"
 #include "normuon/ns_algorithm.h"
 
-#if __has_include("fast_cuda_backend.h")  // on the include path only when the CUDA backend is built
-#define NORMUON_BENCH_HAVE_CUDA 1
+#ifdef NORMUON_HAVE_FAST_CUDA  // defined by the build where the CUDA backend is built
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
@@ -61,7 +60,7 @@ NsFlops count_ns_flops(const Layout& layout, const Options& options) {
 }
 
 std::string cuda_bench_unavailable_reason(int device) {
-#ifdef NORMUON_BENCH_HAVE_CUDA
+#ifdef NORMUON_HAVE_FAST_CUDA
   return cuda::unavailable_reason(device);
 #else
   (void)device;
@@ -69,7 +68,7 @@ std::string cuda_bench_unavailable_reason(int device) {
 #endif
 }
 
-#ifndef NORMUON_BENCH_HAVE_CUDA
+#ifndef NORMUON_HAVE_FAST_CUDA
 
 CudaBenchResult run_cuda_bench(const Layout&, const Options&, const CudaBenchConfig& config, Transcript&) {
   throw std::runtime_error(cuda_bench_unavailable_reason(config.device));
@@ -287,6 +286,6 @@ CudaBenchResult run_cuda_bench(const Layout& layout, const Options& options, con
   return r;
 }
 
-#endif  // NORMUON_BENCH_HAVE_CUDA
+#endif  // NORMUON_HAVE_FAST_CUDA
 
 }  // namespace normuon::bench

@@ -13,6 +13,8 @@ if [ ! -f /usr/include/csv.h ] || [ ! -f /usr/include/boost/test/unit_test.hpp ]
 fi
 cd "$work"
 out=$("$repo/scripts/gpu-bench.sh" --stage-deps staged --no-onednn 2>&1) || fail "staging exited with $?: $out"
+# A test source the header scan could not read would lose its Boost headers without a word.
+if grep "g++ -M .* failed" <<<"$out"; then fail "the scan of the test sources' Boost headers failed"; fi
 for f in include/csv.h include/zlib.h include/nlohmann/json.hpp include/boost/test/unit_test.hpp \
   include/boost/config/user.hpp; do
   [ -f "staged/$f" ] || fail "staged/$f missing after staging into a relative folder"
