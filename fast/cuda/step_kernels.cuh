@@ -142,37 +142,6 @@ __device__ __forceinline__ bool aligned(const void* p, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
-__device__ __forceinline__ void load4_ns(const void* data, bool bf16, int64_t i, float* o) {
-  if (bf16) {
-    const Bf16x4 q = *reinterpret_cast<const Bf16x4*>(static_cast<const __nv_bfloat16*>(data) + i);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) o[k] = __bfloat162float(q.x[k]);
-  } else {
-    const float4 q = *reinterpret_cast<const float4*>(static_cast<const float*>(data) + i);
-    o[0] = q.x;
-    o[1] = q.y;
-    o[2] = q.z;
-    o[3] = q.w;
-  }
-}
-
-// The fp32 values, and the caller's bf16 / fp16 parameter rounded (store_param's rule), four at a time.
-__device__ __forceinline__ void store4_param(const EntryOperands& op, int64_t i, const float* p) {
-  *reinterpret_cast<float4*>(op.master + i) = make_float4(p[0], p[1], p[2], p[3]);
-  if (!op.low) return;
-  if (op.low_type == ElemType::bf16) {
-    Bf16x4 q;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) q.x[k] = __float2bfloat16_rn(p[k]);
-    *reinterpret_cast<Bf16x4*>(static_cast<__nv_bfloat16*>(op.low) + i) = q;
-  } else {
-    Halfx4 q;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) q.x[k] = __float2half_rn(p[k]);
-    *reinterpret_cast<Halfx4*>(static_cast<__half*>(op.low) + i) = q;
-  }
-}
-
 // Four consecutive values of an fp32 buffer, in one 16-byte access.
 __device__ __forceinline__ void load4(const float* p, float* x) {
   const float4 q = *reinterpret_cast<const float4*>(p);
@@ -186,6 +155,48 @@ __device__ __forceinline__ void store4(float* p, const float* x) {
   *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
 }
 
+// Elements i..i+3 of a bf16, fp16 or fp32 array as fp32, in one 8- or 16-byte access (load_grad's types).
+__device__ __forceinline__ void load4(const void* data, ElemType type, int64_t i, float* x) {
+  if (type == ElemType::bf16) {
+    const Bf16x4 q = *reinterpret_cast<const Bf16x4*>(static_cast<const __nv_bfloat16*>(data) + i);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) x[k] = __bfloat162float(q.x[k]);
+  } else if (type == ElemType::f16) {
+    const Halfx4 q = *reinterpret_cast<const Halfx4*>(static_cast<const __half*>(data) + i);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) x[k] = __half2float(q.x[k]);
+  } else {
+    load4(static_cast<const float*>(data) + i, x);
+  }
+}
+
+// Four fp32 values into elements i..i+3 of such an array, a bf16 / fp16 one rounded to nearest even (as
+// torch's .to(), and P(U)), in one access.
+__device__ __forceinline__ void store4(void* data, ElemType type, int64_t i, const float* x) {
+  if (type == ElemType::bf16) {
+    Bf16x4 q;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) q.x[k] = __float2bfloat16_rn(x[k]);
+    *reinterpret_cast<Bf16x4*>(static_cast<__nv_bfloat16*>(data) + i) = q;
+  } else if (type == ElemType::f16) {
+    Halfx4 q;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) q.x[k] = __float2half_rn(x[k]);
+    *reinterpret_cast<Halfx4*>(static_cast<__half*>(data) + i) = q;
+  } else {
+    store4(static_cast<float*>(data) + i, x);
+  }
+}
+
+// Newton-Schulz's input and output hold bf16 or fp32.
+__device__ __forceinline__ ElemType ns_type(bool bf16) { return bf16 ? ElemType::bf16 : ElemType::f32; }
+
+// The fp32 values, and the caller's bf16 / fp16 parameter rounded (store_param's rule), four at a time.
+__device__ __forceinline__ void store4_param(const EntryOperands& op, int64_t i, const float* p) {
+  store4(op.master + i, p);
+  if (op.low) store4(op.low, op.low_type, i, p);
+}
+
 // Element i of a 4-byte (fp32) or 2-byte (bf16, fp16) array starts a 16- or 8-byte vector.
 __device__ __forceinline__ bool starts_vector(const void* data, int bytes, int64_t i) {
   return aligned(static_cast<const char*>(data) + i * bytes, 4 * static_cast<uintptr_t>(bytes));
@@ -193,38 +204,12 @@ __device__ __forceinline__ bool starts_vector(const void* data, int bytes, int64
 
 __device__ __forceinline__ int elem_bytes(ElemType type) { return type == ElemType::f32 ? 4 : 2; }
 
-// Four gradients as stored (load_grad's types).
-__device__ __forceinline__ void load4_grad(const EntryOperands& op, int64_t i, float* g) {
-  if (op.grad_type == ElemType::bf16) {
-    const Bf16x4 q = *reinterpret_cast<const Bf16x4*>(static_cast<const __nv_bfloat16*>(op.grad) + i);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) g[k] = __bfloat162float(q.x[k]);
-  } else if (op.grad_type == ElemType::f16) {
-    const Halfx4 q = *reinterpret_cast<const Halfx4*>(static_cast<const __half*>(op.grad) + i);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) g[k] = __half2float(q.x[k]);
-  } else {
-    load4(static_cast<const float*>(op.grad) + i, g);
-  }
-}
-
 // Four gradients as the step uses them: divided by the gradient scaler's scale, as load_grad does.
 __device__ __forceinline__ void load4_grad(const StepBuffers& b, const EntryOperands& op, int64_t i, float* g) {
-  load4_grad(op, i, g);
+  load4(op.grad, op.grad_type, i, g);
   if (b.grad_scale) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) g[k] = g[k] / *b.grad_scale;
-  }
-}
-
-__device__ __forceinline__ void store4_ns(void* data, bool bf16, int64_t i, const float* x) {
-  if (bf16) {
-    Bf16x4 q;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) q.x[k] = __float2bfloat16_rn(x[k]);  // P(U): round to nearest even
-    *reinterpret_cast<Bf16x4*>(static_cast<__nv_bfloat16*>(data) + i) = q;
-  } else {
-    store4(static_cast<float*>(data) + i, x);
   }
 }
 
@@ -271,7 +256,7 @@ __global__ void scan_gradients_kernel(StepBuffers b, const Chunk* chunks) {
     const int vectors = c.size / 4;
     for (int v = threadIdx.x; v < vectors && first == kNoBadGradient; v += blockDim.x) {
       float g[4];
-      load4_grad(op, c.begin + 4 * v, g);
+      load4(op.grad, op.grad_type, c.begin + 4 * v, g);
       for (int k = 3; k >= 0; --k)  // the vector's first bad element wins
         if (!isfinite(g[k])) first = entry | static_cast<unsigned long long>(c.begin + 4 * v + k);
     }
@@ -300,7 +285,7 @@ __global__ void momentum_kernel(StepBuffers b, const Chunk* chunks) {
   const GroupScalars s = b.groups[e.group];
   const int64_t base = e.offset + c.begin;
   if (grad_in_vectors(op, c) && starts_vector(b.momentum, 4, base) &&
-      starts_vector(m.ns_input, m.ns_bf16 ? 2 : 4, c.begin)) {  // four elements per access, then the tail
+      starts_vector(m.ns_input, elem_bytes(ns_type(m.ns_bf16)), c.begin)) {  // four elements per access, then the tail
     const int vectors = c.size / 4;
     for (int v = threadIdx.x; v < vectors; v += kBlock) {
       float g[4], M[4], u[4];
@@ -309,7 +294,7 @@ __global__ void momentum_kernel(StepBuffers b, const Chunk* chunks) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) M[k] = momentum_element(M[k], g[k], s, &u[k]);
       store4(b.momentum + base + 4 * v, M);
-      store4_ns(m.ns_input, m.ns_bf16, c.begin + 4 * v, u);
+      store4(m.ns_input, ns_type(m.ns_bf16), c.begin + 4 * v, u);
     }
     const int i = 4 * vectors + static_cast<int>(threadIdx.x);
     if (i < c.size) {
@@ -413,7 +398,7 @@ __device__ __forceinline__ float updated_param(float o, float scale, float p, co
 // Whether a chunk's update goes four elements per access: its parameter (param_in_vectors) and its
 // Newton-Schulz output.
 __device__ __forceinline__ bool vector_ready(const EntryOperands& op, const MatrixInfo& m, const Chunk& c) {
-  return param_in_vectors(op, c) && starts_vector(m.ns_output, m.ns_bf16 ? 2 : 4, c.begin);
+  return param_in_vectors(op, c) && starts_vector(m.ns_output, elem_bytes(ns_type(m.ns_bf16)), c.begin);
 }
 
 // The update of a chunk four elements per access (vector_ready). A thread's vectors lie kBlock apart, so
@@ -429,12 +414,8 @@ __device__ void update_in_vectors(const Chunk& c, const EntryOperands& op, const
   for (int v = threadIdx.x; v < vectors; v += kBlock) {
     const int64_t i = c.begin + 4 * static_cast<int64_t>(v);
     float o[4], p[4];
-    load4_ns(m.ns_output, m.ns_bf16, i, o);
-    const float4 q = *reinterpret_cast<const float4*>(op.master + i);
-    p[0] = q.x;
-    p[1] = q.y;
-    p[2] = q.z;
-    p[3] = q.w;
+    load4(m.ns_output, ns_type(m.ns_bf16), i, o);
+    load4(op.master + i, p);
     uint32_t r = row, j = col;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
