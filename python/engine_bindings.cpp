@@ -8,6 +8,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -42,16 +43,67 @@ const FieldSpec& field_spec(Algorithm algorithm, const std::string& name) {
   throw std::invalid_argument("a " + std::string(to_string(algorithm)) + " group has no field '" + name + "'");
 }
 
+// A caller's tensor that is neither contiguous nor dense (a strided view): the step runs on a contiguous copy
+// of it (the shadow), read from it when it was written from outside and written back after each step.
+struct Staged {
+  py::object shadow, caller;
+  bool fp32 = false;      // read at every step: an fp32 parameter's writes through .data are seen, as in place
+  uintptr_t address = 0;  // the caller's as last synced (0: never)
+  int64_t version = -1;
+  bool stepped = false;   // an entry over it had a gradient in this step
+};
+
 // One layout entry's tensor as the walk sees it.
 struct BoundTensor {
-  py::object tensor;  // the parameter, or the fused tensor a block of rows lies in
+  py::object tensor;  // the parameter, or the fused tensor a block of rows lies in (a staged one's shadow)
   int64_t offset = 0; // elements into it where the block starts (0: the whole tensor)
   RowRuns runs;       // the block's rows in it (dense: the whole tensor)
   py::object shape;   // torch.Size when bound: a parameter moved to another shape is refused
+  py::object strides = py::none();  // None: contiguous; else a dense tensor's strides, stepped in memory order
   py::object grad_of; // whose .grad is this entry's gradient (a DTensor's: its local shard), or None: tensor's
+  int staged = -1;    // its Staged, or -1
   uintptr_t address = 0;
   int64_t version = -1;  // -1: its master not read yet
 };
+
+// Whether two tensors' strides lay out `shape` alike (a dimension of one element has no stride that matters).
+bool same_layout(const std::vector<int64_t>& shape, const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
+  if (a.size() != shape.size() || b.size() != shape.size()) return false;
+  for (size_t d = 0; d < shape.size(); ++d)
+    if (shape[d] != 1 && a[d] != b[d]) return false;
+  return true;
+}
+
+std::vector<int64_t> ints(const py::object& sequence) { return sequence.cast<std::vector<int64_t>>(); }
+
+// A dense tensor's element order (param_table.h) from its shape and strides: its dimensions from the
+// outermost in memory, each with its row-major stride over `shape`. Empty when row-major already. Throws
+// std::invalid_argument when the strides are not those of a dense tensor (a gap, or an element twice).
+ElementOrder element_order(const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
+                           const std::string& name) {
+  std::vector<size_t> dims(shape.size());
+  for (size_t d = 0; d < dims.size(); ++d) dims[d] = d;
+  std::stable_sort(dims.begin(), dims.end(), [&](size_t a, size_t b) { return strides[a] > strides[b]; });
+  std::vector<int64_t> row_major(shape.size(), 1);
+  for (size_t d = shape.size(); d-- > 1;) row_major[d - 1] = row_major[d] * shape[d];
+  ElementOrder order;
+  int64_t expected = 1;
+  for (size_t k = dims.size(); k-- > 0;) {
+    const size_t d = dims[k];
+    if (shape[d] != 1 && strides[d] != expected)
+      throw std::invalid_argument("parameter '" + name + "' is neither contiguous nor dense (strides " +
+                                  py::str(py::tuple(py::cast(strides))).cast<std::string>() + " over shape " +
+                                  py::str(py::tuple(py::cast(shape))).cast<std::string>() +
+                                  "): it must be stepped through a contiguous copy (staged)");
+    expected *= shape[d];
+  }
+  for (const size_t d : dims) {
+    order.sizes.push_back(shape[d]);
+    order.strides.push_back(row_major[d]);
+  }
+  if (std::is_sorted(dims.begin(), dims.end())) order = {};
+  return order;
+}
 
 // The engine with the torch tensors it steps, all on one device: `device` as torch's get_device() says it
 // (-1: the CPU).
@@ -86,18 +138,37 @@ class TorchEngine {
   }
 
   // The tensors, one per layout entry, with each block of rows's (offset, run, pitch) in elements or
-  // (0, 0, 0) for a whole tensor. Their masters are read at the next step.
+  // (0, 0, 0) for a whole tensor. Their masters are read at the next step. A whole tensor may be dense but
+  // not contiguous (channels_last, a transposed view): it is stepped in memory order, as its layout entry
+  // says, its gradient laid out alike, and messages name elements as the caller numbers them.
   // frozen: tensors outside the layout (no state) that frozen_with_grad() watches.
   // grad_of: per entry, the object whose .grad holds its gradient (a DTensor parameter, bound by its local
   // tensor: the gradient is read as .grad._local_tensor), or empty: each tensor's own.
+  // staged: (shadow, caller) pairs: where `tensors` holds a shadow (a contiguous tensor of the caller's shape
+  // and dtype), the step runs on it; it is read from the caller's tensor when that was written from outside,
+  // and written back after every step that stepped it. The caller's .grad is the gradient.
   void bind(const py::list& tensors, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& blocks,
-            const py::list& frozen, const py::list& grad_of) {
+            const py::list& frozen, const py::list& grad_of, const py::list& staged) {
     const size_t n = engine_.layout().entries.size();
     if (tensors.size() != n || (!blocks.empty() && blocks.size() != n) || (!grad_of.empty() && grad_of.size() != n))
       throw std::invalid_argument("Engine.bind: " + std::to_string(tensors.size()) + " tensors for " +
                                   std::to_string(n) + " layout entries");
+    std::vector<Staged> shadows;
+    std::unordered_map<PyObject*, int> shadow_index;
+    for (const py::handle pair : staged) {
+      const auto [shadow, caller] = pair.cast<std::pair<py::object, py::object>>();
+      if (!shadow.attr("is_contiguous")().cast<bool>() || !py::object(shadow.attr("shape")).equal(caller.attr("shape")) ||
+          !py::object(shadow.attr("dtype")).is(caller.attr("dtype")))
+        throw std::invalid_argument("Engine.bind: a shadow must be a contiguous tensor of its caller's shape and dtype");
+      shadow_index[shadow.ptr()] = static_cast<int>(shadows.size());
+      shadows.push_back(Staged{shadow, caller, py::object(caller.attr("dtype")).is(dtypes_[0].first)});
+    }
+    ParamTable& table = engine_.table();
+    std::vector<ElementOrder> orders(n);
+    bool any_order = false;
     std::vector<BoundTensor> bound(n);
     for (size_t e = 0; e < n; ++e) {
+      const LayoutEntry& le = engine_.layout().entries[e];
       bound[e].tensor = tensors[e];
       bound[e].grad_of = grad_of.empty() ? py::none() : py::object(grad_of[e]);
       if (!blocks.empty()) {
@@ -105,9 +176,16 @@ class TorchEngine {
         bound[e].offset = offset;
         bound[e].runs = RowRuns{run, pitch};
       }
+      if (const auto it = shadow_index.find(bound[e].tensor.ptr()); it != shadow_index.end()) bound[e].staged = it->second;
       bound[e].shape = bound[e].tensor.attr("shape");
+      if (!bound[e].tensor.attr("is_contiguous")().cast<bool>()) {
+        if (bound[e].offset != 0 || !bound[e].runs.dense())
+          throw std::invalid_argument("Engine.bind: '" + le.name + "' is a block of a tensor that is not contiguous");
+        bound[e].strides = bound[e].tensor.attr("stride")();
+        orders[e] = element_order(ints(bound[e].shape), ints(bound[e].strides), le.name);
+        any_order = any_order || !orders[e].sizes.empty();
+      }
       const auto numel = bound[e].tensor.attr("numel")().cast<int64_t>();
-      const LayoutEntry& le = engine_.layout().entries[e];
       const int64_t needs = bound[e].runs.dense() ? le.numel + bound[e].offset
                                                   : bound[e].offset + (le.numel / bound[e].runs.run - 1) * bound[e].runs.pitch +
                                                         bound[e].runs.run;
@@ -116,6 +194,8 @@ class TorchEngine {
                                     " elements; layout entry '" + le.name + "' needs " + std::to_string(needs));
     }
     bound_ = std::move(bound);
+    staged_ = std::move(shadows);
+    table.orders = any_order ? std::move(orders) : std::vector<ElementOrder>{};
     table_bound_ = false;
     frozen_ = frozen;
   }
@@ -137,33 +217,34 @@ class TorchEngine {
     if (stream) engine_.set_stream(reinterpret_cast<void*>(*stream));  // before a master refresh enqueues work
     table_bound_ = false;  // until every entry is read: step_bound refuses a half-read table
     keep_.clear();         // the gradients this step reads, held while the GIL is released (and for step_bound)
-    std::unordered_map<PyObject*, py::object> contiguous;  // a non-contiguous gradient, copied once
+    std::unordered_map<PyObject*, py::object> relaid;  // a gradient laid out otherwise than its tensor, copied once
     ParamTable& table = engine_.table();
+    sync_staged();
+    for (Staged& s : staged_) s.stepped = false;
     for (size_t e = 0; e < bound_.size(); ++e) {
       BoundTensor& b = bound_[e];
       const LayoutEntry& le = engine_.layout().entries[e];
       read_parameter(e);
-      py::object grad = (b.grad_of.is_none() ? b.tensor : b.grad_of).attr("grad");
+      py::object grad = (!b.grad_of.is_none() ? b.grad_of : b.staged >= 0 ? staged_[b.staged].caller : b.tensor).attr("grad");
       if (!b.grad_of.is_none() && !grad.is_none()) grad = grad.attr("_local_tensor");
       if (grad.is_none()) {
         table.grads[e] = TensorRef{};
         continue;
       }
       const DType dtype = grad_dtype(grad, b, le);
-      if (!grad.attr("is_contiguous")().cast<bool>()) {
-        auto [it, fresh] = contiguous.try_emplace(grad.ptr());
-        if (fresh) it->second = grad.attr("contiguous")();
+      if (!laid_out_as(grad, b)) {  // the step reads it as its tensor lies
+        auto [it, fresh] = relaid.try_emplace(grad.ptr());
+        if (fresh) it->second = b.strides.is_none() ? grad.attr("contiguous")()
+                                                    : grad.attr("new_empty_strided")(b.shape, b.strides).attr("copy_")(grad);
         grad = it->second;
       }
+      if (b.staged >= 0) staged_[b.staged].stepped = true;
       keep_.push_back(grad);
       const uintptr_t g = grad.attr("data_ptr")().cast<uintptr_t>();
       table.grads[e] = TensorRef{reinterpret_cast<char*>(g) + b.offset * static_cast<int64_t>(dtype_bytes(dtype)), dtype, b.runs};
     }
     table_bound_ = true;
-    const auto* scale = reinterpret_cast<const float*>(grad_scale);
-    const auto* found = reinterpret_cast<const float*>(found_inf);
-    py::gil_scoped_release release;
-    return engine_.step(scale, found);
+    return run_step(reinterpret_cast<const float*>(grad_scale), reinterpret_cast<const float*>(found_inf));
   }
 
   // Every parameter's address into the table, and the masters of those written from outside since they
@@ -172,7 +253,16 @@ class TorchEngine {
   void refresh_masters(std::optional<uintptr_t> stream) {
     if (bound_.size() != engine_.layout().entries.size()) throw std::logic_error("Engine.refresh_masters before Engine.bind");
     if (stream) engine_.set_stream(reinterpret_cast<void*>(*stream));
+    sync_staged();
     for (size_t e = 0; e < bound_.size(); ++e) read_parameter(e);
+  }
+
+  // Bytes of the shadows staged tensors are stepped through (memory the optimizer holds beyond the model's).
+  int64_t staged_bytes() const {
+    int64_t bytes = 0;
+    for (const Staged& s : staged_)
+      bytes += s.shadow.attr("numel")().cast<int64_t>() * s.shadow.attr("element_size")().cast<int64_t>();
+    return bytes;
   }
 
   StepResult settle() {
@@ -183,13 +273,13 @@ class TorchEngine {
   // The step over the table as the last step() read it (the benchmark's C++ step alone).
   StepResult step_bound() {
     if (!table_bound_) throw std::logic_error("Engine.step_bound: no complete step() has bound the table");
-    py::gil_scoped_release release;
-    return engine_.step();
+    return run_step(nullptr, nullptr);
   }
 
   // The tensors as they are now are what the masters hold (Python just wrote both: a load, the masters
   // made at construction): their addresses and versions are recorded, no master is read again.
   void mark_current() {
+    for (Staged& s : staged_) sync_in(s, true);
     for (size_t e = 0; e < bound_.size(); ++e) {
       BoundTensor& b = bound_[e];
       check_parameter(b, engine_.layout().entries[e]);
@@ -202,6 +292,7 @@ class TorchEngine {
   // does not see, or a load).
   void forget_versions() {
     for (auto& b : bound_) b.version = -1;
+    for (Staged& s : staged_) s.address = 0;  // the shadows read again too
   }
 
  private:
@@ -222,6 +313,49 @@ class TorchEngine {
     b.version = version;
   }
 
+  // The step over the bound table with the GIL released, then the staged tensors' shadows written back to
+  // the caller's (a step that throws changed nothing: nothing to write back).
+  StepResult run_step(const float* grad_scale, const float* found_inf) {
+    StepResult result;
+    {
+      py::gil_scoped_release release;
+      result = engine_.step(grad_scale, found_inf);
+    }
+    for (Staged& s : staged_)
+      if (s.stepped) {
+        s.caller.attr("detach")().attr("copy_")(s.shadow);  // detach: a leaf that requires grad, one version counter
+        s.address = s.caller.attr("data_ptr")().cast<uintptr_t>();
+        s.version = s.caller.attr("_version").cast<int64_t>();
+      }
+    return result;
+  }
+
+  // Every staged tensor still the kind it was, and its shadow read from it where it must be (sync_in), once,
+  // before any shadow's version is read.
+  void sync_staged() {
+    for (size_t e = 0; e < bound_.size(); ++e)
+      if (bound_[e].staged >= 0) check_parameter(bound_[e], engine_.layout().entries[e]);
+    for (Staged& s : staged_) sync_in(s, false);
+  }
+
+  // The shadow read from its caller's tensor, if that was written from outside since the last sync (or
+  // always; an fp32 one at every step, so that writes its version counter misses are not undone by the
+  // write-back); the shadow's version then moves, so the masters read from it again where they must.
+  static void sync_in(Staged& s, bool always) {
+    const uintptr_t address = s.caller.attr("data_ptr")().cast<uintptr_t>();
+    const auto version = s.caller.attr("_version").cast<int64_t>();
+    if (!always && !s.fp32 && address == s.address && version == s.version) return;
+    s.shadow.attr("copy_")(s.caller.attr("detach")());
+    s.address = address;
+    s.version = version;
+  }
+
+  // Whether a gradient lies as the step reads its entry's tensor: contiguous, or as the dense tensor does.
+  static bool laid_out_as(const py::object& grad, const BoundTensor& b) {
+    if (b.strides.is_none()) return grad.attr("is_contiguous")().cast<bool>();
+    return same_layout(ints(b.shape), ints(grad.attr("stride")()), ints(b.strides));
+  }
+
 #ifdef NORMUON_HAVE_FAST_CPU
   // The fast CPU backend; `made` learns it (the engine owns it).
   static Engine::BackendFactory fast_cpu(int threads, FastCpuBackend** made) {
@@ -237,8 +371,9 @@ class TorchEngine {
 
   std::string device_name() const { return device_ < 0 ? "cpu" : "cuda:" + std::to_string(device_); }
 
+  // Still the kind of tensor it was when bound: shape, dtype, device, and (unless staged) how it lies in memory.
   void check_parameter(const BoundTensor& b, const LayoutEntry& le) const {
-    const py::object t = b.tensor;
+    const py::object t = b.staged >= 0 ? staged_[static_cast<size_t>(b.staged)].caller : b.tensor;
     const py::object dtype = t.attr("dtype");
     const bool same = py::object(t.attr("shape")).equal(b.shape) && dtype.is(dtype_object(le.dtype)) &&
                       t.attr("get_device")().cast<int>() == device_;
@@ -249,8 +384,16 @@ class TorchEngine {
                                py::str(dtype_object(le.dtype)).cast<std::string>() + " " +
                                py::str(b.shape).cast<std::string>() + " on " + device_name() +
                                " when the optimizer was built");
-    if (!t.attr("is_contiguous")().cast<bool>())
-      throw std::runtime_error("parameter '" + le.name + "' is not contiguous; NorMuonAdamW steps parameters in place");
+    if (b.staged >= 0) return;  // any layout: the shadow is read from it
+    const bool lies_alike = b.strides.is_none() ? t.attr("is_contiguous")().cast<bool>()
+                                          : same_layout(ints(b.shape), ints(t.attr("stride")()), ints(b.strides));
+    if (!lies_alike)
+      throw std::runtime_error("parameter '" + le.name + "' now lies in memory with strides " +
+                               py::str(t.attr("stride")()).cast<std::string>() + "; it was " +
+                               (b.strides.is_none() ? std::string("contiguous")
+                                                    : "laid out with strides " + py::str(b.strides).cast<std::string>()) +
+                               " when the optimizer was built, and its state follows that order (a memory format "
+                               "changed, or .data replaced): build the optimizer after model.to(memory_format=...)");
   }
 
   DType grad_dtype(const py::object& grad, const BoundTensor& b, const LayoutEntry& le) const {
@@ -280,6 +423,7 @@ class TorchEngine {
   Engine engine_;
   int device_;
   std::vector<BoundTensor> bound_;
+  std::vector<Staged> staged_;
   std::vector<py::object> keep_;  // the gradients the table points at
   bool table_bound_ = false;
   py::list frozen_;
@@ -417,10 +561,14 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("options", [](TorchEngine& t) { return t.engine().options(); })
       .def("bind", &TorchEngine::bind, py::arg("tensors"),
            py::arg("blocks") = std::vector<std::tuple<int64_t, int64_t, int64_t>>{}, py::arg("frozen") = py::list(),
-           py::arg("grad_of") = py::list(),
-           "The tensors, one per layout entry (a block of rows: its fused tensor with (offset, run, pitch)); "
-           "frozen: tensors outside the layout, watched by frozen_with_grad; grad_of: per entry, the DTensor "
-           "whose .grad's local shard is its gradient (empty: each tensor's own .grad)")
+           py::arg("grad_of") = py::list(), py::arg("staged") = py::list(),
+           "The tensors, one per layout entry (a block of rows: its fused tensor with (offset, run, pitch); a "
+           "dense tensor that is not contiguous: stepped in memory order); frozen: tensors outside the layout, "
+           "watched by frozen_with_grad; grad_of: per entry, the DTensor whose .grad's local shard is its "
+           "gradient (empty: each tensor's own .grad); staged: (shadow, caller) pairs, a strided caller's tensor "
+           "stepped through its contiguous shadow")
+      .def_property_readonly("staged_bytes", &TorchEngine::staged_bytes,
+                             "Bytes of the contiguous copies that strided parameters are stepped through")
       .def("frozen_with_grad", &TorchEngine::frozen_with_grad,
            "Positions in the frozen list of the tensors that have a gradient now")
       .def("step", &TorchEngine::step, py::arg("grad_scale") = 0, py::arg("found_inf") = 0, py::arg("stream") = py::none(),

@@ -30,7 +30,21 @@ inline std::vector<std::pair<std::string, FieldValue>> typed_values(const pybind
   for (const auto& [key, value] : values) {
     const auto field = key.cast<std::string>();
     if (value.is_none()) throw pybind11::value_error("option '" + field + "': None is not a value");
-    out.emplace_back(field, value.cast<FieldValue>());
+    pybind11::object v = pybind11::reinterpret_borrow<pybind11::object>(value);
+    if (pybind11::hasattr(v, "numel") && pybind11::hasattr(v, "item")) {  // a tensor (torch's tensor lr)
+      const auto n = v.attr("numel")().cast<int64_t>();
+      if (n != 1)
+        throw pybind11::value_error("option '" + field + "': Tensor " + field + " must be 1-element (it has " +
+                                    std::to_string(n) + ")");
+      v = v.attr("item")();
+    }
+    try {
+      out.emplace_back(field, v.cast<FieldValue>());
+    } catch (const pybind11::cast_error&) {
+      throw pybind11::value_error("option '" + field + "': " + pybind11::repr(v).cast<std::string>() + " (" +
+                                  pybind11::str(v.get_type().attr("__name__")).cast<std::string>() +
+                                  ") is not a number, a bool or a string");
+    }
   }
   return out;
 }

@@ -42,6 +42,12 @@ if [ "${NORMUON_TORCH2:-1}" != 0 ] && ! "$torch2_venv/bin/python" -c "import tra
   echo "setup: installing $transformers_pin and $accelerate_pin into $torch2_venv"
   "$torch2_venv/bin/pip" install -q --disable-pip-version-check "$transformers_pin" "$accelerate_pin"
 fi
+# expecttest, which torch's own optimizer test helpers import (python/tests/test_torch_conformance.py).
+expecttest_pin="expecttest==0.3.0"
+if [ "${NORMUON_TORCH2:-1}" != 0 ] && ! "$torch2_venv/bin/python" -c "import expecttest" 2>/dev/null; then
+  echo "setup: installing $expecttest_pin into $torch2_venv"
+  "$torch2_venv/bin/pip" install -q --disable-pip-version-check "$expecttest_pin"
+fi
 torch2_python=""
 [ "${NORMUON_TORCH2:-1}" != 0 ] && torch2_python="$PWD/$torch2_venv/bin/python"
 

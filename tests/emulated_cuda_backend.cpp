@@ -145,6 +145,7 @@ void EmulatedCudaBackend::enqueue_step(FlatState& state, const Options& options,
   Impl& im = *impl_;
   if (state.layout != &im.layout) throw std::invalid_argument("fast-cuda-emulated: the state has another layout");
   set_scalars(options, host_bias ? &state.entry_steps : nullptr);
+  table_ = nullptr;
 
   // The flat buffers as FastCudaBackend points the operand table at them.
   const void* grads = state.grads.data();
@@ -173,6 +174,7 @@ void EmulatedCudaBackend::enqueue_step(TableState& state, const ParamTable& tabl
   const std::string reason = table.invalid_reason();
   if (!reason.empty()) throw std::invalid_argument(reason);
   set_scalars(options, host_entry_steps ? host_entry_steps : &state.entry_steps);
+  table_ = &table;
   // As FastCudaBackend::set_tensors: the caller's tensors, masters for bf16 / fp16 parameters.
   im.operands.resize(im.layout.entries.size());
   im.table_has_grad.resize(im.layout.entries.size());
@@ -246,7 +248,7 @@ StepResult EmulatedCudaBackend::finish_step(const Options& options) {
   const cuda::StepStatus status = impl_->status;
   if (status.reported_bad == cuda::kNoBadGradient) return {};
   std::memset(&impl_->status, 0xff, sizeof status);  // reported: cleared for the next steps
-  return cuda::step_result(status, impl_->layout, options);
+  return cuda::step_result(status, impl_->layout, options, table_);
 }
 
 StepResult EmulatedCudaBackend::step(FlatState& state, const Options& options) {
@@ -279,13 +281,14 @@ EmulatedCudaEngineBackend::EmulatedCudaEngineBackend(const Layout& layout, const
 void EmulatedCudaEngineBackend::enqueue(const TableState& state, const ParamTable& table, const Options& options,
                                         const float* grad_scale, const float* found_inf) {
   backend_.enqueue_step(device_, table, options, grad_scale, found_inf, &state.entry_steps);
+  table_ = &table;
 }
 
 StepResult EmulatedCudaEngineBackend::verdict(const Options& options) {
   cuda::StepStatus& status = backend_.status();
   const cuda::StepStatus copy = status;  // as FastCudaBackend reads its pinned copy
   if (copy.reported_bad != cuda::kNoBadGradient) std::memset(&status, 0xff, sizeof status);  // reported: cleared
-  return cuda::step_verdict(copy, layout_, options);
+  return cuda::step_verdict(copy, layout_, options, table_);
 }
 
 void EmulatedCudaEngineBackend::set_steps(const TableState& state) {

@@ -78,6 +78,7 @@ class EmulatedCudaBackend : public Backend {
   std::unique_ptr<Impl> impl_;
   std::vector<uint16_t> params_bf16_;
   int64_t launches_last_step_ = 0;
+  const ParamTable* table_ = nullptr;  // table mode: the caller's, whose element orders the messages follow
 };
 
 // The CUDA engine's backend without a GPU (Engine, core/include/normuon/engine.h): FastCudaBackend's table
@@ -104,6 +105,7 @@ class EmulatedCudaEngineBackend : public DeviceTableBackend {
   const Layout& layout_;
   EmulatedCudaBackend backend_;
   TableState device_;  // the device's state and counters
+  const ParamTable* table_ = nullptr;  // the last step's
 };
 
 // step_kernels.cuh's at(): where the kernels find element i of a matrix whose rows lie in `runs`.

@@ -474,6 +474,57 @@ BOOST_AUTO_TEST_CASE(a_nonfinite_gradient_in_a_block_is_reported_at_its_element_
   BOOST_TEST(message.find("element 30") != std::string::npos, message);
 }
 
+BOOST_AUTO_TEST_CASE(element_orders_number_elements_as_the_caller_does) {
+  // A [2, 3, 4] tensor stored with its last dimension outermost (strides 1, 4, 12 over it): memory element k
+  // is (k / 6, k / 2 % 3, k % 2) over the sizes {4, 3, 2} of its dimensions 2, 1, 0.
+  const ElementOrder order{{4, 3, 2}, {1, 4, 12}};
+  for (int64_t k = 0; k < 24; ++k) BOOST_TEST(order.caller_index(k) == k / 6 + k / 2 % 3 * 4 + k % 2 * 12);
+  BOOST_TEST(ElementOrder{}.caller_index(17) == 17);
+}
+
+// Entry e of the tiny preset's AdamW parameters with two or more dimensions, read as stored column-major: the
+// table's element order for that.
+ElementOrder column_major(const LayoutEntry& le) {
+  const int64_t rows = le.shape[0], cols = le.numel / rows;
+  return ElementOrder{{cols, rows}, {1, cols}};
+}
+
+BOOST_AUTO_TEST_CASE(a_nonfinite_gradient_is_named_as_the_caller_numbers_its_elements) {
+  std::vector<Which> backends{Which::fast};
+#ifdef NORMUON_TEST_HAVE_REFERENCE
+  backends.push_back(Which::reference);
+#endif
+  for (const Which which : backends) {
+    Twins twins(DType::f32, mixed_manifest(), which);
+    int e = 0;
+    while (twins.layout.entries[e].algorithm != Algorithm::adamw || twins.layout.entries[e].shape.size() < 2) ++e;
+    const LayoutEntry& le = twins.layout.entries[e];
+    const int64_t rows = le.shape[0], cols = le.numel / rows, k = 2 * rows + 1;  // memory element: row 1, column 2
+    twins.gen.fill_gradients(twins.flat, 1);
+    twins.flat.has_grad.assign(twins.flat.has_grad.size(), 1);
+    twins.flat.grad(e)[k] = std::numeric_limits<float>::quiet_NaN();
+    twins.caller.take_grads(twins.flat, false);
+    ParamTable table = twins.caller.table;
+    table.orders.assign(table.params.size(), ElementOrder{});
+    table.orders[e] = column_major(le);
+    std::string message;
+    try {
+      twins.table_step(table);
+    } catch (const std::runtime_error& x) {
+      message = x.what();
+    }
+    const std::string element = "element " + std::to_string(1 * cols + 2) + " ";
+    BOOST_TEST(message.find("'" + le.name + "'") != std::string::npos, message);
+    BOOST_TEST(message.find(element) != std::string::npos, message);
+    BOOST_TEST((twins.table_state.group_steps == std::vector<int64_t>{0, 0}));
+    ParamTable wrong = table;
+    wrong.orders[e].sizes[0] += 1;  // more elements than the entry has
+    BOOST_TEST(wrong.invalid_reason().find("element order of '" + le.name + "'") != std::string::npos);
+    wrong.orders.pop_back();
+    BOOST_TEST(wrong.invalid_reason().find("element orders for") != std::string::npos);
+  }
+}
+
 BOOST_AUTO_TEST_CASE(row_runs_are_checked) {
   FusedTwins twins(DType::f32, DType::f32);
   const int64_t cols = twins.geometry.cols;

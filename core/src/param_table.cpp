@@ -38,6 +38,15 @@ std::string runs_invalid_reason(const RowRuns& runs, const LayoutEntry& le, cons
 
 }  // namespace
 
+int64_t ElementOrder::caller_index(int64_t element) const {
+  int64_t index = 0;
+  for (size_t d = sizes.size(); d-- > 0;) {  // the innermost dimension first
+    index += element % sizes[d] * strides[d];
+    element /= sizes[d];
+  }
+  return sizes.empty() ? element : index;
+}
+
 ParamTable::ParamTable(const Layout& l) : layout(&l), params(l.entries.size()), grads(l.entries.size()) {
   for (size_t e = 0; e < l.entries.size(); ++e) params[e].dtype = l.entries[e].dtype;
 }
@@ -46,12 +55,22 @@ std::string ParamTable::invalid_reason() const {
   if (params.size() != layout->entries.size() || grads.size() != layout->entries.size())
     return "the table has " + std::to_string(params.size()) + " parameters and " + std::to_string(grads.size()) +
            " gradients for " + std::to_string(layout->entries.size()) + " layout entries";
+  if (!orders.empty() && orders.size() != params.size())
+    return "the table has " + std::to_string(orders.size()) + " element orders for " + std::to_string(params.size()) +
+           " layout entries";
   for (size_t e = 0; e < params.size(); ++e) {
     const LayoutEntry& le = layout->entries[e];
     if (!params[e].data && le.numel > 0) return "parameter '" + le.name + "' has no address";
     if (params[e].dtype != le.dtype)
       return "parameter '" + le.name + "' is " + to_string(params[e].dtype) + " but the layout says " +
              to_string(le.dtype);
+    if (!orders.empty() && !orders[e].sizes.empty()) {
+      int64_t n = 1;
+      for (const int64_t size : orders[e].sizes) n *= size;
+      if (n != le.numel || orders[e].strides.size() != orders[e].sizes.size() || !params[e].runs.dense())
+        return "the element order of '" + le.name + "' does not describe its " + std::to_string(le.numel) +
+               " elements (a dense parameter's dimensions and strides)";
+    }
     for (const auto& [ref, what] : {std::pair{&params[e], "the parameter"}, std::pair{&grads[e], "the gradient"}}) {
       const std::string reason = runs_invalid_reason(ref->runs, le, what);
       if (!reason.empty()) return reason;
@@ -102,6 +121,7 @@ ParamOperand table_operand(const ParamTable& table, int e, float* masters) {
 
 void StepOperands::bind(FlatState& state) {
   layout = state.layout;
+  table = nullptr;
   grad_scale = nullptr;  // a scale belongs to one step: set after binding, never left from an earlier one
   params.resize(layout->entries.size());
   for (size_t e = 0; e < params.size(); ++e) {
@@ -117,14 +137,15 @@ void StepOperands::bind(FlatState& state) {
   entry_steps = state.entry_steps.data();
 }
 
-void StepOperands::bind(TableState& state, const ParamTable& table) {
-  if (table.layout != state.layout) throw std::invalid_argument("the parameter table has another layout");
-  const std::string reason = table.invalid_reason();
+void StepOperands::bind(TableState& state, const ParamTable& tensors) {
+  if (tensors.layout != state.layout) throw std::invalid_argument("the parameter table has another layout");
+  const std::string reason = tensors.invalid_reason();
   if (!reason.empty()) throw std::invalid_argument(reason);
   layout = state.layout;
+  table = &tensors;
   grad_scale = nullptr;
   params.resize(layout->entries.size());
-  for (size_t e = 0; e < params.size(); ++e) params[e] = table_operand(table, static_cast<int>(e), state.masters.data());
+  for (size_t e = 0; e < params.size(); ++e) params[e] = table_operand(tensors, static_cast<int>(e), state.masters.data());
   momentum = state.momentum.data();
   row_var = state.row_var.data();
   exp_avg = state.exp_avg.data();

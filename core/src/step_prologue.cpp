@@ -26,7 +26,8 @@ std::optional<StepResult> begin_step(StepOperands& ops, const Options& options, 
       for (int64_t k = 0; k < n; ++k)
         if (!std::isfinite(chunk[k])) {
           const LayoutEntry& le = layout.entries[e];
-          return nonfinite_gradient(le.name, chunk[k], begin + k, ops.group_steps[le.group] + 1, options.nonfinite);
+          const int64_t element = ops.table ? ops.table->caller_element(static_cast<int>(e), begin + k) : begin + k;
+          return nonfinite_gradient(le.name, chunk[k], element, ops.group_steps[le.group] + 1, options.nonfinite);
         }
     }
   }

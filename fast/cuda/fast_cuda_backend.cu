@@ -317,6 +317,7 @@ void FastCudaBackend::set_tensors(const ParamTable& table) {
   }
   if (changed) upload_operands();
   tensors_set_ = true;
+  table_ = &table;
 }
 
 void FastCudaBackend::upload_operands() {
@@ -347,7 +348,7 @@ StepResult FastCudaBackend::poll_step(const Options& options) {
   const cuda::StepStatus status = *polled_status_;
   if (status.reported_bad != cuda::kNoBadGradient)  // reported: cleared
     NORMUON_CUDA_CHECK(cudaMemsetAsync(status_.data(), 0xff, sizeof status, stream_));
-  return cuda::step_verdict(status, layout_, options);
+  return cuda::step_verdict(status, layout_, options, caller_tensors_ ? table_ : nullptr);
 }
 
 void FastCudaBackend::enqueue_step() {
@@ -398,7 +399,7 @@ StepResult FastCudaBackend::finish_step(const Options& options) {
   if (status.reported_bad == cuda::kNoBadGradient) return {};
   // Reported: clear it for the next steps (on the stream, ahead of anything enqueued later).
   NORMUON_CUDA_CHECK(cudaMemsetAsync(status_.data(), 0xff, sizeof status, stream_));
-  return cuda::step_result(status, layout_, options);
+  return cuda::step_result(status, layout_, options, caller_tensors_ ? table_ : nullptr);
 }
 
 StepResult FastCudaBackend::step(FlatState& state, const Options& options) {

@@ -175,6 +175,7 @@ class FastCudaBackend : public Backend, public DeviceTableBackend {
   std::vector<uint8_t> host_has_grad_;
   bool caller_tensors_ = false;
   bool tensors_set_ = false;
+  const ParamTable* table_ = nullptr;  // the caller's, as last set: its messages number elements as it does
   // Pinned staging of the operand table and flags, and the event of its last upload.
   cuda::EntryOperands* staged_operands_ = nullptr;
   uint8_t* staged_has_grad_ = nullptr;

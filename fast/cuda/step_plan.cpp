@@ -174,17 +174,20 @@ void fill_matrix_scalars(const Layout& layout, const std::vector<MatrixInfo>& ma
   }
 }
 
-StepResult step_result(const StepStatus& status, const Layout& layout, const Options& options) {
+StepResult step_result(const StepStatus& status, const Layout& layout, const Options& options,
+                       const ParamTable* table) {
   if (status.reported_bad == kNoBadGradient) return {};
   const int entry = static_cast<int>(status.reported_bad >> kBadElementBits);
-  const int64_t element = static_cast<int64_t>(status.reported_bad & ((1ull << kBadElementBits) - 1));
+  int64_t element = static_cast<int64_t>(status.reported_bad & ((1ull << kBadElementBits) - 1));
+  if (table) element = table->caller_element(entry, element);
   return nonfinite_gradient(layout.entries.at(entry).name, status.reported_value, element, status.reported_step,
                             options.nonfinite);
 }
 
-StepResult step_verdict(const StepStatus& status, const Layout& layout, const Options& options) {
+StepResult step_verdict(const StepStatus& status, const Layout& layout, const Options& options,
+                        const ParamTable* table) {
   if (status.reported_bad == kNoBadGradient && status.first_bad == kScalerFoundInf) return {true, kFoundInfReason};
-  return step_result(status, layout, options);
+  return step_result(status, layout, options, table);
 }
 
 StepTables StepPlan::tables(const Chunk* scan, const Chunk* normuon, const Chunk* adamw, const StatTask* stat,

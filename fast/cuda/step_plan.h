@@ -86,11 +86,14 @@ void fill_matrix_scalars(const Layout& layout, const std::vector<MatrixInfo>& ma
 
 // What a step's status says, as begin_step (core/src/step_prologue.cpp) says it, so every backend
 // reports a NaN/Inf gradient the same way: {} when none was reported; a skipped step under
-// nonfinite=skip_step; std::runtime_error under nonfinite=error.
-StepResult step_result(const StepStatus& status, const Layout& layout, const Options& options);
+// nonfinite=skip_step; std::runtime_error under nonfinite=error. table: the caller's tensors in table mode,
+// whose element orders number the element as the caller sees it (ParamTable::caller_element), or nullptr.
+StepResult step_result(const StepStatus& status, const Layout& layout, const Options& options,
+                       const ParamTable* table = nullptr);
 // A table-mode step's verdict from its status, copied after it: step_result's, or, when the gradient
 // scaler's found_inf skipped it, skipped with kFoundInfReason (engine.h).
-StepResult step_verdict(const StepStatus& status, const Layout& layout, const Options& options);
+StepResult step_verdict(const StepStatus& status, const Layout& layout, const Options& options,
+                        const ParamTable* table = nullptr);
 
 // The fields a CUDA plan is built from (its Newton-Schulz batches' GEMMs): fixed once it is built.
 inline std::vector<std::string> planned_fields() {

@@ -48,8 +48,8 @@ class Engine:
         buffers = self._allocate_native(verdict)
         self.fixed_keys = tuple(self._native.fixed_fields)
         self.fixed = [{k: v[k] for k in self.fixed_keys if k in v} for v in self.values]
-        for e, le in zip(self.entries, self.layout.entries):  # the second-moment axis, as the layout has it
-            e.stats_per_row, e.stat_len = le.stats_per_row, le.stat_len
+        for e, le in zip(self.entries, self.layout.entries):  # the second-moment axis, as the caller's shape has it
+            e.stats_per_row, e.stat_len = le.stats_per_row != swapped(e), le.stat_len
         self._carve(buffers)
         for es in by_parameter(self.entries).values():  # a split matrix's state must read back whole: else refused
             if is_piece(es[0]) and es[0].block.parts > 1:
@@ -100,8 +100,15 @@ class Engine:
         blocks = [(0, 0, 0) if e.block is None else (e.block.offset, *e.block.runs) for e in self.entries]
         inside = any(e.block is not None for e in self.entries)  # blocks of rows, a bank's experts: (offset, runs)
         grad_of = [e.grad_of for e in self.entries] if any(e.grad_of is not None for e in self.entries) else []
-        native.bind([e.source for e in self.entries], blocks if inside else [], [e.tensor for e in self.frozen],
-                    grad_of)
+        # A tensor neither contiguous nor dense is stepped through a contiguous copy of it (its shadow), which the
+        # native step reads from it and writes back (one per tensor: a bank's experts share theirs).
+        shadows = {}
+        for e in self.entries:
+            if e.staged and id(e.source) not in shadows:
+                shadows[id(e.source)] = (torch.empty(e.source.shape, dtype=e.source.dtype, device=e.source.device),
+                                         e.source)
+        native.bind([shadows[id(e.source)][0] if e.staged else e.source for e in self.entries],
+                    blocks if inside else [], [e.tensor for e in self.frozen], grad_of, list(shadows.values()))
         return {k: torch.from_numpy(v) if not isinstance(v, tuple) else _device_view(native, *v, self.device)
                 for k, v in native.buffers().items()}
 
@@ -111,12 +118,12 @@ class Engine:
         self.buffers = buffers  # masters, momentum, row_var, exp_avg, exp_avg_sq
         for e, le in zip(self.entries, self.layout.entries):
             if e.algorithm == "normuon":
-                e.state = (buffers["momentum"][le.offset:le.offset + le.numel].view(e.shape),
+                e.state = (caller_view(e, buffers["momentum"][le.offset:le.offset + le.numel]),
                            buffers["row_var"][le.stat_offset:le.stat_offset + le.stat_len])
             else:
                 adam = slice(le.adam_offset, le.adam_offset + le.numel)
-                e.state = (buffers["exp_avg"][adam].view(e.shape), buffers["exp_avg_sq"][adam].view(e.shape))
-            e.master = (buffers["masters"][le.master_offset:le.master_offset + le.numel].view(e.shape)
+                e.state = (caller_view(e, buffers["exp_avg"][adam]), caller_view(e, buffers["exp_avg_sq"][adam]))
+            e.master = (caller_view(e, buffers["masters"][le.master_offset:le.master_offset + le.numel])
                         if e.low_precision else None)
 
     def carry_from(self, old, steps):
@@ -234,7 +241,7 @@ class Engine:
         params = torch.from_numpy(flat.params)
         for e, le in zip(self.entries, self.layout.entries):
             src = e.master if e.master is not None else e.values()
-            params[le.offset:le.offset + le.numel].copy_(src.reshape(-1))
+            params[le.offset:le.offset + le.numel].copy_(in_memory_order(e, src).reshape(-1))
         for k, t in self.buffers.items():
             if k != "masters":
                 torch.from_numpy(getattr(flat, k)).copy_(t)
@@ -249,7 +256,7 @@ class Engine:
             if k != "masters":
                 t.copy_(torch.from_numpy(getattr(flat, k)))
         for e, le in zip(self.entries, self.layout.entries):
-            values = params[le.offset:le.offset + le.numel].view(e.shape)
+            values = caller_view(e, params[le.offset:le.offset + le.numel])
             if e.master is not None:
                 e.master.copy_(values)
             e.write(values)  # rounds to the parameter's dtype
@@ -324,8 +331,11 @@ class Engine:
 
     def memory_report(self):
         """Bytes held beyond the model's tensors: state_bytes, master_bytes (fp32 masters of bf16/fp16
-        parameters), workspace_bytes (the backend's Newton-Schulz buffers and scratch)."""
-        return self._native.memory_report()
+        parameters), workspace_bytes (the backend's Newton-Schulz buffers and scratch, and the contiguous copies
+        that parameters neither contiguous nor dense are stepped through)."""
+        report = dict(self._native.memory_report())
+        report["workspace_bytes"] += self._native.staged_bytes
+        return report
 
 
 def resolve_modes(backend, nonfinite, verdict):
@@ -345,24 +355,67 @@ def param_specs(entries, group_names, names=None):
     """The C++ manifest's rows (ParamSpec) of planned entries, under other parameter names if given."""
     default_group = {"normuon": "normuon", "adamw": "adamw"}
     names = names or [label(e) for e in entries]
-    return [_C.ParamSpec(n, list(e.shape), DTYPES[e.dtype], e.role,
+    return [_C.ParamSpec(n, list(laid_shape(e)), DTYPES[e.dtype], e.role,
                          "" if group_names[e.group] == default_group[e.algorithm] else group_names[e.group], e.override,
-                         e.transposed)
+                         e.transposed != swapped(e))
             for n, e in zip(names, entries)]
 
 
 def laid_out(e):
     """The engine's entries for one planned parameter: a copy of it, or, for an expert bank [E, m, n] stepped by
     NorMuon or a matrix split into blocks of rows (split_rows=), one per piece, where it lies ("name[k]",
-    "name.partJ" in the layout)."""
+    "name.partJ" in the layout). A dense tensor that is not contiguous is stepped where it lies, in memory order
+    (order): AdamW's elementwise passes at any rank, and a NorMuon matrix that is a transposed view as the
+    transposed matrix it is in memory (its statistics along the stored columns). Any other tensor that is not
+    contiguous is staged: stepped through a contiguous copy (bind)."""
+    contiguous = e.source.is_contiguous()
     if not in_pieces(e):
-        return [copy.copy(e)]
+        x = copy.copy(e)
+        order = None if contiguous or e.block is not None else memory_order(e.tensor)
+        if order is not None and (e.algorithm == "adamw" or order == (1, 0)):
+            x.order = order
+        else:
+            x.staged = not contiguous
+        return [x]
     out = []
     for piece in pieces(e.tensor, e.parts):
         x = copy.copy(e)
-        x.block, x.shape = piece, piece.shape
+        x.block, x.shape, x.staged = piece, piece.shape, not contiguous
         out.append(x)
     return out
+
+
+def memory_order(t):
+    """t's dimensions from the outermost in memory to the innermost when t is dense (its elements fill the span
+    they lie in, none twice: channels_last, a transposed view); None when it is not."""
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    expected = 1
+    for d in reversed(order):
+        if t.shape[d] != 1 and t.stride(d) != expected:
+            return None
+        expected *= t.shape[d]
+    return tuple(order)
+
+
+def laid_shape(e):
+    """An engine entry's shape as the layout has it: its dimensions in memory order."""
+    return e.shape if e.order is None else tuple(e.shape[d] for d in e.order)
+
+
+def swapped(e):
+    """A NorMuon matrix stepped as the transposed matrix it is in memory: the layout's rows are its columns."""
+    return e.order is not None and e.algorithm == "normuon"
+
+
+def caller_view(e, flat):
+    """A 1-D slice of the engine's buffers, in the entry's memory order, viewed in the caller's shape (and strides)."""
+    v = flat.view(laid_shape(e))
+    return v if e.order is None else v.permute(*sorted(range(len(e.order)), key=e.order.__getitem__))
+
+
+def in_memory_order(e, t):
+    """A tensor of the caller's shape as the layout holds it (memory order): caller_view's inverse."""
+    return t if e.order is None else t.permute(*e.order)
 
 
 def in_pieces(e):

@@ -8,6 +8,7 @@ state tensors are zero-copy views of its buffers.
 import copy
 import math
 import os
+import re
 import warnings
 import weakref
 from collections import defaultdict
@@ -40,10 +41,12 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     """NorMuon on 2-D hidden matrices, AdamW on everything else (docs/spec.md, docs/python.md).
 
     params: the model (recommended: its modules tell the embeddings and the head, routing.py),
-        model.named_parameters(), plain tensors, or param groups: dicts with "params" (tensors or (name,
-        tensor) pairs), optional "names", "name", "algorithm" ("auto" | "normuon" | "adamw") and
-        hyper-parameters. An "auto" group (the default) is split by the routing rule into a NorMuon and an
-        AdamW group; it takes NorMuon keys plus adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay.
+        model.named_parameters(), a list of tensors (not a tensor: TypeError, as torch), or param groups: dicts
+        with "params" (tensors or (name, tensor) pairs), optional "param_names" (torch's key; "names" is read
+        too), "name", "algorithm" ("auto" | "normuon" | "adamw") and hyper-parameters. An "auto" group (the
+        default) is split by the routing rule into a NorMuon and an AdamW group (an empty half is left out); it
+        takes NorMuon keys plus adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay. Names are given for all
+        parameters or none (torch's rule); groups of named parameters carry param_names.
     normuon_params, adamw_params: instead of params, an explicit split (one group each).
     model: beside params, the module they come from: bare tensors get its names and its modules' roles.
     lr, beta1 (alias momentum), beta2, weight_decay, nesterov, ns_steps, **knobs: NorMuon defaults
@@ -99,6 +102,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         given = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, nesterov=nesterov, ns_steps=ns_steps)
         normuon_defaults = dict(defaults("normuon"), **{k: v for k, v in given.items() if v is not None}, **knobs)
         aw = defaults("adamw")
+        if adamw_betas is not None and (not isinstance(adamw_betas, (tuple, list)) or len(adamw_betas) != 2):
+            raise ValueError(f"adamw_betas={adamw_betas!r} is not a pair (beta1, beta2)")
         adamw_defaults = dict(lr=aw["lr"] if adamw_lr is None else adamw_lr,
                               betas=(aw["beta1"], aw["beta2"]) if adamw_betas is None else tuple(adamw_betas),
                               eps=aw["eps"] if adamw_eps is None else adamw_eps,
@@ -161,6 +166,11 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         state)."""
         # Sharded (DTensors, or process_group=): everything laid out, as the wrappers do (one plan per rank).
         sharded = self._process_group is not None or is_sharded(entries)
+        strided = [e.name for e in entries if sharded and not e.source.is_contiguous()]
+        if strided:
+            raise ValueError(f"parameters that are not contiguous ({', '.join(map(repr, strided[:3]))}) are not "
+                             "served under sharded training (DTensors, or process_group=) yet: make them contiguous "
+                             "first")
         frozen = [] if self._state_for_frozen or sharded else [
             e for e in entries if e.frozen and id(e.tensor) not in keep]
         left_out = {id(e) for e in frozen}
@@ -173,53 +183,118 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         self.engine = Engine(self._shards.entries if self._shards else laid, groups, self._choice,
                              threads=self._threads, nonfinite=self.nonfinite, verdict=self.verdict, frozen=frozen,
                              device_backend=self._device_backend)
-        # Each NorMuon group names its matrices stored [in, out]: an own key, as "names", so that a state dict
-        # (flattened by torch.distributed.checkpoint too) carries what its second moments mean.
-        flipped = {id(e.tensor) for e in entries if e.transposed}
+        # The names the layout knows the parameters by (the caller's, or param0, group1.0, ... for bare tensors).
+        self._name_of = {id(e.tensor): e.name for e in entries}
+        # Each NorMuon group names its matrices stored [in, out]: an own key, so that a state dict (flattened by
+        # torch.distributed.checkpoint too) carries what its second moments mean.
+        self._flipped = {id(e.tensor) for e in entries if e.transposed}
         for g in self.param_groups:
-            if g["algorithm"] == "normuon":
-                g["transposed"] = [n for n, t in zip(g["names"], g["params"]) if id(t) in flipped]
+            self._name_transposed(g)
         param_of = {e.index: e.tensor for e in entries}
-        self.state = defaultdict(dict)
+        # What callers keep in opt.state under keys that are no parameters (torch keeps them, state dicts too).
+        kept = {k: v for k, v in getattr(self, "state", {}).items() if not isinstance(k, torch.Tensor)}
+        self.state = defaultdict(dict, kept)
         if self._shards is not None:
             self._shards.refresh(self.engine)  # the owners' whole matrices and their masters from the model
             for e in laid:  # every parameter has an entry, so torch's DCP helpers see state on every rank
                 self.state[e.tensor] = {}
         for es in by_parameter(self.engine.entries).values():  # live views, for inspection as with torch's optimizers
             self.state[param_of[es[0].index]] = param_state(es, master=False)
+        # The groups as built: a group appended to param_groups by hand is told by its absence (_adopt_hand_edits).
+        self._built_groups = [(g, g["params"], len(g["params"])) for g in self.param_groups]
+
+    def _name_transposed(self, g):
+        """A NorMuon group's 'transposed': its matrices stored [in, out], by the names its state dict gives them."""
+        if g["algorithm"] == "normuon":
+            names = g.get("param_names") or self._names(g)
+            g["transposed"] = [n for n, t in zip(names, g["params"]) if id(t) in self._flipped]
+
+    def _names(self, group):
+        """The layout's names of a group's parameters (its param_names are the caller's, and only when named)."""
+        return [self._name_of[id(t)] for t in group["params"]]
+
+    def _edited(self):
+        """Whether param_groups differs from the groups as built (per group, not per parameter: cheap)."""
+        return len(self.param_groups) != len(self._built_groups) or any(
+            g is not b or g["params"] is not ps or len(ps) != n for g, (b, ps, n) in zip(self.param_groups,
+                                                                                      self._built_groups))
+
+    def _adopt_hand_edits(self, what):
+        """torch.optim lets callers append to param_groups by hand; such groups are planned here as
+        add_param_group plans them (all at once: nothing changes on an error). Any other edit of param_groups
+        (a group removed, replaced or reordered, its 'params' changed) is refused with how to do it instead."""
+        built = self._built_groups
+        groups = self.param_groups
+        if len(groups) < len(built) or any(g is not b for g, (b, _, _) in zip(groups, built)):
+            raise ValueError(f"{what}: param_groups was edited by hand (a group removed, replaced or reordered); only "
+                             "appending groups is supported (they are planned as add_param_group plans them). Build "
+                             "a new optimizer for other groups (state_dict() carries the state over)")
+        for i, (g, params, count) in enumerate(built):
+            if g["params"] is not params or len(params) != count:
+                raise ValueError(f"{what}: param_groups[{i}]['params'] was edited by hand; add parameters with "
+                                 "add_param_group({'params': [...]}) (a new group, planned and routed as the "
+                                 "constructor's), or build a new optimizer")
+        if len(groups) > len(built):
+            appended = groups[len(built):]
+            del groups[len(built):]
+            try:  # (a copy of a group here carries this optimizer's own keys: they are made anew)
+                self._add_param_groups([{k: v for k, v in g.items() if k not in ("transposed", "step")}
+                                        for g in appended])
+            except (TypeError, ValueError, RuntimeError) as error:
+                groups.extend(appended)  # as the caller left it
+                message = f"{what}: param_groups[{len(built)}:] were appended by hand and are planned as " \
+                          f"add_param_group plans them: {error}"
+                try:
+                    again = type(error)(message)
+                except Exception:  # an exception type that takes other arguments: its base's
+                    again = next(k for k in (TypeError, ValueError, RuntimeError) if isinstance(error, k))(message)
+                raise again from None
+            except BaseException:
+                groups.extend(appended)
+                raise
 
     def add_param_group(self, param_group):
         """torch's add_param_group (a layer unfrozen, a head added): a dict with "params" and, optionally,
-        "name", "algorithm" and hyper-parameters, as in the constructor ("auto" splits it by the routing
-        rule; the model given to the constructor names and routes its tensors). The layout, buffers and
+        "name", "algorithm", "param_names" and hyper-parameters, as in the constructor ("auto" splits it by the
+        routing rule; the model given to the constructor names and routes its tensors). The layout, buffers and
         backend are built again over every parameter: the parameters already here keep their state, masters
         and routing and the groups their step counters; the new group starts from zero. Nothing changes on
         an error."""
         if not getattr(self, "_built", False):  # torch's __init__ adds the constructor's groups
             return super().add_param_group(param_group)
+        self._adopt_hand_edits("add_param_group")
+        self._add_param_groups([param_group])
+
+    def _add_param_groups(self, new_groups):
         self._not_sharded("add_param_group()")
-        if not isinstance(param_group, dict) or "params" not in param_group:
-            raise ValueError("add_param_group takes a dict with 'params' (and optionally 'name', 'algorithm' and "
-                             "hyper-parameters)")
-        if "transposed" in param_group:
-            raise ValueError("add_param_group: 'transposed' is the optimizer's own group key (which of the group's "
-                             "matrices are stored [in, out]): the model's modules say it, or the constructor's "
-                             "transposed=")
+        for param_group in new_groups:
+            if not isinstance(param_group, dict) or "params" not in param_group:
+                raise ValueError("add_param_group takes a dict with 'params' (and optionally 'name', 'algorithm' and "
+                                 "hyper-parameters)")
+            if "transposed" in param_group:
+                raise ValueError("add_param_group: 'transposed' is the optimizer's own group key (which of the group's "
+                                 "matrices are stored [in, out]): the model's modules say it, or the constructor's "
+                                 "transposed=")
         self._sync_hyper()  # the current values of the existing groups, checked
         self._settle()
         self.engine.refresh_masters()
         kept, extra = [], {}
         for g in self.param_groups:
             keys = NORMUON_FIELDS if g["algorithm"] == "normuon" else ADAMW_KEYS
-            kept.append(dict({k: g[k] for k in keys}, params=list(zip(g["names"], g["params"])), name=g["name"],
+            kept.append(dict({k: g[k] for k in keys}, params=g["params"], names=self._names(g), name=g["name"],
                              algorithm=g["algorithm"]))
-            # What schedulers and users keep in a group (initial_lr, max_lr, ...) stays with it.
+            # What schedulers and users keep in a group (initial_lr, max_lr, param_names ...) stays with it.
             extra[g["name"]] = {k: v for k, v in g.items() if k not in set(keys) | _GROUP_OWN_KEYS}
         model = self._model() if self._model is not None else None
-        known = {"params", "names", "name", "algorithm", "momentum", "betas"} | set(NORMUON_FIELDS) | \
-            set(ADAMW_KEYS) | set(ADAMW_PREFIXED)
-        new_extra = {k: v for k, v in param_group.items() if k not in known}  # a scheduler's initial_lr, ...
-        added, roles, flips = resolve_inputs([{k: v for k, v in param_group.items() if k in known}], model=model)
+        known = {"params", "names", "param_names", "name", "algorithm", "momentum", "betas"} | \
+            set(NORMUON_FIELDS) | set(ADAMW_KEYS) | set(ADAMW_PREFIXED)
+        added, roles, flips, new_extra = [], {}, {}, []
+        for param_group in new_groups:
+            group, r, f = resolve_inputs([{k: v for k, v in param_group.items() if k in known}], model=model)
+            added += group
+            roles.update(r)
+            flips.update(f)
+            new_extra.append({k: v for k, v in param_group.items() if k not in known})  # a scheduler's initial_lr
         old = {id(e.tensor): e for e in self.engine.entries + self.engine.frozen}
         # A router added now has its experts among the parameters already here.
         roles.update(router_roles([e.name for e in old.values()] + param_names(added)))
@@ -233,16 +308,30 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         one_device(entries)
         for i, g in enumerate(groups):  # every value checked before anything is swapped
             self._validated(i, dict(g))
+        named_here = all("param_names" in g for g in self.param_groups)
+        for g in groups[len(kept):]:
+            if ("param_names" in g) != named_here:  # torch's rule, on what the new group's names turn out to be
+                raise ValueError("all optimizer param groups should be with/without names. cannot add param group "
+                                 f"{'with' if 'param_names' in g else 'without'} names to the optimizer")
         for e in entries:
             if id(e.tensor) in old:  # routing as it was
                 was = old[id(e.tensor)]
                 e.role, e.evidence, e.why, e.override = was.role, was.evidence, was.why, was.override
         steps = {g["name"]: t for g, t in zip(self.param_groups, self.engine.steps)}
-        self.param_groups = []
-        for g in groups:
-            g.update(extra.get(g["name"], new_extra))
-            super().add_param_group(g)
-        self._rebuild(entries, [steps.get(g["name"], 0) for g in self.param_groups])
+        before = {k: getattr(self, k) for k in _BUILT}  # torch's own checks and the rebuild may still refuse
+        try:
+            self.param_groups = []
+            for g in groups:
+                if g["name"] in extra:  # a group kept: its own keys (param_names as they were: the caller's)
+                    g.pop("param_names", None)
+                    g.update(extra[g["name"]])
+                else:  # a new group (or a half of one): the caller's other keys
+                    g.update(new_extra[_source_group(g, added, len(kept))])
+                super().add_param_group(g)
+            self._rebuild(entries, [steps.get(g["name"], 0) for g in self.param_groups])
+        except BaseException:
+            self.__dict__.update(before)  # as it was: nothing changed
+            raise
 
     def _rebuild(self, entries, steps):
         """A new engine over `entries` (every parameter of param_groups): the parameters laid out before
@@ -271,15 +360,15 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                 _normuon_betas(group, seen)
                 raw = {k: group[k] for k in NORMUON_FIELDS}
             else:
-                betas = tuple(group["betas"])
-                if len(betas) != 2:
+                betas = group["betas"]
+                if not isinstance(betas, (tuple, list)) or len(betas) != 2:
                     raise ValueError(f"betas={group['betas']!r} is not a pair")
                 raw = dict(lr=group["lr"], beta1=betas[0], beta2=betas[1], eps=group["eps"],
                            weight_decay=group["weight_decay"])
             values = check_values(group.get("name", f"group{i}"), group["algorithm"], raw)
         except KeyError as missing:
             raise ValueError(f"param_groups[{i}] ('{group.get('name')}'): missing key {missing}") from None
-        except ValueError as error:
+        except (TypeError, ValueError) as error:  # a value of the wrong type, shape or range: the group and field
             raise ValueError(f"param_groups[{i}] ('{group.get('name')}', {group['algorithm']}): {error}") from None
         return values
 
@@ -293,13 +382,13 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
 
     def _reconcile_betas(self):
         """Both forms of every NorMuon group's pair agree again (as the next step would make them)."""
-        for i, g in enumerate(self.param_groups):
+        for i, (g, _, _) in enumerate(self._built_groups):
             if g["algorithm"] == "normuon":
                 self._betas_seen[i] = _normuon_betas(g, self._betas_seen[i])
 
     def _publish_steps(self):
         """group['step'] from the engine's counters: no copy kept by hand."""
-        for g, t in zip(self.param_groups, self.engine.steps):
+        for (g, _, _), t in zip(self._built_groups, self.engine.steps):
             g["step"] = t
 
     @torch.no_grad()
@@ -316,6 +405,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._edited():
+            self._adopt_hand_edits("step()")
         self._sync_hyper()
         if self.engine.frozen:
             self._unfreeze_if_needed()
@@ -464,6 +555,11 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         have it under FSDP2, for torch.distributed.checkpoint (resharded on load)."""
         for hook in list(getattr(self, "_optimizer_state_dict_pre_hooks", {}).values()):
             hook(self)
+        if self._edited():  # groups appended by hand: planned as a step would plan them, where they can be
+            try:
+                self._adopt_hand_edits("state_dict")
+            except (TypeError, ValueError, RuntimeError):
+                pass  # (a repeated group, ...): saved as torch saves it; the next step() refuses it
         if self._shards is None:
             self.engine.refresh_masters()
         else:  # (collective) the owners' whole matrices first: a bf16 matrix's master is read at its owner
@@ -480,16 +576,20 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             for t, es in by_parameter(self.engine.entries).items():  # a bank's experts step together
                 by_tensor[t] = {k: v.clone(memory_format=torch.contiguous_format)
                                 for k, v in param_state(es).items()}, own[id(es[0])]
-        groups, state, index = [], {}, 0
+        # As torch's: parameters numbered in param_groups order, a parameter repeated (a group appended by hand and
+        # not stepped yet) keeps its first number; keys of opt.state that are no parameters kept as they are.
+        groups, state, index = [], {}, {}
         for g in self.param_groups:
             packed = {k: (list(v) if isinstance(v, list) else v) for k, v in g.items() if k != "params"}
-            packed["params"] = list(range(index, index + len(g["params"])))
             for t in g["params"]:
-                if id(t) in by_tensor:  # (frozen: no state, as torch has none for a parameter never stepped)
-                    s, own = by_tensor[id(t)]
-                    state[index] = dict(s, step=torch.tensor(float(own)))
-                index += 1
+                if id(t) not in index:
+                    index[id(t)] = len(index)
+                    if id(t) in by_tensor:  # (frozen: no state, as torch has none for a parameter never stepped)
+                        s, own = by_tensor[id(t)]
+                        state[index[id(t)]] = dict(s, step=torch.tensor(float(own)))
+            packed["params"] = [index[id(t)] for t in g["params"]]
             groups.append(packed)
+        state.update({k: v for k, v in self.state.items() if not isinstance(k, torch.Tensor)})
         state_dict = {"state": state, "param_groups": groups}
         for hook in list(getattr(self, "_optimizer_state_dict_post_hooks", {}).values()):
             result = hook(self, state_dict)
@@ -513,12 +613,18 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
 
     def _load_state_dict(self, state_dict):
         self._settle()  # a pending deferred verdict must not move the counters about to be loaded
-        if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
+        if self._edited():
+            self._adopt_hand_edits("load_state_dict")
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
             raise ValueError("not a NorMuonAdamW state dict: expected the keys 'state' and 'param_groups'")
         saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        if len(saved_groups) > len(self.param_groups):  # earlier versions kept a split's empty half: it holds nothing
+            here = {g["name"] for g in self.param_groups}
+            saved_groups = [sg for sg in saved_groups if sg.get("params") or sg.get("name") in here]
+        hint = self._routing_hint(saved_groups)
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"the state dict has {len(saved_groups)} param groups, this optimizer "
-                             f"{len(self.param_groups)} ({', '.join(g['name'] for g in self.param_groups)})")
+                             f"{len(self.param_groups)} ({', '.join(g['name'] for g in self.param_groups)}){hint}")
         sh = self._shards
         by_tensor = by_parameter(sh.planned if sh is not None else self.engine.entries)
         writes, new_groups, steps, own_steps = [], [], [], {}
@@ -529,21 +635,28 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             if sg.get("algorithm", g["algorithm"]) != g["algorithm"]:
                 raise ValueError(f"{where}: saved as a {sg.get('algorithm')} group, this one is {g['algorithm']}")
             if len(sg["params"]) != len(g["params"]):
-                raise ValueError(f"{where}: {len(sg['params'])} parameters saved, {len(g['params'])} here")
-            saved_names = list(map(strip_wrappers, sg.get("names", g["names"])))
-            if saved_names != list(map(strip_wrappers, g["names"])):
-                diff = next((f"'{a}' saved vs '{b}' here" for a, b in zip(sg["names"], g["names"])
-                             if strip_wrappers(a) != strip_wrappers(b)), "a different count")
-                raise ValueError(f"{where}: parameter names differ ({diff})")
-            _same_transposition(where, sg.get("transposed", ()), g.get("transposed", ()))
-            step = sg.get("step", 0)
+                raise ValueError(f"{where}: {len(sg['params'])} parameters saved, {len(g['params'])} here{hint}")
+            # Names decide when both sides have them (routing follows names); else the parameters load by position.
+            saved_names, here_names = _saved_names(sg), g.get("param_names")
+            if saved_names is not None and here_names is not None:
+                diff = next((f"'{a}' saved vs '{b}' here" for a, b in zip(saved_names, here_names)
+                             if strip_wrappers(a) != strip_wrappers(b)), None)
+                if diff:
+                    raise ValueError(f"{where}: parameter names differ ({diff}); a state dict of other names loads "
+                                     "by position into an optimizer of bare tensors (model.parameters())")
+            _same_transposition(where, self._saved_transposed(where, sg, saved_names, g),
+                                [n for n, t in zip(self._names(g), g["params"]) if id(t) in self._flipped])
+            # A group's counter; a torch optimizer's state dict keeps none: its parameters' most steps, then.
+            step = sg["step"] if "step" in sg else max(
+                [_own_step(saved_state[i]["step"], math.inf, f"parameter {i}") for i in sg["params"]
+                 if "step" in saved_state.get(i, {})] or [0])
             if not isinstance(step, int) or step < 0:
                 raise ValueError(f"{where}: step={step!r} is not a non-negative integer")
             steps.append(step)
-            new = {k: v for k, v in sg.items() if k not in ("params", "transposed")}
-            new["params"], new["name"], new["names"] = g["params"], g["name"], g["names"]
-            if "transposed" in g:
-                new["transposed"] = g["transposed"]
+            new = {k: v for k, v in sg.items() if k not in ("params", "transposed", "names", "param_names")}
+            new["params"], new["name"], new["algorithm"] = g["params"], g["name"], g["algorithm"]
+            if here_names is not None or saved_names is not None:  # torch's rule: the state dict's, else ours
+                new["param_names"] = list(saved_names if saved_names is not None else here_names)
             self._validated(i, new)
             for k in self.engine.fixed_keys:
                 if k in new and new[k] != g[k]:
@@ -553,7 +666,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
             for k, (idx, t) in enumerate(zip(sg["params"], g["params"])):
                 if id(t) not in by_tensor:  # frozen here
                     if saved_state.get(idx):
-                        raise ValueError(f"{where}: the state dict has state for parameter '{g['names'][k]}', "
+                        raise ValueError(f"{where}: the state dict has state for parameter '{self._names(g)[k]}', "
                                          "which was frozen when this optimizer was built (requires_grad=False, no "
                                          "gradient: no state): make it trainable before building the optimizer")
                     continue
@@ -578,7 +691,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
                     if not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(dst.shape):
                         got = tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__
                         raise ValueError(f"state '{k}' of parameter '{e.name}' has shape {got}, expected "
-                                         f"{tuple(dst.shape)}")
+                                         f"{tuple(dst.shape)}{hint}")
                     if not src.is_floating_point():
                         raise ValueError(f"state '{k}' of parameter '{e.name}' is {src.dtype}, not floating point")
                     if sh is not None:
@@ -595,10 +708,43 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         for g, new in zip(self.param_groups, new_groups):
             g.clear()
             g.update(new)
+            self._name_transposed(g)
+        # torch's: opt.state is the state dict's, keys that are no parameters included (those here go)
+        indices = {i for sg in saved_groups for i in sg["params"]}
+        for k in [k for k in self.state if not isinstance(k, torch.Tensor)]:
+            del self.state[k]
+        self.state.update({k: v for k, v in saved_state.items() if k not in indices})
         if sh is None:
             self.engine.set_steps(steps, [own_steps[id(e.tensor)] for e in self.engine.entries])
         self._publish_steps()
         self._sync_hyper()
+
+    def _routing_hint(self, saved_groups):
+        """Why a state dict saved with names loads into bare tensors' groups (or back) that differ, and what makes
+        them match; empty when both sides are named alike."""
+        saved_named = any(_saved_names(sg) is not None for sg in saved_groups)
+        here_named = any("param_names" in g for g in self.param_groups)
+        if saved_named == here_named:
+            return ""
+        which = {True: "named parameters (a model, named_parameters())", False: "bare tensors (model.parameters())"}
+        return (f". The state dict was saved by an optimizer of {which[saved_named]}, this one is of "
+                f"{which[here_named]}: bare tensors are routed by their shapes alone (every matrix to NorMuon), a "
+                "model's parameters by its modules (the embeddings and the output head to AdamW), so the groups can "
+                "differ. Build both alike: NorMuonAdamW(model) on both sides, or pass model=model beside "
+                "model.parameters()")
+
+    def _saved_transposed(self, where, sg, saved_names, g):
+        """A saved NorMuon group's matrices stored [in, out], under this group's names (by position, where names
+        differ or are missing)."""
+        saved = list(sg.get("transposed", ()))
+        if not saved:
+            return []
+        names = saved_names if saved_names is not None else sg.get("names")
+        if names is None or len(names) != len(g["params"]):
+            raise ValueError(f"{where}: the state dict holds matrices stored [in, out] ({', '.join(saved[:3])}) but "
+                             "no names to tell which they are: save it from an optimizer of named parameters")
+        marked = set(map(strip_wrappers, saved))
+        return [n for n, s in zip(self._names(g), names) if strip_wrappers(s) in marked]
 
     # ----------------------------------------------------------------------------------- state files
 
@@ -606,6 +752,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         """Writes the project's state file (docs/layout-and-state.md): fp32 master parameters, state,
         group steps and hyper-parameters. `normuon inspect PATH` reads it, `normuon run --load` resumes it.
         Sharded (collective): the one-process file, written by rank 0 from every rank's pieces."""
+        if self._edited():
+            self._adopt_hand_edits("export_state")
         self._sync_hyper()
         if self._shards is None:
             self.engine.save(os.fspath(path), self.backend)
@@ -667,6 +815,8 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         rank raise, nothing changed."""
         path = os.fspath(path)
         self._settle()  # as load_state_dict
+        if self._edited():
+            self._adopt_hand_edits("import_state")
         target, positions = (self.engine, None) if self._shards is None else self._whole_engine(filled=False)
         try:
             flat, updated = self._read_state_file(path, target)
@@ -725,6 +875,36 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
 
 
 _GROUP_OWN_KEYS = {"params", "names", "name", "algorithm", "step", "betas", "transposed"}  # the optimizer's own keys
+# What building the engine sets (_build): put back as it was when a rebuild is refused.
+_BUILT = ("param_groups", "_betas_seen", "_built_groups", "engine", "state", "_name_of", "_flipped", "_shards")
+
+
+_GENERATED_NAME = re.compile(r"(param\d+|group\d+\.\d+)")
+
+
+def _saved_names(sg):
+    """A saved group's parameter names: param_names, or the key earlier versions wrote ('names', which held
+    generated names, param0 or group1.0, for bare tensors: those count as none); None without names."""
+    if "param_names" in sg:
+        return list(sg["param_names"])
+    names = sg.get("names")
+    if names is None or all(_GENERATED_NAME.fullmatch(n) for n in names):
+        return None
+    return list(names)
+
+
+def _source_group(planned, given, first):
+    """The index in `given` (param groups as resolve_inputs returns them, numbered from `first` by plan_groups)
+    of the group a planned group came from: the one holding its first tensor, or, for an empty group, the one
+    plan_groups named so."""
+    for j, ug in enumerate(given):
+        ps = [ug["params"]] if isinstance(ug["params"], torch.Tensor) else ug["params"]
+        tensors = [p[1] if isinstance(p, (tuple, list)) else p for p in ps]
+        if planned["params"] and any(t is planned["params"][0] for t in tensors):
+            return j
+        if not planned["params"] and planned["name"] == ug.get("name", f"group{first + j}"):
+            return j
+    raise AssertionError(f"planned group '{planned['name']}' comes from no group given")
 
 
 def _same_transposition(where, saved, here):

@@ -35,7 +35,8 @@ class _Entry:
     bf16/fp16, its fp32 master."""
 
     __slots__ = ("index", "name", "tensor", "shape", "dtype", "role", "evidence", "algorithm", "why", "group",
-                 "override", "master", "state", "stats_per_row", "stat_len", "block", "grad_of", "parts", "transposed")
+                 "override", "master", "state", "stats_per_row", "stat_len", "block", "grad_of", "parts", "transposed",
+                 "order", "staged")
 
     @property
     def low_precision(self):
@@ -94,7 +95,7 @@ def plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, row_
         algorithm = ug.get("algorithm", "auto")
         if algorithm not in ("auto", "normuon", "adamw"):
             raise ValueError(f"param group #{gi}: algorithm={algorithm!r} (choose auto | normuon | adamw)")
-        allowed = {"params", "names", "name", "algorithm"}
+        allowed = {"params", "names", "param_names", "name", "algorithm"}
         if algorithm == "adamw":
             allowed |= set(ADAMW_KEYS)
         else:
@@ -105,7 +106,7 @@ def plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, row_
         if unknown:
             raise ValueError(f"param group #{gi} ({algorithm}): unknown key(s) {', '.join(unknown)} "
                              f"(allowed: {', '.join(sorted(allowed))})")
-        pairs = _named_tensors(ug["params"], ug.get("names"), gi, "param" if named else f"group{gi}.")
+        pairs = _named_tensors(ug["params"], group_names_of(ug), gi, "param" if named else f"group{gi}.")
         # Hyper-parameters of this user group, per algorithm.
         nm = dict(normuon_defaults)
         aw = dict(adamw_defaults)
@@ -120,6 +121,8 @@ def plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, row_
                 if not any(k in ug for k in ("beta1", "beta2", "momentum")):
                     nm.pop("beta1"), nm.pop("beta2")
             aw.update({k[len("adamw_"):]: ug[k] for k in ADAMW_PREFIXED if k in ug})
+        if not isinstance(aw["betas"], (tuple, list)) or len(aw["betas"]) != 2:
+            raise ValueError(f"param group #{gi}: AdamW's betas={aw['betas']!r} is not a pair")
         aw["betas"] = tuple(aw["betas"])
         base = ug.get("name", None if named else f"group{gi}")
         if named:  # the default groups of the C++ options: a CLI-made state file fits
@@ -132,11 +135,16 @@ def plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, row_
             _normuon_betas(nm, None)  # both forms of NorMuon's pair, as the schedulers expect
         except ValueError as error:
             raise ValueError(f"param group #{gi}: {error}") from None
-        sub = {alg: {"params": [], "names": [], "name": n, "algorithm": alg,
+        sub = {alg: {"params": [], "param_names": [], "name": n, "algorithm": alg,
                      **(nm if alg == "normuon" else aw)} for alg, n in names.items()}
+        in_group = set()
         for name, tensor, given in pairs:
+            if id(tensor) in in_group:  # torch warns and steps it twice; here it is refused
+                raise ValueError(f"param group #{gi} is a parameter group with duplicate parameters: '{name}' is "
+                                 "there twice (it would be stepped twice)")
             if id(tensor) in seen_tensors:
-                raise ValueError(f"parameter '{name}' appears twice (the same tensor under two names or groups)")
+                raise ValueError(f"some parameters appear in more than one parameter group: '{name}'")
+            in_group.add(id(tensor))
             if name in seen_names:
                 raise ValueError(f"two parameters are named '{name}'")
             seen_names.add(name)
@@ -166,13 +174,15 @@ def plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, row_
             _transpose(e, *transposed.pop(name, (False, None)))
             if name in split_rows:
                 _split(e, split_rows.pop(name))
-            if not given and evidence == "name" and e.algorithm == "normuon" and override is None:
+            if given is not True and evidence == "name" and e.algorithm == "normuon" and override is None:
                 unnamed.append(name)
             sub[e.algorithm]["params"].append(tensor)
-            sub[e.algorithm]["names"].append(name)
+            sub[e.algorithm]["param_names"].append(name)
             entries.append(e)
         for alg, g in sub.items():
-            if named or algorithm != "auto" or g["params"]:  # drop the empty half of a split group
+            if not pairs or not all(given is not False for _, _, given in pairs):  # torch's key: named ones
+                del g["param_names"]
+            if algorithm != "auto" or g["params"]:  # drop the empty half of a split group
                 groups.append(g)
     if unnamed:
         warnings.warn(f"NorMuonAdamW got matrices without names ({', '.join(unnamed[:4])}"
@@ -188,6 +198,10 @@ def plan_groups(params, normuon_defaults, adamw_defaults, overrides, roles, row_
         raise ValueError(f"split_rows names unknown parameter(s): {', '.join(sorted(split_rows))}")
     if transposed:
         raise ValueError(f"transposed names unknown parameter(s): {', '.join(sorted(transposed))}")
+    if any("param_names" in g for g in groups):  # an empty group says nothing: named as the others are
+        for g in groups:
+            if not g["params"]:
+                g.setdefault("param_names", [])
     group_names = [g["name"] for g in groups]
     for n in group_names:
         if not isinstance(n, str) or not n or "." in n or "=" in n or group_names.count(n) > 1:
@@ -264,9 +278,43 @@ def _normuon_betas(group, seen):
 
 
 
+def group_names_of(group):
+    """The names a param group dict gives its parameters: "param_names" (torch's key), or "names" (this package's
+    earlier key, still read); None when it gives none."""
+    names = group.get("param_names", group.get("names"))
+    if "param_names" in group and "names" in group and list(group["names"]) != list(names):
+        raise ValueError("a param group gives both 'param_names' and 'names', and they differ")
+    return names
+
+
+def check_naming(params):
+    """torch.optim's rule: every parameter named (a (name, tensor) pair, or a group with param_names) or none, in
+    a group and over the groups; ValueError with torch's words otherwise. params: a list (of tensors, pairs or
+    group dicts)."""
+    def named(items, group):
+        if isinstance(group, dict) and group_names_of(group) is not None:
+            return True
+        kinds = {isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], str) for x in items}
+        if len(kinds) > 1:
+            raise ValueError("all optimizer params should be with/without names. Some param names are missing")
+        return kinds.pop() if kinds else None  # None: an empty group says nothing
+
+    if params and isinstance(params[0], dict):
+        kinds = [named([g["params"]] if isinstance(g.get("params"), torch.Tensor) else list(g.get("params", ())), g)
+                 for g in params if isinstance(g, dict)]
+        kinds = [k for k in kinds if k is not None]
+        odd = next((k for k in kinds if k != kinds[0]), None)
+        if odd is not None:  # torch's words: the first group that differs from the first one
+            raise ValueError("all optimizer param groups should be with/without names. cannot add param group "
+                             f"{'with' if odd else 'without'} names to the optimizer")
+    else:
+        named(params, None)
+
+
 def _named_tensors(params, names, group_index, prefix):
     """(name, tensor, given) triples from tensors (named prefix + position), (name, tensor) pairs, or tensors
-    with a parallel names list; given: the caller named it."""
+    with a parallel names list; given: True where the caller (or the model) named it, "generated" for a name
+    made for a tensor beside named ones (_name_the_rest), False for a bare tensor."""
     if isinstance(params, torch.Tensor):
         params = [params]
     params = list(params)
@@ -278,7 +326,8 @@ def _named_tensors(params, names, group_index, prefix):
     triples = []
     for k, p in enumerate(params):
         if isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str):
-            (name, tensor), given = p, True
+            (name, tensor), given = p, "generated" if isinstance(p[0], _Generated) else True
+            name = str(name)  # (a plain str: state dicts load with weights_only)
         else:
             name, tensor, given = f"{prefix}{k}", p, False
         if not isinstance(tensor, torch.Tensor):
@@ -297,8 +346,17 @@ def resolve_inputs(params, normuon_params=None, adamw_params=None, model=None, r
         if model is not None and model is not params:
             raise ValueError("NorMuonAdamW got a module as params and another one as model=")
         model, params = params, list(params.named_parameters())
+    if isinstance(params, torch.Tensor):  # iterating it would make each row a parameter
+        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
+                        f"{torch.typename(params)} (pass [tensor] for a single parameter)")
+    if isinstance(params, (set, frozenset)):
+        raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
+                        "tensors in sets will change between runs. Please use a list instead.")
+    if isinstance(params, dict):
+        raise TypeError("params is a dict: pass a param group as [{'params': ...}], a list of groups")
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model= must be a torch.nn.Module, not {type(model).__name__}")
+    name_all = model is not None  # a module names the tensors: any it does not know get generated names
     if normuon_params is None and adamw_params is None:
         if params is None:
             raise TypeError("NorMuonAdamW needs params (a model, its named_parameters() or param groups) or "
@@ -310,17 +368,21 @@ def resolve_inputs(params, normuon_params=None, adamw_params=None, model=None, r
         for name, given in (("normuon", normuon_params), ("adamw", adamw_params)):
             if isinstance(given, torch.nn.Module):
                 given = list(given.named_parameters())
+                name_all = True
             given = [] if given is None else [given] if isinstance(given, torch.Tensor) else list(given)
             if given:
                 params.append({"params": given, "algorithm": name, "name": name})
-    if not isinstance(params, torch.Tensor):  # walked more than once below: generators (named_parameters(), a
-        params = [_listed(item) for item in params]  # group's parameters()) as lists
+    params = [_listed(item) for item in params]  # walked more than once below: generators (named_parameters(),
+    # a group's parameters()) as lists
     told, flips = {}, {}
     if model is not None:
         by_module, stored_in_out = module_roles(model), transposed_weights(model)
         params = _named_by(params, {id(p): n for n, p in model.named_parameters()})
         told = {n: by_module[id(t)] for n, t in _pairs(params) if id(t) in by_module}
         flips = {n: (True, stored_in_out[id(t)]) for n, t in _pairs(params) if id(t) in stored_in_out}
+    if name_all:
+        params = _name_the_rest(params)
+    check_naming(params)  # (the model's names count: they are not missing)
     names = param_names(params)
     told.update(router_roles(names))  # a router's Linear is a matrix to its module, a router by what lies beside it
     told.update(expand_patterns(roles or {}, names, "roles"))
@@ -328,9 +390,31 @@ def resolve_inputs(params, normuon_params=None, adamw_params=None, model=None, r
     return params, told, flips
 
 
+class _Generated(str):
+    """A name made for a bare tensor (param<k>, group<g>.<k>), not the caller's."""
+
+
+def _name_the_rest(params):
+    """params with every bare tensor named as plan_groups would name it (param<k> in a flat list, group<g>.<k>
+    in groups): where a module names the others, the caller chose no partial naming."""
+    if params and isinstance(params[0], dict):
+        out = []
+        for gi, g in enumerate(params):
+            ps = g.get("params", [])
+            if isinstance(g, dict) and group_names_of(g) is None and not isinstance(ps, torch.Tensor):
+                g = dict(g, params=[(_Generated(f"group{gi}.{k}"), p) if isinstance(p, torch.Tensor) else p
+                                    for k, p in enumerate(ps)])
+            out.append(g)
+        return out
+    return [(_Generated(f"param{k}"), p) if isinstance(p, torch.Tensor) else p for k, p in enumerate(params)]
+
+
 def _listed(item):
     """A param group with its "params" as a list (a generator is walked once only); anything else as it is."""
     if isinstance(item, dict) and "params" in item and not isinstance(item["params"], torch.Tensor):
+        if isinstance(item["params"], (set, frozenset)):
+            raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
+                            "tensors in sets will change between runs. Please use a list instead.")
         return dict(item, params=list(item["params"]))
     return item
 
@@ -346,8 +430,8 @@ def _pairs(params):
         if isinstance(item, dict) and "params" in item:
             ps = item["params"]
             ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-            if "names" in item:
-                yield from zip(item["names"], ps)
+            if group_names_of(item) is not None:
+                yield from zip(group_names_of(item), ps)
             else:
                 yield from (x for x in ps if isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], str))
         elif isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str):
@@ -365,7 +449,7 @@ def _named_by(params, names):
         if isinstance(item, dict) and "params" in item:
             ps = item["params"]
             ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)  # walked again: no generators
-            item = dict(item, params=ps if "names" in item else [name(x) for x in ps])
+            item = dict(item, params=ps if group_names_of(item) is not None else [name(x) for x in ps])
         elif not isinstance(item, dict):
             item = name(item)
         out.append(item)
@@ -395,4 +479,6 @@ def _make_entry(index, name, tensor, role, block=None):
     e.parts = 1  # blocks of rows the matrix (each expert of a bank) is stepped as (split_rows=)
     e.stats_per_row, e.stat_len = True, 0
     e.transposed = False  # stored [in, out] (plan_groups' transposed)
+    e.order = None  # engine entries: a dense tensor's dimensions in memory order, when not row-major (engine.py)
+    e.staged = False  # engine entries: stepped through a contiguous copy (a tensor neither contiguous nor dense)
     return e

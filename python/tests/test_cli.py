@@ -23,7 +23,7 @@ def generator_grads(opt, generator, step):
     flat = normuon._C.FlatState(opt.layout)
     generator.fill_gradients(flat, step)
     grads = torch.from_numpy(flat.grads)
-    tensors = {n: p for g in opt.param_groups for n, p in zip(g["names"], g["params"])}
+    tensors = {n: p for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
     for i, entry in enumerate(opt.layout.entries):
         tensor = tensors[entry.name]
         span = grads[entry.offset:entry.offset + entry.numel]

@@ -183,7 +183,7 @@ def test_bf16_parameters_keep_fp32_masters():
     params = dict(gpu.named_parameters())
     checked = 0
     for g in sd["param_groups"]:  # state is numbered in param-group order, not model order
-        for i, name in zip(g["params"], g["names"]):
+        for i, name in zip(g["params"], g["param_names"]):
             m = sd["state"][i]["master_param"]
             assert m.dtype == torch.float32 and m.is_cuda, name
             assert torch.equal(params[name].detach(), m.to(torch.bfloat16)), name

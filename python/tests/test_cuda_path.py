@@ -200,7 +200,7 @@ def test_state_dicts_read_masters_after_outside_writes(path):
 
     def masters():
         sd = opt.state_dict()
-        return {name: sd["state"][i]["master_param"] for g in sd["param_groups"] for i, name in zip(g["params"], g["names"])}
+        return {name: sd["state"][i]["master_param"] for g in sd["param_groups"] for i, name in zip(g["params"], g["param_names"])}
 
     kept = masters()
     assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in kept.values())  # low bits below bf16

@@ -156,7 +156,7 @@ def test_state_files_name_the_experts_and_refuse_a_bank_saved_whole(native, tmp_
 
 
 def old_named(opt):
-    return [(n, p.detach()) for g in opt.param_groups for n, p in zip(g["names"], g["params"])]
+    return [(n, p.detach()) for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])]
 
 
 def test_a_bank_reshaped_afterwards_is_refused(backend):

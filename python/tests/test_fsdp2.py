@@ -313,7 +313,7 @@ def rank_job(world, rank, out):
         bf16 = sharded_tiny(torch.bfloat16)
         opt = normuon.NorMuonAdamW(bf16, threads=1)
         state, named = opt.state_dict()["state"], dict(bf16.named_parameters())
-        order = [n for g in opt.param_groups for n in g["names"]]
+        order = [n for g in opt.param_groups for n in g["param_names"]]
         results["masters"] = {n: torch.equal(state[k]["master_param"].full_tensor(), named[n].full_tensor().float())
                               for k, n in enumerate(order)}
         # a gradient on one rank only: every rank refuses the step, nothing changes

@@ -61,8 +61,8 @@ def test_trainer_optimizer_routes_by_the_model_and_keeps_weight_decay(tmp_path, 
     # The Trainer's rule: norms (and biases) do not decay; everything else decays by args.weight_decay.
     assert groups["decay_normuon"]["weight_decay"] == 0.1 and groups["decay_adamw"]["weight_decay"] == 0.1
     assert groups["no_decay_adamw"]["weight_decay"] == 0.0
-    assert "model.norm.weight" in groups["no_decay_adamw"]["names"]
-    assert "lm_head.weight" in groups["decay_adamw"]["names"]
+    assert "model.norm.weight" in groups["no_decay_adamw"]["param_names"]
+    assert "lm_head.weight" in groups["decay_adamw"]["param_names"]
     # The Trainer's schedule scales each group from its own lr: NorMuon's as given, AdamW's args.learning_rate.
     assert groups["decay_normuon"]["initial_lr"] == 0.02 and groups["decay_adamw"]["initial_lr"] == 1e-3
     assert groups["decay_adamw"]["step"] == 2

@@ -29,7 +29,7 @@ def test_gpt_routing_table(native):
     assert rows["blocks.0.attn.weight"]["why"] == "rule: 2-D matrix"
     assert rows["blocks.0.attn.weight"]["group"] == "normuon" and rows["ln_f.bias"]["group"] == "adamw"
     assert [g["name"] for g in opt.param_groups] == ["normuon", "adamw"]
-    assert opt.param_groups[0]["names"] == sorted(normuon_names, key=list(rows).index)
+    assert opt.param_groups[0]["param_names"] == sorted(normuon_names, key=list(rows).index)
     text = opt.routing_text()
     assert "backend fast-cpu" in text and "blocks.1.mlp_proj.weight" in text
     # The C++ layout agrees with the Python routing, and the manifest carries no needless overrides.
@@ -102,7 +102,7 @@ def test_param_group_errors():
     model = make_model()
     with pytest.raises(ValueError, match="unknown key"):
         normuon.NorMuonAdamW([{"params": list(model.named_parameters()), "bettas": (0.9, 0.9)}])
-    with pytest.raises(ValueError, match="appears twice"):
+    with pytest.raises(ValueError, match="a parameter group with duplicate parameters: 'b' is there twice"):
         normuon.NorMuonAdamW([("a", model.lm_head.weight), ("b", model.lm_head.weight)])
     with pytest.raises(ValueError, match="empty parameter list"):
         normuon.NorMuonAdamW([])
@@ -172,7 +172,7 @@ def test_add_param_group_names_from_the_model_and_refuses_cleanly(native):
     model = make_model()
     head = model.lm_head.weight
     opt = normuon.NorMuonAdamW([(n, p) for n, p in model.named_parameters() if p is not head], model=model)
-    with pytest.raises(ValueError, match="appears twice"):
+    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group: 'wte.weight'"):
         opt.add_param_group({"params": [model.wte.weight]})
     with pytest.raises(ValueError, match="a dict with 'params'"):
         opt.add_param_group([head])

@@ -104,7 +104,7 @@ def test_parameters_without_gradients(backend):
     for n, p in model.named_parameters():
         assert torch.equal(before[n], p) == (n in frozen), n
     state = opt.state_dict()
-    index = {n: i for i, n in enumerate(opt.param_groups[0]["names"] + opt.param_groups[1]["names"])}
+    index = {n: i for i, n in enumerate(opt.param_groups[0]["param_names"] + opt.param_groups[1]["param_names"])}
     assert not state["state"][index["blocks.1.attn.weight"]]["momentum_buffer"].any()
     assert not state["state"][index["wpe.weight"]]["exp_avg"].any()
     assert state["state"][index["wte.weight"]]["exp_avg"].any()

@@ -25,12 +25,26 @@ struct TensorRef {
   RowRuns runs;          // dense unless the tensor is a block of rows of a larger one (row_runs.h)
 };
 
+// How an entry's elements, in the order they lie in memory (the order a step walks them), are numbered in
+// the caller's tensor (row-major over its own shape): a dense tensor stored in another order (channels_last,
+// a transposed view) is stepped where it lies, and a message still names the element the caller sees.
+struct ElementOrder {
+  std::vector<int64_t> sizes;    // the caller's dimensions, outermost in memory first; empty: the same order
+  std::vector<int64_t> strides;  // each one's stride in the caller's row-major numbering
+  int64_t caller_index(int64_t element) const;
+};
+
 // The caller's tensors, per layout entry. A parameter's dtype is the layout's; a gradient may be fp32,
 // bf16 or fp16 whatever its parameter's (Megatron keeps fp32 gradients of bf16 parameters).
 struct ParamTable {
   explicit ParamTable(const Layout& layout);
   const Layout* layout;
   std::vector<TensorRef> params, grads;
+  std::vector<ElementOrder> orders;  // per entry (a gradient lies as its parameter); none: all row-major
+  // Element `element` of entry e, as a step walks it, as the caller numbers it.
+  int64_t caller_element(int e, int64_t element) const {
+    return orders.empty() ? element : orders[static_cast<size_t>(e)].caller_index(element);
+  }
   // Why this table cannot be stepped (a missing parameter, a dtype other than the layout's), or empty.
   std::string invalid_reason() const;
 };
@@ -71,6 +85,7 @@ ParamOperand table_operand(const ParamTable& table, int e, float* masters);
 // storage, so a backend that keeps one allocates nothing per step.
 struct StepOperands {
   const Layout* layout = nullptr;
+  const ParamTable* table = nullptr;  // table mode: how its messages number an element (caller_element)
   std::vector<ParamOperand> params;  // per layout entry
   float *momentum = nullptr, *row_var = nullptr, *exp_avg = nullptr, *exp_avg_sq = nullptr;
   int64_t* group_steps = nullptr;
@@ -81,7 +96,7 @@ struct StepOperands {
   const float* grad_scale = nullptr;
 
   void bind(FlatState& state);                              // the flat buffers; has_grad picks gradients
-  void bind(TableState& state, const ParamTable& table);    // throws std::invalid_argument on a bad table
+  void bind(TableState& state, const ParamTable& tensors);    // throws std::invalid_argument on a bad table
   // After bind: a host backend's gradient scale (nullptr: none); std::invalid_argument, naming `backend`,
   // unless it is finite and > 0, so that a step never divides by it into Inf/NaN.
   void set_grad_scale(const float* scale, const std::string& backend);
