@@ -222,7 +222,10 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
     def _adopt_hand_edits(self, what):
         """torch.optim lets callers append to param_groups by hand; such groups are planned here as
         add_param_group plans them (all at once: nothing changes on an error). Any other edit of param_groups
-        (a group removed, replaced or reordered, its 'params' changed) is refused with how to do it instead."""
+        (a group removed, replaced or reordered, its 'params' changed) is refused with how to do it instead.
+        Nothing to do (the check is per group, not per parameter: cheap) when param_groups is as built."""
+        if not self._edited():
+            return
         built = self._built_groups
         groups = self.param_groups
         if len(groups) < len(built) or any(g is not b for g, (b, _, _) in zip(groups, built)):
@@ -405,8 +408,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._edited():
-            self._adopt_hand_edits("step()")
+        self._adopt_hand_edits("step()")
         self._sync_hyper()
         if self.engine.frozen:
             self._unfreeze_if_needed()
@@ -555,11 +557,10 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         have it under FSDP2, for torch.distributed.checkpoint (resharded on load)."""
         for hook in list(getattr(self, "_optimizer_state_dict_pre_hooks", {}).values()):
             hook(self)
-        if self._edited():  # groups appended by hand: planned as a step would plan them, where they can be
-            try:
-                self._adopt_hand_edits("state_dict")
-            except (TypeError, ValueError, RuntimeError):
-                pass  # (a repeated group, ...): saved as torch saves it; the next step() refuses it
+        try:  # groups appended by hand: planned as a step would plan them, where they can be
+            self._adopt_hand_edits("state_dict")
+        except (TypeError, ValueError, RuntimeError):
+            pass  # (a repeated group, ...): saved as torch saves it; the next step() refuses it
         if self._shards is None:
             self.engine.refresh_masters()
         else:  # (collective) the owners' whole matrices first: a bf16 matrix's master is read at its owner
@@ -613,8 +614,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
 
     def _load_state_dict(self, state_dict):
         self._settle()  # a pending deferred verdict must not move the counters about to be loaded
-        if self._edited():
-            self._adopt_hand_edits("load_state_dict")
+        self._adopt_hand_edits("load_state_dict")
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
             raise ValueError("not a NorMuonAdamW state dict: expected the keys 'state' and 'param_groups'")
         saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
@@ -752,8 +752,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         """Writes the project's state file (docs/layout-and-state.md): fp32 master parameters, state,
         group steps and hyper-parameters. `normuon inspect PATH` reads it, `normuon run --load` resumes it.
         Sharded (collective): the one-process file, written by rank 0 from every rank's pieces."""
-        if self._edited():
-            self._adopt_hand_edits("export_state")
+        self._adopt_hand_edits("export_state")
         self._sync_hyper()
         if self._shards is None:
             self.engine.save(os.fspath(path), self.backend)
@@ -815,8 +814,7 @@ class NorMuonAdamW(NotCopyable, torch.optim.Optimizer):
         rank raise, nothing changed."""
         path = os.fspath(path)
         self._settle()  # as load_state_dict
-        if self._edited():
-            self._adopt_hand_edits("import_state")
+        self._adopt_hand_edits("import_state")
         target, positions = (self.engine, None) if self._shards is None else self._whole_engine(filled=False)
         try:
             flat, updated = self._read_state_file(path, target)

@@ -278,6 +278,15 @@ def _normuon_betas(group, seen):
 
 
 
+_UNORDERED = ("optimizer parameters need to be organized in ordered collections, but the ordering of tensors in "
+              "sets will change between runs. Please use a list instead.")  # torch's words
+
+
+def _is_pair(x):
+    """A (name, tensor) pair, as named_parameters() gives them."""
+    return isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], str)
+
+
 def group_names_of(group):
     """The names a param group dict gives its parameters: "param_names" (torch's key), or "names" (this package's
     earlier key, still read); None when it gives none."""
@@ -294,7 +303,7 @@ def check_naming(params):
     def named(items, group):
         if isinstance(group, dict) and group_names_of(group) is not None:
             return True
-        kinds = {isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], str) for x in items}
+        kinds = {_is_pair(x) for x in items}
         if len(kinds) > 1:
             raise ValueError("all optimizer params should be with/without names. Some param names are missing")
         return kinds.pop() if kinds else None  # None: an empty group says nothing
@@ -325,7 +334,7 @@ def _named_tensors(params, names, group_index, prefix):
         params = list(zip(names, params))
     triples = []
     for k, p in enumerate(params):
-        if isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str):
+        if _is_pair(p):
             (name, tensor), given = p, "generated" if isinstance(p[0], _Generated) else True
             name = str(name)  # (a plain str: state dicts load with weights_only)
         else:
@@ -350,8 +359,7 @@ def resolve_inputs(params, normuon_params=None, adamw_params=None, model=None, r
         raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
                         f"{torch.typename(params)} (pass [tensor] for a single parameter)")
     if isinstance(params, (set, frozenset)):
-        raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
-                        "tensors in sets will change between runs. Please use a list instead.")
+        raise TypeError(_UNORDERED)
     if isinstance(params, dict):
         raise TypeError("params is a dict: pass a param group as [{'params': ...}], a list of groups")
     if model is not None and not isinstance(model, torch.nn.Module):
@@ -413,8 +421,7 @@ def _listed(item):
     """A param group with its "params" as a list (a generator is walked once only); anything else as it is."""
     if isinstance(item, dict) and "params" in item and not isinstance(item["params"], torch.Tensor):
         if isinstance(item["params"], (set, frozenset)):
-            raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
-                            "tensors in sets will change between runs. Please use a list instead.")
+            raise TypeError(_UNORDERED)
         return dict(item, params=list(item["params"]))
     return item
 
@@ -433,8 +440,8 @@ def _pairs(params):
             if group_names_of(item) is not None:
                 yield from zip(group_names_of(item), ps)
             else:
-                yield from (x for x in ps if isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], str))
-        elif isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str):
+                yield from (x for x in ps if _is_pair(x))
+        elif _is_pair(item):
             yield item
 
 
